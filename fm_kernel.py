@@ -129,3 +129,421 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     P = torch.einsum("bnit,bnits->bnts", q, L)  # (B, NC, C, C)
     y = P @ x + (q * eb).transpose(-1, -2) @ Hs  # (B, NC, C, D)
     return y.reshape(B, NC * C, D)[:, :T].to(xbar.dtype), H
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+#
+# Forward:  _chunk_write_kernel   per (chunk, batch, D block): a chunk's own write to its end state
+#           _chunk_scan_kernel    per (batch, state block): sequential over chunks, chunk-start states
+#           _chunk_out_kernel     per (chunk, batch): row norms through the Gram expansion, then y
+# Backward: _chunk_dstate_kernel  per (chunk, batch): dq, c, and the chunk's gradient to its start state
+#           _chunk_scan_kernel    reversed: gradient at every chunk end
+#           _chunk_dinput_kernel  per (chunk, batch): dxbar and dk (gradient wrt theta as a key)
+# The gradient wrt the log-decays follows from an identity (see _FMScan.backward), in PyTorch.
+#
+# All tensors the kernels read besides xbar/dy are float32 and padded in time to a multiple of CHUNK:
+# theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M); states (B, NC, M, D).
+
+if triton is not None:
+
+    @triton.jit
+    def _row_of(tile, rows, i):
+        """Row i of a register tile (R, C) as a (C,) vector."""
+        return tl.sum(tl.where(rows[:, None] == i, tile, 0.0), axis=0)
+
+    @triton.jit
+    def _col_of(tile, cols, i):
+        """Column i of a register tile (C, R) as a (C,) vector."""
+        return tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
+
+    @triton.jit
+    def _decay_matrix(b_t, causal):
+        """E[t, s] = exp(b_t - b_s) for s <= t, else 0.  (C, C)"""
+        diff = tl.minimum(b_t[:, None] - b_t[None, :], 0.0)
+        return tl.where(causal, tl.exp(diff), 0.0)
+
+    @triton.jit
+    def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC,
+                            C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_t = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        offs_d = pd * BD + tl.arange(0, BD)
+        t_abs = n * C + offs_t
+        m_ok = offs_m < M
+        tm_ptr = bi * Tp * M + t_abs[:, None] * M + offs_m[None, :]
+        theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
+        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=m_ok, other=0.0)  # (BM,)
+        k_end = theta * tl.exp(b_end[None, :] - b)  # (C, BM): e^{b_C - b_s} theta_s
+        x_mask = (t_abs < T)[:, None] & (offs_d < D)[None, :]
+        x = tl.load(x_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], mask=x_mask, other=0.0)
+        write = tl.dot(tl.trans(k_end), x.to(tl.float32))  # (BM, BD)
+        s_mask = m_ok[:, None] & (offs_d < D)[None, :]
+        tl.store(s_ptr + ((bi * NC + n) * M + offs_m[:, None]) * D + offs_d[None, :], write, mask=s_mask)
+
+    @triton.jit
+    def _chunk_scan_kernel(s_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
+                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+                           REVERSE: tl.constexpr):
+        """states[n] <- carry; carry <- e^{b_end[n]} * carry + states[n], over n (in place)."""
+        bi, pe = tl.program_id(0), tl.program_id(1)
+        offs = pe * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * D
+        row = offs // D
+        if HAS_INIT:
+            carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
+        else:
+            carry = tl.zeros([BLOCK], dtype=tl.float32)
+        for step in range(NC):
+            n = NC - 1 - step if REVERSE else step
+            ptr = s_ptr + (bi * NC + n) * M * D + offs
+            own = tl.load(ptr, mask=ok, other=0.0)
+            tl.store(ptr, carry, mask=ok)
+            decay = tl.exp(tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + row, mask=ok, other=0.0))
+            carry = decay * carry + own
+        tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
+
+    @triton.jit
+    def _chunk_out_kernel(x_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, y_ptr, eps, T, Tp, D, M, NC,
+                          C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_abs = n * C + offs_t
+        t_ok = t_abs < T
+        m_ok = offs_m < M
+        x_base = x_ptr + bi * T * D + t_abs[:, None] * D
+        h_base = hs_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
+
+        gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
+        hx = tl.zeros([BM, C], dtype=tl.float32)  # H X^T
+        h_sq = tl.zeros([BM], dtype=tl.float32)  # ||H_i||^2
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_ok = offs_d < D
+            x = tl.load(x_base + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            gram += tl.dot(x, tl.trans(x))
+            hx += tl.dot(h, tl.trans(x))
+            h_sq += tl.sum(h * h, axis=1)
+
+        causal = offs_t[:, None] >= offs_t[None, :]
+        P = tl.zeros([C, C], dtype=tl.float32)
+        tm_row = bi * Tp * M + t_abs * M  # (C,) offsets of (t, row 0)
+        for i in range(M):
+            b_i = tl.load(b_ptr + tm_row + i)  # (C,)
+            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]  # (C, C)
+            quad = tl.sum(tl.dot(L, gram) * L, axis=1)
+            cross = tl.sum(L * _row_of(hx, offs_m, i)[None, :], axis=1)
+            eb = tl.exp(b_i)
+            h_sq_i = tl.sum(tl.where(offs_m == i, h_sq, 0.0))
+            sq_norm = eb * eb * h_sq_i + 2.0 * eb * cross + quad
+            rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
+            tl.store(r_ptr + tm_row + i, rms)
+            P += (tl.load(phi_ptr + tm_row + i) / rms)[:, None] * L
+        tl.debug_barrier()
+
+        tm_ptr = tm_row[:, None] + offs_m[None, :]
+        rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)  # (C, BM)
+        phi = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        q_state = phi / rms * tl.exp(b)  # (C, BM): reads of the chunk-start state
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_ok = offs_d < D
+            x = tl.load(x_base + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            y = tl.dot(P, x) + tl.dot(q_state, h)  # (C, BD)
+            tl.store(y_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dq_ptr, c_ptr, j_ptr,
+                             ds_ptr, T, Tp, D, M, NC,
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+        """dq = dy.h, c = dL/d||h||^2 * 2, and dS = sum_u e^{b_u} g_u with g_u = q_u dy_u + c_u h_u."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_abs = n * C + offs_t
+        t_ok = t_abs < T
+        m_ok = offs_m < M
+        x_base = x_ptr + bi * T * D + t_abs[:, None] * D
+        dy_base = dy_ptr + bi * T * D + t_abs[:, None] * D
+        h_base = hs_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
+
+        dyx = tl.zeros([C, C], dtype=tl.float32)  # dY X^T
+        dyh = tl.zeros([C, BM], dtype=tl.float32)  # dY H^T
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_ok = offs_d < D
+            td_mask = t_ok[:, None] & d_ok[None, :]
+            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            dyx += tl.dot(dy, tl.trans(x))
+            dyh += tl.dot(dy, tl.trans(h))
+
+        causal = offs_t[:, None] >= offs_t[None, :]
+        tm_row = bi * Tp * M + t_abs * M
+        j_row = j_ptr + (bi * NC + n) * M * C
+        for i in range(M):
+            b_i = tl.load(b_ptr + tm_row + i)
+            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]
+            eb = tl.exp(b_i)
+            dq = tl.sum(L * dyx, axis=1) + eb * _col_of(dyh, offs_m, i)
+            rms = tl.load(r_ptr + tm_row + i)
+            q = tl.load(phi_ptr + tm_row + i) / rms
+            c = -dq * q / (D * rms * rms)
+            tl.store(dq_ptr + tm_row + i, dq)
+            tl.store(c_ptr + tm_row + i, c)
+            tl.store(j_row + i * C + offs_t, tl.sum((eb * c)[:, None] * L, axis=0))  # J[i, s]
+        tl.debug_barrier()
+
+        tm_ptr = tm_row[:, None] + offs_m[None, :]
+        rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)  # (C, BM)
+        eb = tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
+        c = tl.load(c_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / rms * eb  # (C, BM)
+        kappa = tl.sum(eb * eb * c, axis=0)  # (BM,)
+        J = tl.load(j_row + offs_m[:, None] * C + offs_t[None, :], mask=m_ok[:, None], other=0.0)  # (BM, C)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_ok = offs_d < D
+            td_mask = t_ok[:, None] & d_ok[None, :]
+            md_mask = m_ok[:, None] & d_ok[None, :]
+            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
+            ds = tl.dot(tl.trans(q_state), dy) + tl.dot(J, x) + kappa[:, None] * h  # (BM, BD)
+            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds, mask=md_mask)
+
+    @triton.jit
+    def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, c_ptr,
+                             dk_ptr, v_ptr, dx_ptr, T, Tp, D, M, NC,
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+        """dh_t = sum_{u>=t} e^{b_u-b_t} g_u + e^{b_C-b_t} dH_end; dk = dh.x, dx = sum_i theta_i dh_i."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_abs = n * C + offs_t
+        t_ok = t_abs < T
+        m_ok = offs_m < M
+        x_base = x_ptr + bi * T * D + t_abs[:, None] * D
+        dy_base = dy_ptr + bi * T * D + t_abs[:, None] * D
+        h_base = hs_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
+        dh_base = dh_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
+
+        gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
+        xdy = tl.zeros([C, C], dtype=tl.float32)  # X dY^T
+        hx = tl.zeros([BM, C], dtype=tl.float32)  # H X^T
+        dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end X^T
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_ok = offs_d < D
+            td_mask = t_ok[:, None] & d_ok[None, :]
+            md_mask = m_ok[:, None] & d_ok[None, :]
+            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
+            dh = tl.load(dh_base + offs_d[None, :], mask=md_mask, other=0.0)
+            gram += tl.dot(x, tl.trans(x))
+            xdy += tl.dot(x, tl.trans(dy))
+            hx += tl.dot(h, tl.trans(x))
+            dhx += tl.dot(dh, tl.trans(x))
+
+        causal = offs_t[:, None] >= offs_t[None, :]
+        anti = offs_t[:, None] <= offs_t[None, :]
+        tm_row = bi * Tp * M + t_abs * M
+        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=m_ok, other=0.0)
+        W = tl.zeros([C, C], dtype=tl.float32)  # dx += W X
+        PT = tl.zeros([C, C], dtype=tl.float32)  # dx += P^T dY
+        for i in range(M):
+            b_i = tl.load(b_ptr + tm_row + i)
+            theta = tl.load(theta_ptr + tm_row + i)
+            q = tl.load(phi_ptr + tm_row + i) / tl.load(r_ptr + tm_row + i)
+            c = tl.load(c_ptr + tm_row + i)
+            eb = tl.exp(b_i)
+            L = _decay_matrix(b_i, causal) * theta[None, :]  # (C, C) [t, s]
+            R = tl.where(anti, tl.exp(tl.minimum(b_i[None, :] - b_i[:, None], 0.0)), 0.0)  # [t, u]: e^{b_u-b_t}
+            Rc = R * c[None, :]
+            Z = tl.dot(Rc, L)  # (C, C): sum_u R[t,u] c_u L[u,s]
+            Rq = R * q[None, :]
+            W += theta[:, None] * Z
+            PT += theta[:, None] * Rq
+            v = tl.sum(Rc * eb[None, :], axis=1)  # (C,): weight of H_i in dh_t
+            b_end_i = tl.sum(tl.where(offs_m == i, b_end, 0.0))
+            dk = (tl.sum(Rq * xdy, axis=1) + tl.sum(Z * gram, axis=1) + _row_of(hx, offs_m, i) * v
+                  + tl.exp(b_end_i - b_i) * _row_of(dhx, offs_m, i))
+            tl.store(dk_ptr + tm_row + i, dk)
+            tl.store(v_ptr + tm_row + i, v)
+        tl.debug_barrier()
+
+        tm_ptr = tm_row[:, None] + offs_m[None, :]
+        theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
+        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        v_state = theta * tl.load(v_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        v_end = theta * tl.exp(b_end[None, :] - b)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_ok = offs_d < D
+            td_mask = t_ok[:, None] & d_ok[None, :]
+            md_mask = m_ok[:, None] & d_ok[None, :]
+            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+            h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
+            dh = tl.load(dh_base + offs_d[None, :], mask=md_mask, other=0.0)
+            dx = tl.dot(PT, dy) + tl.dot(W, x) + tl.dot(v_state, h) + tl.dot(v_end, dh)
+            tl.store(dx_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=td_mask)
+
+    @triton.jit
+    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
+                     BK: tl.constexpr, BD: tl.constexpr):
+        bi = tl.program_id(0)
+        offs_k = tl.arange(0, BK)
+        k_ok = offs_k < K
+        rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)
+        write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]  # (BK, 1)
+        row_base = h_ptr + bi * M * D + rows[:, None] * D
+        sq_norm = tl.zeros([BK], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            mask = k_ok[:, None] & (offs_d < D)[None, :]
+            x = tl.load(x_ptr + bi * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            h = tl.load(row_base + offs_d[None, :], mask=mask, other=0.0)
+            h = (1.0 - write) * h + write * x[None, :]  # (BK, BD)
+            tl.store(row_base + offs_d[None, :], h, mask=mask)
+            sq_norm += tl.sum(h * h, axis=1)
+        tl.debug_barrier()
+        phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            mask = k_ok[:, None] & (offs_d < D)[None, :]
+            h = tl.load(row_base + offs_d[None, :], mask=mask, other=0.0)
+            y = tl.sum(read[:, None] * h, axis=0)
+            tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+# ----------------------------------------------------------------------------- Triton wrappers
+
+
+def _block_m(M):
+    return max(16, triton.next_power_of_2(M))
+
+
+def _chunk_states(x, theta, b, h0, T):
+    """Chunk-start states (B, NC, M, D) float32 and the final state (B, M, D)."""
+    B, Tp, M = theta.shape
+    D = x.shape[-1]
+    NC = Tp // CHUNK
+    states = x.new_empty(B, NC, M, D, dtype=torch.float32)
+    BD = 64
+    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, states, T, Tp, D, M, NC,
+                                                     C=CHUNK, BM=_block_m(M), BD=BD)
+    final = x.new_empty(B, M, D, dtype=torch.float32)
+    _scan_states(states, b, h0, final, reverse=False)
+    return states, final
+
+
+def _scan_states(states, b, init, final, reverse):
+    B, NC, M, D = states.shape
+    BLOCK = 1024
+    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
+        states, b, init if init is not None else final, final, b.shape[1], D, M, NC,
+        C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
+
+
+def _prepare(theta, phi, cu_seqlens):
+    """Padded float32 theta, phi and the within-chunk cumulative log-decay b, all (B, Tp, M)."""
+    theta_p = _pad_time(theta.float(), CHUNK).contiguous()
+    phi_p = _pad_time(phi.float(), CHUNK).contiguous()
+    log_decay = torch.log1p(-theta_p).clamp(min=LOG_DECAY_FLOOR)
+    if cu_seqlens is not None:  # a document start forgets the memory
+        log_decay[:, cu_seqlens[1:-1].long()] = LOG_DECAY_FLOOR
+    B, Tp, M = theta_p.shape
+    b = log_decay.view(B, Tp // CHUNK, CHUNK, M).cumsum(2).view(B, Tp, M)
+    return theta_p, phi_p, log_decay, b
+
+
+class _FMScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xbar, theta, phi, h0, eps, cu_seqlens):
+        B, T, D = xbar.shape
+        M = theta.shape[-1]
+        x = xbar.contiguous()
+        theta_p, phi_p, log_decay, b = _prepare(theta, phi, cu_seqlens)
+        states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous(), T)
+        rms = torch.empty_like(theta_p)
+        y = torch.empty_like(x)
+        _chunk_out_kernel[(states.shape[1], B)](x, theta_p, phi_p, b, states, rms, y, eps, T, theta_p.shape[1],
+                                                D, M, states.shape[1], C=CHUNK, BM=_block_m(M), BD=64)
+        ctx.save_for_backward(x, theta_p, phi_p, log_decay, b, states, rms, hT)
+        ctx.has_h0, ctx.in_dtypes, ctx.eps = h0 is not None, (theta.dtype, phi.dtype), eps
+        return y, hT
+
+    @staticmethod
+    def backward(ctx, dy, dhT):
+        x, theta, phi, log_decay, b, states, rms, hT = ctx.saved_tensors
+        B, T, D = x.shape
+        Tp, M = theta.shape[1:]
+        NC = states.shape[1]
+        dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
+        dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
+        meta = dict(C=CHUNK, BM=_block_m(M), BD=64)
+        dq, c, dk, v = (torch.empty_like(theta) for _ in range(4))
+        scratch = theta.new_empty(B, NC, M, CHUNK)
+        dstates = torch.empty_like(states)
+        _chunk_dstate_kernel[(NC, B)](x, dy, theta, phi, b, states, rms, dq, c, scratch, dstates,
+                                      T, Tp, D, M, NC, **meta)
+        dh0 = torch.empty_like(hT)
+        _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
+        dx = torch.empty_like(x)
+        _chunk_dinput_kernel[(NC, B)](x, dy, theta, phi, b, states, dstates, rms, c, dk, v, dx,
+                                      T, Tp, D, M, NC, **meta)
+        # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
+        # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
+        q = phi / rms
+        sq_norm = D * (rms * rms - ctx.eps)
+        d_b = q * dq + c * sq_norm - theta * dk  # (B, Tp, M)
+        d_b[:, T - 1] += (dhT * hT).sum(-1)
+        d_log_decay = d_b.flip(1).cumsum(1).flip(1)
+        d_log_decay = d_log_decay * (log_decay > LOG_DECAY_FLOOR)
+        dtheta = dk - d_log_decay / (1 - theta)
+        dphi = dq / rms
+        theta_dtype, phi_dtype = ctx.in_dtypes
+        return (dx, dtheta[:, :T].to(theta_dtype), dphi[:, :T].to(phi_dtype),
+                dh0 if ctx.has_h0 else None, None, None)
+
+
+def _check_scan_args(xbar, theta, phi, h0, cu_seqlens):
+    B, T, D = xbar.shape
+    if theta.shape != phi.shape or theta.shape[:2] != (B, T):
+        raise ValueError(f"theta {tuple(theta.shape)} and phi {tuple(phi.shape)} must both be (B, T, M) "
+                         f"with (B, T) = {(B, T)} from xbar")
+    if h0 is not None and h0.shape != (B, theta.shape[-1], D):
+        raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
+    if cu_seqlens is not None and (B != 1 or h0 is not None):
+        raise ValueError("cu_seqlens packs documents into one row: use batch size 1 and h0=None")
+
+
+def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
+    """Triton FM scan (forward and backward). cu_seqlens (N+1,) int: document boundaries in a
+    packed batch of one row; the memory restarts at each, and hT is the state after the last token."""
+    _check_scan_args(xbar, theta, phi, h0, cu_seqlens)
+    return _FMScan.apply(xbar, theta, phi, h0, eps, cu_seqlens)
+
+
+def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
+    """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D)."""
+    B, M, D = h.shape
+    K = idx.shape[1]
+    if h.dtype != torch.float32 or not h.is_contiguous():
+        raise ValueError("the decode state h must be a contiguous float32 tensor (B, M, D)")
+    y = torch.empty_like(xbar)
+    BD = min(triton.next_power_of_2(D), max(64, 8192 // triton.next_power_of_2(K)))
+    _step_kernel[(B,)](h, xbar.contiguous(), idx.contiguous(), theta.contiguous(), phi.contiguous(), y, eps,
+                       D, M, K, BK=max(2, triton.next_power_of_2(K)), BD=BD)
+    return y
