@@ -147,6 +147,11 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 if triton is not None:
 
     @triton.jit
+    def _mm(a, b, precision: tl.constexpr):
+        """Matrix product with float32 accumulation ('tf32x3' keeps float32 inputs near float32 accuracy)."""
+        return tl.dot(a, b, input_precision=precision)
+
+    @triton.jit
     def _row_of(tile, rows, i):
         """Row i of a register tile (R, C) as a (C,) vector."""
         return tl.sum(tl.where(rows[:, None] == i, tile, 0.0), axis=0)
@@ -164,7 +169,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC,
-                            C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                            C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_t = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
@@ -178,7 +183,7 @@ if triton is not None:
         k_end = theta * tl.exp(b_end[None, :] - b)  # (C, BM): e^{b_C - b_s} theta_s
         x_mask = (t_abs < T)[:, None] & (offs_d < D)[None, :]
         x = tl.load(x_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], mask=x_mask, other=0.0)
-        write = tl.dot(tl.trans(k_end), x.to(tl.float32))  # (BM, BD)
+        write = _mm(tl.trans(k_end), x.to(tl.float32), PRECISION)  # (BM, BD)
         s_mask = m_ok[:, None] & (offs_d < D)[None, :]
         tl.store(s_ptr + ((bi * NC + n) * M + offs_m[:, None]) * D + offs_d[None, :], write, mask=s_mask)
 
@@ -206,7 +211,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk_out_kernel(x_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, y_ptr, eps, T, Tp, D, M, NC,
-                          C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                          C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
@@ -224,8 +229,8 @@ if triton is not None:
             d_ok = offs_d < D
             x = tl.load(x_base + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            gram += tl.dot(x, tl.trans(x))
-            hx += tl.dot(h, tl.trans(x))
+            gram += _mm(x, tl.trans(x), PRECISION)
+            hx += _mm(h, tl.trans(x), PRECISION)
             h_sq += tl.sum(h * h, axis=1)
 
         causal = offs_t[:, None] >= offs_t[None, :]
@@ -234,7 +239,7 @@ if triton is not None:
         for i in range(M):
             b_i = tl.load(b_ptr + tm_row + i)  # (C,)
             L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]  # (C, C)
-            quad = tl.sum(tl.dot(L, gram) * L, axis=1)
+            quad = tl.sum(_mm(L, gram, PRECISION) * L, axis=1)
             cross = tl.sum(L * _row_of(hx, offs_m, i)[None, :], axis=1)
             eb = tl.exp(b_i)
             h_sq_i = tl.sum(tl.where(offs_m == i, h_sq, 0.0))
@@ -254,14 +259,14 @@ if triton is not None:
             d_ok = offs_d < D
             x = tl.load(x_base + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            y = tl.dot(P, x) + tl.dot(q_state, h)  # (C, BD)
+            y = _mm(P, x, PRECISION) + _mm(q_state, h, PRECISION)  # (C, BD)
             tl.store(y_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dq_ptr, c_ptr, j_ptr,
                              ds_ptr, T, Tp, D, M, NC,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         """dq = dy.h, c = dL/d||h||^2 * 2, and dS = sum_u e^{b_u} g_u with g_u = q_u dy_u + c_u h_u."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t = tl.arange(0, C)
@@ -282,8 +287,8 @@ if triton is not None:
             x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
             h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            dyx += tl.dot(dy, tl.trans(x))
-            dyh += tl.dot(dy, tl.trans(h))
+            dyx += _mm(dy, tl.trans(x), PRECISION)
+            dyh += _mm(dy, tl.trans(h), PRECISION)
 
         causal = offs_t[:, None] >= offs_t[None, :]
         tm_row = bi * Tp * M + t_abs * M
@@ -316,13 +321,13 @@ if triton is not None:
             x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
             h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
-            ds = tl.dot(tl.trans(q_state), dy) + tl.dot(J, x) + kappa[:, None] * h  # (BM, BD)
+            ds = _mm(tl.trans(q_state), dy, PRECISION) + _mm(J, x, PRECISION) + kappa[:, None] * h
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds, mask=md_mask)
 
     @triton.jit
     def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, c_ptr,
                              dk_ptr, v_ptr, dx_ptr, T, Tp, D, M, NC,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         """dh_t = sum_{u>=t} e^{b_u-b_t} g_u + e^{b_C-b_t} dH_end; dk = dh.x, dx = sum_i theta_i dh_i."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t = tl.arange(0, C)
@@ -348,10 +353,10 @@ if triton is not None:
             dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
             h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
             dh = tl.load(dh_base + offs_d[None, :], mask=md_mask, other=0.0)
-            gram += tl.dot(x, tl.trans(x))
-            xdy += tl.dot(x, tl.trans(dy))
-            hx += tl.dot(h, tl.trans(x))
-            dhx += tl.dot(dh, tl.trans(x))
+            gram += _mm(x, tl.trans(x), PRECISION)
+            xdy += _mm(x, tl.trans(dy), PRECISION)
+            hx += _mm(h, tl.trans(x), PRECISION)
+            dhx += _mm(dh, tl.trans(x), PRECISION)
 
         causal = offs_t[:, None] >= offs_t[None, :]
         anti = offs_t[:, None] <= offs_t[None, :]
@@ -368,7 +373,7 @@ if triton is not None:
             L = _decay_matrix(b_i, causal) * theta[None, :]  # (C, C) [t, s]
             R = tl.where(anti, tl.exp(tl.minimum(b_i[None, :] - b_i[:, None], 0.0)), 0.0)  # [t, u]: e^{b_u-b_t}
             Rc = R * c[None, :]
-            Z = tl.dot(Rc, L)  # (C, C): sum_u R[t,u] c_u L[u,s]
+            Z = _mm(Rc, L, PRECISION)  # (C, C): sum_u R[t,u] c_u L[u,s]
             Rq = R * q[None, :]
             W += theta[:, None] * Z
             PT += theta[:, None] * Rq
@@ -394,7 +399,8 @@ if triton is not None:
             dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
             h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
             dh = tl.load(dh_base + offs_d[None, :], mask=md_mask, other=0.0)
-            dx = tl.dot(PT, dy) + tl.dot(W, x) + tl.dot(v_state, h) + tl.dot(v_end, dh)
+            dx = (_mm(PT, dy, PRECISION) + _mm(W, x, PRECISION)
+                  + _mm(v_state, h, PRECISION) + _mm(v_end, dh, PRECISION))
             tl.store(dx_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=td_mask)
 
@@ -430,6 +436,11 @@ if triton is not None:
 # ----------------------------------------------------------------------------- Triton wrappers
 
 
+def _precision(x):
+    """tf32 matmuls for 16-bit inputs; three-pass tf32 (about float32 accuracy) for float32 inputs."""
+    return "tf32x3" if x.dtype == torch.float32 else "tf32"
+
+
 def _block_m(M):
     return max(16, triton.next_power_of_2(M))
 
@@ -441,8 +452,8 @@ def _chunk_states(x, theta, b, h0, T):
     NC = Tp // CHUNK
     states = x.new_empty(B, NC, M, D, dtype=torch.float32)
     BD = 64
-    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, states, T, Tp, D, M, NC,
-                                                     C=CHUNK, BM=_block_m(M), BD=BD)
+    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, states, T, Tp, D, M, NC, C=CHUNK,
+                                                     BM=_block_m(M), BD=BD, PRECISION=_precision(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
     _scan_states(states, b, h0, final, reverse=False)
     return states, final
@@ -479,7 +490,8 @@ class _FMScan(torch.autograd.Function):
         rms = torch.empty_like(theta_p)
         y = torch.empty_like(x)
         _chunk_out_kernel[(states.shape[1], B)](x, theta_p, phi_p, b, states, rms, y, eps, T, theta_p.shape[1],
-                                                D, M, states.shape[1], C=CHUNK, BM=_block_m(M), BD=64)
+                                                D, M, states.shape[1], C=CHUNK, BM=_block_m(M), BD=64,
+                                                PRECISION=_precision(x), num_warps=8, num_stages=2)
         ctx.save_for_backward(x, theta_p, phi_p, log_decay, b, states, rms, hT)
         ctx.has_h0, ctx.in_dtypes, ctx.eps = h0 is not None, (theta.dtype, phi.dtype), eps
         return y, hT
@@ -492,7 +504,7 @@ class _FMScan(torch.autograd.Function):
         NC = states.shape[1]
         dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
         dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
-        meta = dict(C=CHUNK, BM=_block_m(M), BD=64)
+        meta = dict(C=CHUNK, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=8, num_stages=1)
         dq, c, dk, v = (torch.empty_like(theta) for _ in range(4))
         scratch = theta.new_empty(B, NC, M, CHUNK)
         dstates = torch.empty_like(states)

@@ -1,0 +1,231 @@
+"""Speed of the FM kernels, side by side with the peers, on one GPU.
+
+    python bench.py kernels      # fm_scan vs fm_scan_torch vs SDPA vs Mamba-2 SSD; decode steps; accuracy
+
+Shapes (DESIGN.md section 5): one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
+T in {1024, 2048, 8192, 16384}; decode at batch 1 and 64 against a 16K-token KV cache.
+Timing: triton.testing.do_bench (median; CUDA graphs for the decode steps), fresh random inputs.
+Mamba-2 peers need `mamba-ssm` (its Triton parts; see README); they are skipped when it is missing.
+"""
+
+import argparse
+import math
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+import fm_kernel
+
+D, M, K_SPARSE, TOKENS = 2048, 64, 8, 16384
+SEQ_LENS = (1024, 2048, 8192, 16384)
+
+
+def device_info():
+    import triton
+    name = torch.cuda.get_device_name()
+    return f"{name} | torch {torch.__version__} | triton {triton.__version__}"
+
+
+def measure_ceilings():
+    """Device-to-device copy bandwidth (bytes read + written per s) and bf16 matmul FLOP/s."""
+    from triton.testing import do_bench
+    src = torch.randn(2**28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: a @ b, return_mode="median")
+    return 2 * src.numel() * 4 / copy_ms * 1e3, 2 * 8192**3 / mm_ms * 1e3
+
+
+def router_weights(B, T, m, k, device, dtype=torch.float32):
+    """theta, phi (B, T, m) as the FM layer makes them: softmax, top-k renormalised, times a rate."""
+    alpha = torch.softmax(torch.randn(B, T, m, device=device) * 2, -1)
+    if k < m:
+        top, idx = alpha.topk(k, -1)
+        alpha = torch.zeros_like(alpha).scatter(-1, idx, top / top.sum(-1, keepdim=True))
+    eta = torch.sigmoid(torch.randn(B, T, 1, device=device))
+    mu = torch.sigmoid(torch.randn(B, T, 1, device=device))
+    return (eta * alpha).to(dtype), (mu * alpha).to(dtype)
+
+
+def fm_inputs(B, T, k, dtype, device="cuda", h0=True):
+    x = torch.randn(B, T, D, device=device, dtype=dtype)
+    theta, phi = router_weights(B, T, M, k, device)
+    h = torch.randn(B, M, D, device=device) if h0 else None
+    return [x, theta, phi, h]
+
+
+def scan_flops_per_token(C=fm_kernel.CHUNK):
+    """Matmul FLOPs of the chunked scan per token: forward, backward (see the kernels)."""
+    fwd = 4 * C * D + 6 * M * D + 2 * M * C * C
+    bwd = 10 * C * D + 14 * M * D + 2 * M * C * C
+    return fwd, bwd
+
+
+def time_fwd(fn, inputs):
+    from triton.testing import do_bench
+    with torch.no_grad():
+        return do_bench(lambda: fn(*inputs), return_mode="median")
+
+
+def time_fwd_bwd(fn, inputs):
+    from triton.testing import do_bench
+    leaves = [t.requires_grad_() for t in inputs if t is not None and t.is_floating_point()]
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = [torch.randn_like(o) for o in outs]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        o = fn(*inputs)
+        torch.autograd.backward(o if isinstance(o, tuple) else (o,), grads)
+    return do_bench(step, return_mode="median")
+
+
+def import_mamba():
+    """mamba-ssm's Triton ops, or None. Its __init__ imports a CUDA extension we do not build:
+    register an empty stand-in first (bench-side shim only)."""
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    except Exception as err:  # noqa: BLE001 - any import failure means "peer not available"
+        print(f"mamba-ssm not available ({type(err).__name__}: {err}); Mamba-2 rows skipped")
+        return None
+    return types.SimpleNamespace(ssd=mamba_chunk_scan_combined, step=selective_state_update)
+
+
+def sdpa_inputs(B, T):
+    q = torch.randn(B, 16, T, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, 8, T, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, 8, T, 128, device="cuda", dtype=torch.bfloat16)
+    return [q, k, v]
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def mamba_inputs(B, T):
+    heads, head_dim, d_state = 64, 64, 128
+    x = torch.randn(B, T, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    dt = F.softplus(torch.randn(B, T, heads, device="cuda") - 3).to(torch.bfloat16)
+    A = -torch.rand(heads, device="cuda") - 0.5
+    Bm = torch.randn(B, T, 1, d_state, device="cuda", dtype=torch.bfloat16)
+    Cm = torch.randn(B, T, 1, d_state, device="cuda", dtype=torch.bfloat16)
+    return [x, dt, A, Bm, Cm]
+
+
+def bench_scan(mamba, ceilings):
+    rows = []
+    bw, mm = ceilings
+    flops_fwd, flops_bwd = scan_flops_per_token()
+    for T in SEQ_LENS:
+        B = TOKENS // T
+        row = {"T": T}
+        for name, k in (("dense", M), ("k=8", K_SPARSE)):
+            fwd = time_fwd(fm_kernel.fm_scan, fm_inputs(B, T, k, torch.bfloat16))
+            row[f"fm {name} fwd"] = fwd
+            row[f"fm {name} f+b"] = time_fwd_bwd(fm_kernel.fm_scan, fm_inputs(B, T, k, torch.bfloat16))
+        row["fm_torch f+b"] = time_fwd_bwd(fm_kernel.fm_scan_torch, fm_inputs(B, T, K_SPARSE, torch.bfloat16))
+        row["sdpa f+b"] = time_fwd_bwd(sdpa_causal, sdpa_inputs(B, T))
+        if mamba is not None:
+            row["mamba2 f+b"] = time_fwd_bwd(lambda x, dt, A, Bm, Cm: mamba.ssd(x, dt, A, Bm, Cm, chunk_size=256),
+                                             mamba_inputs(B, T))
+        fwd_bytes = TOKENS * (2 * D * 2 + 2 * M * 4)  # x in, y out (bf16); theta, phi (fp32)
+        row["fwd GB/s"] = fwd_bytes / row["fm k=8 fwd"] / 1e6
+        row["fwd TFLOP/s"] = TOKENS * flops_fwd / row["fm k=8 fwd"] / 1e9
+        row["f+b TFLOP/s"] = TOKENS * (flops_fwd + flops_bwd) / row["fm k=8 f+b"] / 1e9
+        rows.append(row)
+        print(row, flush=True)
+    print(f"\nfm_scan, one layer, {TOKENS} tokens a batch, D={D}, M={M}; times in ms; bf16 x, fp32 theta/phi")
+    print(f"ceilings measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s; "
+          f"FM FLOPs/token: fwd {flops_fwd / 1e6:.2f} M, bwd {flops_bwd / 1e6:.2f} M")
+    print_table(rows)
+
+
+def bench_decode(mamba):
+    from triton.testing import do_bench_cudagraph
+    rows = []
+    for B in (1, 64):
+        row = {"batch": B}
+        h = torch.randn(B, M, D, device="cuda")
+        x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(M, device="cuda")[:K_SPARSE] for _ in range(B)])
+        theta, phi = torch.rand(B, K_SPARSE, device="cuda") * 0.5, torch.rand(B, K_SPARSE, device="cuda")
+        row["fm_step k=8 us"] = 1e3 * do_bench_cudagraph(lambda: fm_kernel.fm_step(h, x, idx, theta, phi))
+        dense_idx = torch.arange(M, device="cuda").expand(B, M).contiguous()
+        th_d, ph_d = torch.rand(B, M, device="cuda") / M, torch.rand(B, M, device="cuda") / M
+        row["fm_step dense us"] = 1e3 * do_bench_cudagraph(lambda: fm_kernel.fm_step(h, x, dense_idx, th_d, ph_d))
+        q = torch.randn(B, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+        kv = [torch.randn(B, 8, 16384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        row["sdpa 16K cache us"] = 1e3 * do_bench_cudagraph(
+            lambda: F.scaled_dot_product_attention(q, *kv, enable_gqa=True))
+        if mamba is not None:
+            heads, head_dim, d_state = 64, 64, 128  # as Mamba2.step calls it: per-head scalars expanded
+            state = torch.randn(B, heads, head_dim, d_state, device="cuda")
+            xs = torch.randn(B, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            dt = torch.rand(B, heads, 1, device="cuda", dtype=torch.bfloat16).expand(B, heads, head_dim)
+            dt_bias = torch.rand(heads, 1, device="cuda").expand(heads, head_dim)
+            A = -torch.rand(heads, 1, 1, device="cuda").expand(heads, head_dim, d_state)
+            D_skip = torch.ones(heads, 1, device="cuda").expand(heads, head_dim)
+            Bs = torch.randn(B, 1, d_state, device="cuda", dtype=torch.bfloat16)
+            Cs = torch.randn(B, 1, d_state, device="cuda", dtype=torch.bfloat16)
+            row["mamba2 step us"] = 1e3 * do_bench_cudagraph(
+                lambda: mamba.step(state, xs, dt, A, Bs, Cs, D=D_skip, dt_bias=dt_bias, dt_softplus=True))
+        rows.append(row)
+    print(f"\ndecode, one layer, D={D}, M={M}, k={K_SPARSE}; times in microseconds (CUDA graph replays)")
+    print_table(rows)
+
+
+def check_accuracy(T=16384):
+    """fm_scan (fp32 and bf16 inputs) against float64 fm_scan_torch, which test_fm.py checks against
+    the float64 loop: relative error of y, hT and every gradient."""
+    print(f"\naccuracy at B=1, T={T}, D={D}, M={M}, k={K_SPARSE} against float64 (||a-b||/||b||)")
+    ref_in = fm_inputs(1, T, K_SPARSE, torch.float64)
+    ref_in = [t.double().requires_grad_() for t in ref_in]
+    y, hT = fm_kernel.fm_scan_torch(*ref_in)
+    gy, ghT = torch.randn_like(y), torch.randn_like(hT)
+    ref = [y, hT, *torch.autograd.grad((y * gy).sum() + (hT * ghT).sum(), ref_in)]
+    del y, hT
+    for dtype in (torch.float32, torch.bfloat16):
+        ins = [t.detach().to(dtype if i == 0 else torch.float32).requires_grad_() for i, t in enumerate(ref_in)]
+        y, hT = fm_kernel.fm_scan(*ins)
+        grads = torch.autograd.grad((y * gy.to(y.dtype)).sum() + (hT * ghT.float()).sum(), ins)
+        errs = [((a.double() - b).norm() / b.norm()).item() for a, b in zip([y, hT, *grads], ref)]
+        names = ["y", "hT", "dxbar", "dtheta", "dphi", "dh0"]
+        print(f"  {str(dtype):15s} " + "  ".join(f"{n} {e:.1e}" for n, e in zip(names, errs)))
+
+
+def print_table(rows):
+    keys = list(rows[0].keys())
+    for r in rows[1:]:
+        keys += [k for k in r if k not in keys]
+    print(" | ".join(f"{k:>14s}" for k in keys))
+    for r in rows:
+        print(" | ".join(f"{r[k]:14.3f}" if isinstance(r.get(k), float) else f"{str(r.get(k, '-')):>14s}"
+                         for k in keys))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["kernels"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.py times GPU kernels: run it on a machine with a CUDA GPU")
+    torch.manual_seed(0)
+    print(device_info())
+    if args.what == "kernels":
+        mamba = import_mamba()
+        check_accuracy()
+        ceilings = measure_ceilings()
+        bench_decode(mamba)
+        bench_scan(mamba, ceilings)
+
+
+if __name__ == "__main__":
+    main()

