@@ -1,6 +1,7 @@
 """Speed of the FM kernels, side by side with the peers, on one GPU.
 
     python bench.py kernels      # fm_scan vs fm_scan_torch vs SDPA vs Mamba-2 SSD; decode steps; accuracy
+    python bench.py stages       # time of each fm_scan kernel, to see where the time goes
 
 Shapes (DESIGN.md section 5): one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
 T in {1024, 2048, 8192, 16384}; decode at batch 1 and 64 against a 16K-token KV cache.
@@ -201,6 +202,34 @@ def check_accuracy(T=16384):
         print(f"  {str(dtype):15s} " + "  ".join(f"{n} {e:.1e}" for n, e in zip(names, errs)))
 
 
+def bench_stages():
+    """Each kernel of fm_scan alone (bf16 x, k = 8), with the bytes it must move at least."""
+    from triton.testing import do_bench
+    rows = []
+    for T in (1024, 16384):
+        B = TOKENS // T
+        x, theta, phi, h0 = fm_inputs(B, T, K_SPARSE, torch.bfloat16)
+        dy = torch.randn_like(x)
+        theta_p, phi_p, _, b = fm_kernel._prepare(theta, phi, None)
+        states, hT = fm_kernel._chunk_states(x, theta_p, b, h0)
+        y, rms = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
+        dq, c, dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms)
+        stages = {
+            "prepare": lambda: fm_kernel._prepare(theta, phi, None),
+            "write+scan": lambda: fm_kernel._chunk_states(x, theta_p, b, h0),
+            "scan alone": lambda: fm_kernel._scan_states(states, b, h0, hT, reverse=False),
+            "out": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
+            "dstate": lambda: fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms),
+            "dinput": lambda: fm_kernel._chunk_dinput(x, dy, theta_p, phi_p, b, states, dstates, rms, c),
+        }
+        row = {"T": T}
+        row.update({name: do_bench(fn, return_mode="median") for name, fn in stages.items()})
+        row["states MB"] = states.numel() * 4 / 1e6
+        rows.append(row)
+    print(f"\nfm_scan stages, ms ({TOKENS} tokens, D={D}, M={M}, k={K_SPARSE}, bf16 x)")
+    print_table(rows)
+
+
 def print_table(rows):
     keys = list(rows[0].keys())
     for r in rows[1:]:
@@ -213,7 +242,7 @@ def print_table(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels"])
+    parser.add_argument("what", choices=["kernels", "stages"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py times GPU kernels: run it on a machine with a CUDA GPU")
@@ -225,6 +254,8 @@ def main():
         ceilings = measure_ceilings()
         bench_decode(mamba)
         bench_scan(mamba, ceilings)
+    if args.what == "stages":
+        bench_stages()
 
 
 if __name__ == "__main__":

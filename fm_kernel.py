@@ -45,7 +45,7 @@ try:
 except ImportError:  # the PyTorch references work without Triton
     triton = None
 
-LOG_DECAY_FLOOR = -80.0  # log(1 - theta) is clamped here: e^-80 is 0 to float32, and theta = 1 stays finite
+LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e^-80 is 0 to float32
 CHUNK = 64  # tokens per chunk in the Triton scan
 
 
@@ -83,11 +83,16 @@ def _pad_time(x, multiple):
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+def _log_decay(theta):
+    """log(1 - theta), LOG_DECAY_FLOOR at theta = 1 (whose gradient then omits the decay term)."""
+    below_one = theta < 1
+    return torch.where(below_one, torch.log1p(-torch.where(below_one, theta, 0)), LOG_DECAY_FLOOR)
+
+
 def _chunk_log_decay(theta, chunk):
     """Within-chunk inclusive cumsum of log(1 - theta): (B, NC, C, M)."""
     B, Tp, M = theta.shape
-    log_decay = torch.log1p(-theta).clamp(min=LOG_DECAY_FLOOR)
-    return log_decay.view(B, Tp // chunk, chunk, M).cumsum(2)
+    return _log_decay(theta).view(B, Tp // chunk, chunk, M).cumsum(2)
 
 
 def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
@@ -152,16 +157,6 @@ if triton is not None:
         return tl.dot(a, b, input_precision=precision)
 
     @triton.jit
-    def _row_of(tile, rows, i):
-        """Row i of a register tile (R, C) as a (C,) vector."""
-        return tl.sum(tl.where(rows[:, None] == i, tile, 0.0), axis=0)
-
-    @triton.jit
-    def _col_of(tile, cols, i):
-        """Column i of a register tile (C, R) as a (C,) vector."""
-        return tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
-
-    @triton.jit
     def _decay_matrix(b_t, causal):
         """E[t, s] = exp(b_t - b_s) for s <= t, else 0.  (C, C)"""
         diff = tl.minimum(b_t[:, None] - b_t[None, :], 0.0)
@@ -200,17 +195,23 @@ if triton is not None:
             carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
         else:
             carry = tl.zeros([BLOCK], dtype=tl.float32)
+        n = NC - 1 if REVERSE else 0
+        own = tl.load(s_ptr + (bi * NC + n) * M * D + offs, mask=ok, other=0.0)
+        log_decay = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + row, mask=ok, other=0.0)
         for step in range(NC):
             n = NC - 1 - step if REVERSE else step
-            ptr = s_ptr + (bi * NC + n) * M * D + offs
-            own = tl.load(ptr, mask=ok, other=0.0)
-            tl.store(ptr, carry, mask=ok)
-            decay = tl.exp(tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + row, mask=ok, other=0.0))
-            carry = decay * carry + own
+            last = (step + 1) // NC  # 1 on the last step, which re-reads its own chunk instead
+            n_next = n - 1 + last if REVERSE else n + 1 - last  # prefetch the next chunk
+            own_next = tl.load(s_ptr + (bi * NC + n_next) * M * D + offs, mask=ok, other=0.0)
+            log_decay_next = tl.load(b_ptr + bi * Tp * M + (n_next * C + C - 1) * M + row, mask=ok, other=0.0)
+            tl.store(s_ptr + (bi * NC + n) * M * D + offs, carry, mask=ok)
+            carry = tl.exp(log_decay) * carry + own
+            own, log_decay = own_next, log_decay_next
         tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
 
     @triton.jit
-    def _chunk_out_kernel(x_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, y_ptr, eps, T, Tp, D, M, NC,
+    def _chunk_out_kernel(x_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, hx_ptr, hsq_ptr, r_ptr, y_ptr, eps,
+                          T, Tp, D, M, NC,
                           C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t = tl.arange(0, C)
@@ -232,21 +233,30 @@ if triton is not None:
             gram += _mm(x, tl.trans(x), PRECISION)
             hx += _mm(h, tl.trans(x), PRECISION)
             h_sq += tl.sum(h * h, axis=1)
+        chunk = bi * NC + n  # rows of hx / h_sq are read back one at a time below
+        tl.store(hx_ptr + chunk * BM * C + offs_m[:, None] * C + offs_t[None, :], hx)
+        tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
+        tl.debug_barrier()
 
         causal = offs_t[:, None] >= offs_t[None, :]
         P = tl.zeros([C, C], dtype=tl.float32)
         tm_row = bi * Tp * M + t_abs * M  # (C,) offsets of (t, row 0)
+        b_nxt, theta_nxt, phi_nxt, hx_nxt = (tl.load(b_ptr + tm_row), tl.load(theta_ptr + tm_row),
+                                             tl.load(phi_ptr + tm_row), tl.load(hx_ptr + chunk * BM * C + offs_t))
         for i in range(M):
-            b_i = tl.load(b_ptr + tm_row + i)  # (C,)
-            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]  # (C, C)
+            b_i, theta_i, phi_i, hx_i = b_nxt, theta_nxt, phi_nxt, hx_nxt  # (C,) each
+            nxt = i + 1 - (i + 1) // M  # prefetch row i + 1 while row i computes
+            b_nxt, theta_nxt, phi_nxt, hx_nxt = (tl.load(b_ptr + tm_row + nxt), tl.load(theta_ptr + tm_row + nxt),
+                                                 tl.load(phi_ptr + tm_row + nxt),
+                                                 tl.load(hx_ptr + (chunk * BM + nxt) * C + offs_t))
+            L = _decay_matrix(b_i, causal) * theta_i[None, :]  # (C, C)
             quad = tl.sum(_mm(L, gram, PRECISION) * L, axis=1)
-            cross = tl.sum(L * _row_of(hx, offs_m, i)[None, :], axis=1)
+            cross = tl.sum(L * hx_i[None, :], axis=1)
             eb = tl.exp(b_i)
-            h_sq_i = tl.sum(tl.where(offs_m == i, h_sq, 0.0))
-            sq_norm = eb * eb * h_sq_i + 2.0 * eb * cross + quad
+            sq_norm = eb * eb * tl.load(hsq_ptr + chunk * BM + i) + 2.0 * eb * cross + quad
             rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
             tl.store(r_ptr + tm_row + i, rms)
-            P += (tl.load(phi_ptr + tm_row + i) / rms)[:, None] * L
+            P += (phi_i / rms)[:, None] * L
         tl.debug_barrier()
 
         tm_ptr = tm_row[:, None] + offs_m[None, :]
@@ -264,8 +274,8 @@ if triton is not None:
                      mask=t_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dq_ptr, c_ptr, j_ptr,
-                             ds_ptr, T, Tp, D, M, NC,
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dq_ptr, c_ptr, dyh_ptr,
+                             j_ptr, ds_ptr, T, Tp, D, M, NC,
                              C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         """dq = dy.h, c = dL/d||h||^2 * 2, and dS = sum_u e^{b_u} g_u with g_u = q_u dy_u + c_u h_u."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -289,17 +299,27 @@ if triton is not None:
             h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             dyx += _mm(dy, tl.trans(x), PRECISION)
             dyh += _mm(dy, tl.trans(h), PRECISION)
+        chunk = bi * NC + n  # columns of dyh are read back one at a time below
+        tl.store(dyh_ptr + chunk * C * BM + offs_t[:, None] * BM + offs_m[None, :], dyh)
+        tl.debug_barrier()
 
         causal = offs_t[:, None] >= offs_t[None, :]
         tm_row = bi * Tp * M + t_abs * M
-        j_row = j_ptr + (bi * NC + n) * M * C
+        j_row = j_ptr + chunk * M * C
+        dyh_row = dyh_ptr + chunk * C * BM + offs_t * BM
+        b_nxt, theta_nxt, phi_nxt, rms_nxt, dyh_nxt = (tl.load(b_ptr + tm_row), tl.load(theta_ptr + tm_row),
+                                                       tl.load(phi_ptr + tm_row), tl.load(r_ptr + tm_row),
+                                                       tl.load(dyh_row))
         for i in range(M):
-            b_i = tl.load(b_ptr + tm_row + i)
-            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]
+            b_i, theta_i, phi_i, rms, dyh_i = b_nxt, theta_nxt, phi_nxt, rms_nxt, dyh_nxt
+            nxt = i + 1 - (i + 1) // M  # prefetch row i + 1 while row i computes
+            b_nxt, theta_nxt, phi_nxt, rms_nxt, dyh_nxt = (
+                tl.load(b_ptr + tm_row + nxt), tl.load(theta_ptr + tm_row + nxt), tl.load(phi_ptr + tm_row + nxt),
+                tl.load(r_ptr + tm_row + nxt), tl.load(dyh_row + nxt))
+            L = _decay_matrix(b_i, causal) * theta_i[None, :]
             eb = tl.exp(b_i)
-            dq = tl.sum(L * dyx, axis=1) + eb * _col_of(dyh, offs_m, i)
-            rms = tl.load(r_ptr + tm_row + i)
-            q = tl.load(phi_ptr + tm_row + i) / rms
+            dq = tl.sum(L * dyx, axis=1) + eb * dyh_i
+            q = phi_i / rms
             c = -dq * q / (D * rms * rms)
             tl.store(dq_ptr + tm_row + i, dq)
             tl.store(c_ptr + tm_row + i, c)
@@ -325,8 +345,8 @@ if triton is not None:
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds, mask=md_mask)
 
     @triton.jit
-    def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, c_ptr,
-                             dk_ptr, v_ptr, dx_ptr, T, Tp, D, M, NC,
+    def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, c_ptr, hx_ptr,
+                             dhx_ptr, dk_ptr, v_ptr, dx_ptr, T, Tp, D, M, NC,
                              C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         """dh_t = sum_{u>=t} e^{b_u-b_t} g_u + e^{b_C-b_t} dH_end; dk = dh.x, dx = sum_i theta_i dh_i."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -357,6 +377,10 @@ if triton is not None:
             xdy += _mm(x, tl.trans(dy), PRECISION)
             hx += _mm(h, tl.trans(x), PRECISION)
             dhx += _mm(dh, tl.trans(x), PRECISION)
+        chunk = bi * NC + n  # rows of hx / dhx are read back one at a time below
+        tl.store(hx_ptr + chunk * BM * C + offs_m[:, None] * C + offs_t[None, :], hx)
+        tl.store(dhx_ptr + chunk * BM * C + offs_m[:, None] * C + offs_t[None, :], dhx)
+        tl.debug_barrier()
 
         causal = offs_t[:, None] >= offs_t[None, :]
         anti = offs_t[:, None] <= offs_t[None, :]
@@ -364,11 +388,16 @@ if triton is not None:
         b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=m_ok, other=0.0)
         W = tl.zeros([C, C], dtype=tl.float32)  # dx += W X
         PT = tl.zeros([C, C], dtype=tl.float32)  # dx += P^T dY
+        b_nxt, theta_nxt, phi_nxt, rms_nxt, c_nxt = (tl.load(b_ptr + tm_row), tl.load(theta_ptr + tm_row),
+                                                     tl.load(phi_ptr + tm_row), tl.load(r_ptr + tm_row),
+                                                     tl.load(c_ptr + tm_row))
         for i in range(M):
-            b_i = tl.load(b_ptr + tm_row + i)
-            theta = tl.load(theta_ptr + tm_row + i)
-            q = tl.load(phi_ptr + tm_row + i) / tl.load(r_ptr + tm_row + i)
-            c = tl.load(c_ptr + tm_row + i)
+            b_i, theta, phi, rms, c = b_nxt, theta_nxt, phi_nxt, rms_nxt, c_nxt
+            nxt = i + 1 - (i + 1) // M  # prefetch row i + 1 while row i computes
+            b_nxt, theta_nxt, phi_nxt, rms_nxt, c_nxt = (
+                tl.load(b_ptr + tm_row + nxt), tl.load(theta_ptr + tm_row + nxt), tl.load(phi_ptr + tm_row + nxt),
+                tl.load(r_ptr + tm_row + nxt), tl.load(c_ptr + tm_row + nxt))
+            q = phi / rms
             eb = tl.exp(b_i)
             L = _decay_matrix(b_i, causal) * theta[None, :]  # (C, C) [t, s]
             R = tl.where(anti, tl.exp(tl.minimum(b_i[None, :] - b_i[:, None], 0.0)), 0.0)  # [t, u]: e^{b_u-b_t}
@@ -378,9 +407,10 @@ if triton is not None:
             W += theta[:, None] * Z
             PT += theta[:, None] * Rq
             v = tl.sum(Rc * eb[None, :], axis=1)  # (C,): weight of H_i in dh_t
-            b_end_i = tl.sum(tl.where(offs_m == i, b_end, 0.0))
-            dk = (tl.sum(Rq * xdy, axis=1) + tl.sum(Z * gram, axis=1) + _row_of(hx, offs_m, i) * v
-                  + tl.exp(b_end_i - b_i) * _row_of(dhx, offs_m, i))
+            b_end_i = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + i)
+            row = (chunk * BM + i) * C + offs_t
+            dk = (tl.sum(Rq * xdy, axis=1) + tl.sum(Z * gram, axis=1) + tl.load(hx_ptr + row) * v
+                  + tl.exp(b_end_i - b_i) * tl.load(dhx_ptr + row))
             tl.store(dk_ptr + tm_row + i, dk)
             tl.store(v_ptr + tm_row + i, v)
         tl.debug_barrier()
@@ -445,14 +475,14 @@ def _block_m(M):
     return max(16, triton.next_power_of_2(M))
 
 
-def _chunk_states(x, theta, b, h0, T):
+def _chunk_states(x, theta, b, h0):
     """Chunk-start states (B, NC, M, D) float32 and the final state (B, M, D)."""
     B, Tp, M = theta.shape
     D = x.shape[-1]
     NC = Tp // CHUNK
     states = x.new_empty(B, NC, M, D, dtype=torch.float32)
     BD = 64
-    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, states, T, Tp, D, M, NC, C=CHUNK,
+    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, states, x.shape[1], Tp, D, M, NC, C=CHUNK,
                                                      BM=_block_m(M), BD=BD, PRECISION=_precision(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
     _scan_states(states, b, h0, final, reverse=False)
@@ -460,18 +490,60 @@ def _chunk_states(x, theta, b, h0, T):
 
 
 def _scan_states(states, b, init, final, reverse):
+    """In place: states[n] (a chunk's own contribution) becomes the carry entering chunk n."""
     B, NC, M, D = states.shape
-    BLOCK = 1024
+    BLOCK = 512
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
         states, b, init if init is not None else final, final, b.shape[1], D, M, NC,
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
+
+
+def _meta(x, M, num_stages):
+    return dict(C=CHUNK, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=8, num_stages=num_stages)
+
+
+def _chunk_out(x, theta, phi, b, states, eps):
+    """Forward output y (B, T, D) and the row rms (B, Tp, M)."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    hx = theta.new_empty(B, NC, _block_m(M), CHUNK)
+    h_sq = theta.new_empty(B, NC, _block_m(M))
+    rms, y = torch.empty_like(theta), torch.empty_like(x)
+    _chunk_out_kernel[(NC, B)](x, theta, phi, b, states, hx, h_sq, rms, y, eps, T, theta.shape[1], D, M, NC,
+                               **_meta(x, M, num_stages=2))
+    return y, rms
+
+
+def _chunk_dstate(x, dy, theta, phi, b, states, rms):
+    """dq = dy . h and c = dL/d||h||^2 * 2 (B, Tp, M); each chunk's gradient to its start state."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    dq, c = torch.empty_like(theta), torch.empty_like(theta)
+    dyh = theta.new_empty(B, NC, CHUNK, _block_m(M))
+    J = theta.new_empty(B, NC, M, CHUNK)
+    dstates = torch.empty_like(states)
+    _chunk_dstate_kernel[(NC, B)](x, dy, theta, phi, b, states, rms, dq, c, dyh, J, dstates,
+                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_stages=1))
+    return dq, c, dstates
+
+
+def _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, c):
+    """dxbar (B, T, D) and dk = dL/dtheta as a key (B, Tp, M)."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    hx = theta.new_empty(B, NC, _block_m(M), CHUNK)
+    dhx = torch.empty_like(hx)
+    dk, v, dx = torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
+    _chunk_dinput_kernel[(NC, B)](x, dy, theta, phi, b, states, dstates, rms, c, hx, dhx, dk, v, dx,
+                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_stages=1))
+    return dx, dk
 
 
 def _prepare(theta, phi, cu_seqlens):
     """Padded float32 theta, phi and the within-chunk cumulative log-decay b, all (B, Tp, M)."""
     theta_p = _pad_time(theta.float(), CHUNK).contiguous()
     phi_p = _pad_time(phi.float(), CHUNK).contiguous()
-    log_decay = torch.log1p(-theta_p).clamp(min=LOG_DECAY_FLOOR)
+    log_decay = _log_decay(theta_p)
     if cu_seqlens is not None:  # a document start forgets the memory
         log_decay[:, cu_seqlens[1:-1].long()] = LOG_DECAY_FLOOR
     B, Tp, M = theta_p.shape
@@ -486,12 +558,8 @@ class _FMScan(torch.autograd.Function):
         M = theta.shape[-1]
         x = xbar.contiguous()
         theta_p, phi_p, log_decay, b = _prepare(theta, phi, cu_seqlens)
-        states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous(), T)
-        rms = torch.empty_like(theta_p)
-        y = torch.empty_like(x)
-        _chunk_out_kernel[(states.shape[1], B)](x, theta_p, phi_p, b, states, rms, y, eps, T, theta_p.shape[1],
-                                                D, M, states.shape[1], C=CHUNK, BM=_block_m(M), BD=64,
-                                                PRECISION=_precision(x), num_warps=8, num_stages=2)
+        states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous())
+        y, rms = _chunk_out(x, theta_p, phi_p, b, states, eps)
         ctx.save_for_backward(x, theta_p, phi_p, log_decay, b, states, rms, hT)
         ctx.has_h0, ctx.in_dtypes, ctx.eps = h0 is not None, (theta.dtype, phi.dtype), eps
         return y, hT
@@ -504,17 +572,10 @@ class _FMScan(torch.autograd.Function):
         NC = states.shape[1]
         dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
         dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
-        meta = dict(C=CHUNK, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=8, num_stages=1)
-        dq, c, dk, v = (torch.empty_like(theta) for _ in range(4))
-        scratch = theta.new_empty(B, NC, M, CHUNK)
-        dstates = torch.empty_like(states)
-        _chunk_dstate_kernel[(NC, B)](x, dy, theta, phi, b, states, rms, dq, c, scratch, dstates,
-                                      T, Tp, D, M, NC, **meta)
+        dq, c, dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms)
         dh0 = torch.empty_like(hT)
         _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
-        dx = torch.empty_like(x)
-        _chunk_dinput_kernel[(NC, B)](x, dy, theta, phi, b, states, dstates, rms, c, dk, v, dx,
-                                      T, Tp, D, M, NC, **meta)
+        dx, dk = _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, c)
         # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
         # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
         q = phi / rms
@@ -522,8 +583,7 @@ class _FMScan(torch.autograd.Function):
         d_b = q * dq + c * sq_norm - theta * dk  # (B, Tp, M)
         d_b[:, T - 1] += (dhT * hT).sum(-1)
         d_log_decay = d_b.flip(1).cumsum(1).flip(1)
-        d_log_decay = d_log_decay * (log_decay > LOG_DECAY_FLOOR)
-        dtheta = dk - d_log_decay / (1 - theta)
+        dtheta = dk - torch.where(log_decay > LOG_DECAY_FLOOR, d_log_decay / (1 - theta), 0)
         dphi = dq / rms
         theta_dtype, phi_dtype = ctx.in_dtypes
         return (dx, dtheta[:, :T].to(theta_dtype), dphi[:, :T].to(phi_dtype),
