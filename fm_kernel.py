@@ -25,11 +25,7 @@ log(1 - theta)). Row i inside a chunk is a gated linear recurrence:
 
 The only nonlinearity is one scalar per (t, i), the row norm, and it never needs h_t itself:
 
-    ||h_t[i]||^2 = e^{2b_t} ||H[i]||^2 + 2 e^{b_t} (L_i (H X^T)[i])_t + ||u_t[i]||^2,   G = X X^T
-
-where u_t[i] = sum_{s<=t} L_i[t,s] xbar_s obeys its own recurrence, so that with E_i[t,s] = e^{b_t-b_s}:
-
-    ||u_t[i]||^2 = sum_{s<=t} E_i[t,s]^2 (2 theta_s[i] sum_{s'<s} L_i[s,s'] G[s,s'] + theta_s[i]^2 G[s,s])
+    ||h_t[i]||^2 = e^{2b_t} ||H[i]||^2 + 2 e^{b_t} (L_i (H X^T)[i])_t + (L_i G L_i^T)_tt,   G = X X^T
 
 With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear attention:
 
@@ -115,8 +111,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 
     causal = torch.ones(C, C, dtype=torch.bool, device=x.device).tril()
     rel = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf"))  # (B, NC, M, C, C)
-    E = rel.exp()  # E[i, t, s] = e^{b_t - b_s} for s <= t
-    L = E * th[..., None, :]  # (B, NC, M, C, C): L[i, t, s]
+    L = rel.exp() * th[..., None, :]  # (B, NC, M, C, C): L[i, t, s]
 
     chunk_write = torch.einsum("bnis,bnsd->bnid", L[..., -1, :], x)  # (B, NC, M, D)
     chunk_decay = b[..., -1].exp()[..., None]  # (B, NC, M, 1)
@@ -130,10 +125,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     gram = x @ x.transpose(-1, -2)  # (B, NC, C, C)
     HX = Hs @ x.transpose(-1, -2)  # (B, NC, M, C)
     eb = b.exp()  # (B, NC, M, C)
-    # u_t = sum_{s<=t} L[t,s] x_s obeys u_t = (1 - theta_t) u_{t-1} + theta_t x_t, hence
-    # ||u_t||^2 = sum_{s<=t} E[t,s]^2 (2 theta_s sum_{s'<s} L[s,s'] G[s,s'] + theta_s^2 G[s,s])
-    lower = (L * gram[:, :, None]).tril(-1).sum(-1)  # (B, NC, M, C)
-    quad = (E**2 * (th * (2 * lower + th * gram.diagonal(dim1=-2, dim2=-1)[:, :, None]))[..., None, :]).sum(-1)
+    quad = ((L @ gram[:, :, None]) * L).sum(-1)  # (B, NC, M, C)
     cross = (L * HX[..., None, :]).sum(-1)  # (B, NC, M, C)
     sq_norm = eb**2 * Hs.pow(2).sum(-1, keepdim=True) + 2 * eb * cross + quad
     rms = torch.sqrt(sq_norm.clamp(min=0) / D + eps)  # (B, NC, M, C)
@@ -247,7 +239,6 @@ if triton is not None:
         tl.debug_barrier()
 
         causal = offs_t[:, None] >= offs_t[None, :]
-        gram_diag = tl.sum(tl.where(offs_t[:, None] == offs_t[None, :], gram, 0.0), axis=1)  # ||x_t||^2
         P = tl.zeros([C, C], dtype=tl.float32)
         tm_row = bi * Tp * M + t_abs * M  # (C,) offsets of (t, row 0)
         b_nxt, theta_nxt, phi_nxt, hx_nxt = (tl.load(b_ptr + tm_row), tl.load(theta_ptr + tm_row),
@@ -258,12 +249,8 @@ if triton is not None:
             b_nxt, theta_nxt, phi_nxt, hx_nxt = (tl.load(b_ptr + tm_row + nxt), tl.load(theta_ptr + tm_row + nxt),
                                                  tl.load(phi_ptr + tm_row + nxt),
                                                  tl.load(hx_ptr + (chunk * BM + nxt) * C + offs_t))
-            E = _decay_matrix(b_i, causal)  # (C, C)
-            L = E * theta_i[None, :]
-            # u_t = sum_{s<=t} L[t,s] x_s obeys u_t = a_t u_{t-1} + theta_t x_t, so
-            # ||u_t||^2 = sum_{s<=t} E[t,s]^2 (2 theta_s sum_{s'<s} L[s,s'] G[s,s'] + theta_s^2 G[s,s])
-            lower = tl.sum(tl.where(offs_t[:, None] > offs_t[None, :], L * gram, 0.0), axis=1)
-            quad = tl.sum(E * E * (theta_i * (2.0 * lower + theta_i * gram_diag))[None, :], axis=1)
+            L = _decay_matrix(b_i, causal) * theta_i[None, :]  # (C, C)
+            quad = tl.sum(_mm(L, gram, PRECISION) * L, axis=1)
             cross = tl.sum(L * hx_i[None, :], axis=1)
             eb = tl.exp(b_i)
             sq_norm = eb * eb * tl.load(hsq_ptr + chunk * BM + i) + 2.0 * eb * cross + quad
@@ -415,9 +402,7 @@ if triton is not None:
             L = _decay_matrix(b_i, causal) * theta[None, :]  # (C, C) [t, s]
             R = tl.where(anti, tl.exp(tl.minimum(b_i[None, :] - b_i[:, None], 0.0)), 0.0)  # [t, u]: e^{b_u-b_t}
             Rc = R * c[None, :]
-            # Z[t,s] = sum_u R[t,u] c_u L[u,s] = theta_s sum_{u >= max(t,s)} c_u e^{2 b_u - b_t - b_s}
-            kappa = tl.sum(Rc * R, axis=1)  # (C,): sum_{u>=t} c_u e^{2 (b_u - b_t)}
-            Z = tl.where(causal, kappa[:, None] * L, R * (theta * kappa)[None, :])
+            Z = _mm(Rc, L, PRECISION)  # (C, C): sum_u R[t,u] c_u L[u,s]
             Rq = R * q[None, :]
             W += theta[:, None] * Z
             PT += theta[:, None] * Rq
