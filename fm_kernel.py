@@ -241,22 +241,16 @@ if triton is not None:
         causal = offs_t[:, None] >= offs_t[None, :]
         P = tl.zeros([C, C], dtype=tl.float32)
         tm_row = bi * Tp * M + t_abs * M  # (C,) offsets of (t, row 0)
-        b_nxt, theta_nxt, phi_nxt, hx_nxt = (tl.load(b_ptr + tm_row), tl.load(theta_ptr + tm_row),
-                                             tl.load(phi_ptr + tm_row), tl.load(hx_ptr + chunk * BM * C + offs_t))
         for i in range(M):
-            b_i, theta_i, phi_i, hx_i = b_nxt, theta_nxt, phi_nxt, hx_nxt  # (C,) each
-            nxt = i + 1 - (i + 1) // M  # prefetch row i + 1 while row i computes
-            b_nxt, theta_nxt, phi_nxt, hx_nxt = (tl.load(b_ptr + tm_row + nxt), tl.load(theta_ptr + tm_row + nxt),
-                                                 tl.load(phi_ptr + tm_row + nxt),
-                                                 tl.load(hx_ptr + (chunk * BM + nxt) * C + offs_t))
-            L = _decay_matrix(b_i, causal) * theta_i[None, :]  # (C, C)
+            b_i = tl.load(b_ptr + tm_row + i)  # (C,)
+            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]  # (C, C)
             quad = tl.sum(_mm(L, gram, PRECISION) * L, axis=1)
-            cross = tl.sum(L * hx_i[None, :], axis=1)
+            cross = tl.sum(L * tl.load(hx_ptr + (chunk * BM + i) * C + offs_t)[None, :], axis=1)
             eb = tl.exp(b_i)
             sq_norm = eb * eb * tl.load(hsq_ptr + chunk * BM + i) + 2.0 * eb * cross + quad
             rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
             tl.store(r_ptr + tm_row + i, rms)
-            P += (phi_i / rms)[:, None] * L
+            P += (tl.load(phi_ptr + tm_row + i) / rms)[:, None] * L
         tl.debug_barrier()
 
         tm_ptr = tm_row[:, None] + offs_m[None, :]
@@ -306,20 +300,13 @@ if triton is not None:
         causal = offs_t[:, None] >= offs_t[None, :]
         tm_row = bi * Tp * M + t_abs * M
         j_row = j_ptr + chunk * M * C
-        dyh_row = dyh_ptr + chunk * C * BM + offs_t * BM
-        b_nxt, theta_nxt, phi_nxt, rms_nxt, dyh_nxt = (tl.load(b_ptr + tm_row), tl.load(theta_ptr + tm_row),
-                                                       tl.load(phi_ptr + tm_row), tl.load(r_ptr + tm_row),
-                                                       tl.load(dyh_row))
         for i in range(M):
-            b_i, theta_i, phi_i, rms, dyh_i = b_nxt, theta_nxt, phi_nxt, rms_nxt, dyh_nxt
-            nxt = i + 1 - (i + 1) // M  # prefetch row i + 1 while row i computes
-            b_nxt, theta_nxt, phi_nxt, rms_nxt, dyh_nxt = (
-                tl.load(b_ptr + tm_row + nxt), tl.load(theta_ptr + tm_row + nxt), tl.load(phi_ptr + tm_row + nxt),
-                tl.load(r_ptr + tm_row + nxt), tl.load(dyh_row + nxt))
-            L = _decay_matrix(b_i, causal) * theta_i[None, :]
+            b_i = tl.load(b_ptr + tm_row + i)
+            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]
             eb = tl.exp(b_i)
-            dq = tl.sum(L * dyx, axis=1) + eb * dyh_i
-            q = phi_i / rms
+            dq = tl.sum(L * dyx, axis=1) + eb * tl.load(dyh_ptr + chunk * C * BM + offs_t * BM + i)
+            rms = tl.load(r_ptr + tm_row + i)
+            q = tl.load(phi_ptr + tm_row + i) / rms
             c = -dq * q / (D * rms * rms)
             tl.store(dq_ptr + tm_row + i, dq)
             tl.store(c_ptr + tm_row + i, c)
@@ -388,16 +375,11 @@ if triton is not None:
         b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=m_ok, other=0.0)
         W = tl.zeros([C, C], dtype=tl.float32)  # dx += W X
         PT = tl.zeros([C, C], dtype=tl.float32)  # dx += P^T dY
-        b_nxt, theta_nxt, phi_nxt, rms_nxt, c_nxt = (tl.load(b_ptr + tm_row), tl.load(theta_ptr + tm_row),
-                                                     tl.load(phi_ptr + tm_row), tl.load(r_ptr + tm_row),
-                                                     tl.load(c_ptr + tm_row))
         for i in range(M):
-            b_i, theta, phi, rms, c = b_nxt, theta_nxt, phi_nxt, rms_nxt, c_nxt
-            nxt = i + 1 - (i + 1) // M  # prefetch row i + 1 while row i computes
-            b_nxt, theta_nxt, phi_nxt, rms_nxt, c_nxt = (
-                tl.load(b_ptr + tm_row + nxt), tl.load(theta_ptr + tm_row + nxt), tl.load(phi_ptr + tm_row + nxt),
-                tl.load(r_ptr + tm_row + nxt), tl.load(c_ptr + tm_row + nxt))
-            q = phi / rms
+            b_i = tl.load(b_ptr + tm_row + i)
+            theta = tl.load(theta_ptr + tm_row + i)
+            q = tl.load(phi_ptr + tm_row + i) / tl.load(r_ptr + tm_row + i)
+            c = tl.load(c_ptr + tm_row + i)
             eb = tl.exp(b_i)
             L = _decay_matrix(b_i, causal) * theta[None, :]  # (C, C) [t, s]
             R = tl.where(anti, tl.exp(tl.minimum(b_i[None, :] - b_i[:, None], 0.0)), 0.0)  # [t, u]: e^{b_u-b_t}
@@ -472,7 +454,8 @@ def _precision(x):
 
 
 def _block_m(M):
-    return max(16, triton.next_power_of_2(M))
+    """Row tile: at least 32, since Triton 3.6 faults (illegal address) on tf32x3 products 16 wide."""
+    return max(32, triton.next_power_of_2(M))
 
 
 def _chunk_states(x, theta, b, h0):
@@ -498,8 +481,9 @@ def _scan_states(states, b, init, final, reverse):
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
-def _meta(x, M, num_stages):
-    return dict(C=CHUNK, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=8, num_stages=num_stages)
+def _meta(x, M, num_warps, num_stages):
+    """Launch settings of the per-chunk kernels (warps chosen per kernel on an H200: bench.py stages)."""
+    return dict(C=CHUNK, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
 
 
 def _chunk_out(x, theta, phi, b, states, eps):
@@ -510,7 +494,7 @@ def _chunk_out(x, theta, phi, b, states, eps):
     h_sq = theta.new_empty(B, NC, _block_m(M))
     rms, y = torch.empty_like(theta), torch.empty_like(x)
     _chunk_out_kernel[(NC, B)](x, theta, phi, b, states, hx, h_sq, rms, y, eps, T, theta.shape[1], D, M, NC,
-                               **_meta(x, M, num_stages=2))
+                               **_meta(x, M, num_warps=4, num_stages=2))
     return y, rms
 
 
@@ -523,7 +507,7 @@ def _chunk_dstate(x, dy, theta, phi, b, states, rms):
     J = theta.new_empty(B, NC, M, CHUNK)
     dstates = torch.empty_like(states)
     _chunk_dstate_kernel[(NC, B)](x, dy, theta, phi, b, states, rms, dq, c, dyh, J, dstates,
-                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_stages=1))
+                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=4, num_stages=1))
     return dq, c, dstates
 
 
@@ -535,7 +519,7 @@ def _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, c):
     dhx = torch.empty_like(hx)
     dk, v, dx = torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
     _chunk_dinput_kernel[(NC, B)](x, dy, theta, phi, b, states, dstates, rms, c, hx, dhx, dk, v, dx,
-                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_stages=1))
+                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=8, num_stages=1))
     return dx, dk
 
 
