@@ -535,6 +535,11 @@ def _prepare(theta, phi, cu_seqlens):
     return theta_p, phi_p, log_decay, b
 
 
+def _reverse_cumsum_time(v):
+    """sum_{u >= t} v[:, u] for v (B, T, M), scanning along a contiguous last dim."""
+    return v.transpose(1, 2).contiguous().flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
+
+
 class _FMScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xbar, theta, phi, h0, eps, cu_seqlens):
@@ -566,7 +571,7 @@ class _FMScan(torch.autograd.Function):
         sq_norm = D * (rms * rms - ctx.eps)
         d_b = q * dq + c * sq_norm - theta * dk  # (B, Tp, M)
         d_b[:, T - 1] += (dhT * hT).sum(-1)
-        d_log_decay = d_b.flip(1).cumsum(1).flip(1)
+        d_log_decay = _reverse_cumsum_time(d_b)
         dtheta = dk - torch.where(log_decay > LOG_DECAY_FLOOR, d_log_decay / (1 - theta), 0)
         dphi = dq / rms
         theta_dtype, phi_dtype = ctx.in_dtypes
