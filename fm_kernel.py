@@ -590,6 +590,7 @@ def _check_scan_args(xbar, theta, phi, h0, cu_seqlens):
         raise ValueError("cu_seqlens packs documents into one row: use batch size 1 and h0=None")
 
 
+@torch.compiler.disable  # torch.compile runs the kernels as they are, with a graph break around them
 def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
     """Triton FM scan (forward and backward). cu_seqlens (N+1,) int: document boundaries in a
     packed batch of one row; the memory restarts at each, and hT is the state after the last token."""
@@ -597,6 +598,7 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
     return _FMScan.apply(xbar, theta, phi, h0, eps, cu_seqlens)
 
 
+@torch.compiler.disable
 def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
     """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D)."""
     B, M, D = h.shape
