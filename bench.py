@@ -2,6 +2,8 @@
 
     python bench.py kernels      # fm_scan vs fm_scan_torch vs SDPA vs Mamba-2 SSD; decode steps; accuracy
     python bench.py stages       # time of each fm_scan kernel, to see where the time goes
+    python bench.py train        # training tokens/s, MFU, peak memory: fm_1b vs transformer_1b vs mamba2_1b
+    python bench.py generate     # per-token decode latency after a long prompt, same three models
 
 Shapes (DESIGN.md section 5): one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
 T in {1024, 2048, 8192, 16384}; decode at batch 1 and 64 against a 16K-token KV cache.
@@ -230,6 +232,81 @@ def bench_stages():
     print_table(rows)
 
 
+def model_from_config_file(path, vocab_size, **overrides):
+    """A Model built from a config/*.py file as train.py reads it (ModelConfig fields only)."""
+    import train
+    from configurator import load_config
+    from model import Model, ModelConfig
+    cfg = load_config(train.default_config(), [path], train.optional_types())
+    names = {f for f in ModelConfig.__dataclass_fields__}
+    model_cfg = ModelConfig(**{k: v for k, v in cfg.items() if k in names}, vocab_size=vocab_size)
+    return Model(ModelConfig(**{**model_cfg.__dict__, **overrides}))
+
+
+def bench_train(args):
+    """Training steps (AdamW, bf16 autocast, optionally compiled) on random tokens of the 1B configs."""
+    import time
+    rows = []
+    for path in args.configs:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = model_from_config_file(path, args.vocab_size, block_size=args.block_size).cuda()
+        optimizer = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), "cuda")
+        step_model = torch.compile(model) if args.compile else model
+        tokens = torch.randint(args.vocab_size, (args.steps + 3, args.batch_size, args.block_size + 1), device="cuda")
+
+        def step(batch):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = step_model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for batch in tokens[:3]:  # warm-up: compilation, autotuning, allocator
+            step(batch)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for batch in tokens[3:]:
+            step(batch)
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / args.steps
+        tokens_per_s = args.batch_size * args.block_size / seconds
+        rows.append({"config": path.split("/")[-1], "params M": model.num_params() / 1e6,
+                     "ms/step": 1e3 * seconds, "tokens/s": tokens_per_s,
+                     "MFU %": 100 * model.estimate_mfu(tokens_per_s),
+                     "peak GB": torch.cuda.max_memory_allocated() / 2**30})
+        print(rows[-1], flush=True)
+        del model, optimizer, step_model
+    print(f"\ntraining, batch {args.batch_size} x {args.block_size} tokens, bf16 autocast, "
+          f"compile={args.compile}, vocab {args.vocab_size}, mean of {args.steps} steps after 3 warm-up")
+    print_table(rows)
+
+
+def bench_generate(args):
+    """Decode latency per token at batch 1 after a prompt of args.prompt tokens (bf16 weights)."""
+    rows = []
+    for path in args.configs:
+        model = model_from_config_file(path, args.vocab_size).cuda().to(torch.bfloat16).eval()
+        prompt = torch.randint(args.vocab_size, (1, args.prompt), device="cuda")
+        with torch.no_grad():
+            logits, state = model.prefill(prompt)
+            token = logits.argmax(-1)
+            for _ in range(5):  # warm-up
+                logits, state = model.step(token, state)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.new_tokens):
+                logits, state = model.step(logits.argmax(-1), state)
+            end.record()
+            torch.cuda.synchronize()
+        rows.append({"config": path.split("/")[-1], "ms/token": start.elapsed_time(end) / args.new_tokens})
+        print(rows[-1], flush=True)
+        del model, state
+    print(f"\ngeneration at batch 1 after a {args.prompt}-token prompt, {args.new_tokens} tokens, "
+          f"bf16 weights, eager step() calls")
+    print_table(rows)
+
+
 def print_table(rows):
     keys = list(rows[0].keys())
     for r in rows[1:]:
@@ -242,7 +319,16 @@ def print_table(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels", "stages"])
+    parser.add_argument("what", choices=["kernels", "stages", "train", "generate"])
+    parser.add_argument("--configs", nargs="+",
+                        default=["config/fm_1b.py", "config/transformer_1b.py", "config/mamba2_1b.py"])
+    parser.add_argument("--vocab_size", type=int, default=100288, help="cl100k_base padded to a multiple of 64")
+    parser.add_argument("--block_size", type=int, default=2048)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--compile", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=16384)
+    parser.add_argument("--new_tokens", type=int, default=64)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py times GPU kernels: run it on a machine with a CUDA GPU")
@@ -256,6 +342,10 @@ def main():
         bench_scan(mamba, ceilings)
     if args.what == "stages":
         bench_stages()
+    if args.what == "train":
+        bench_train(args)
+    if args.what == "generate":
+        bench_generate(args)
 
 
 if __name__ == "__main__":
