@@ -1,0 +1,515 @@
+"""
+Train a language model whose mixer is Factorization Memory ('fm'), attention ('attn') or Mamba-2 ('mamba2').
+
+One process, CPU or one GPU:
+    python train.py                                   # small FM model, default corpus, a few minutes on a CPU
+    python train.py config/fm_small.py --max_iters=2000 --batch_size=32
+DDP on the GPUs of one node (NCCL; gloo with --device=cpu):
+    torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py
+Several nodes: run on each node
+    torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py config/fm_1b.py
+Continue from out_dir/ckpt.pt: add --init_from=resume. Ctrl-C (or SIGTERM) finishes the current step, writes
+out_dir/ckpt.pt and exits; a second Ctrl-C exits at once without saving.
+"""
+import math
+import os
+import random
+import resource
+import signal
+import sys
+import time
+import typing
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import ConfigError, help_text, load_config
+from model import Model, ModelConfig
+from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
+
+# -----------------------------------------------------------------------------
+# default config values: a small FM model on the default corpus, a few minutes on a 2-core CPU
+# I/O
+out_dir = 'out'
+eval_interval = 100  # evaluate, and write ckpt.pt (and best.pt when val improves), every eval_interval steps
+eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
+log_interval = 10
+always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt is written whenever val improves)
+init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+# wandb logging
+wandb_log = False
+wandb_project = 'factorization-memory'
+wandb_run_name = 'fm'
+# data: data_dir/{dataset}_{tokenizer}/{train,val}.bin, written by prepare_data.py
+dataset = 'default'
+tokenizer = 'bytes'
+data_dir = 'data'
+gradient_accumulation_steps = 1  # micro-batches per step over all processes (divided by the world size under DDP)
+batch_size = 16  # micro-batch size per process
+block_size = 256
+vocab_multiple = 64  # pad the model's vocab up to a multiple of this when the tokenizer has more than 256 tokens
+# model: these and every other ModelConfig field (at ModelConfig's default) can be overridden
+mixer = 'fm'
+n_layer = 4
+d_model = 128
+n_memory = 32
+top_k = 8
+tau = 1.0
+chunk_size = 16  # chunk length of the parallel scan: 16 is fastest for the PyTorch scan on a CPU
+# AdamW
+learning_rate = 4e-3
+max_iters = 500
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip the gradient norm at this value; 0.0 disables
+# learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
+warmup_iters = 50
+lr_decay_iters = 500  # usually = max_iters
+min_lr = 4e-4
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps', ...
+dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast); 'auto': bfloat16 on CUDA, float32 elsewhere
+compile = False  # torch.compile the model
+seed = 1337
+# -----------------------------------------------------------------------------
+_TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
+_EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
+CKPT_KEYS = ('model', 'optimizer', 'model_config', 'train_config', 'iter_num', 'best_val_loss', 'rng',
+             'data_state', 'tokenizer')
+
+
+class TrainError(RuntimeError):
+    """A problem the user can fix (data, checkpoint, settings); the message says how."""
+
+
+def default_config():
+    """The defaults above, plus every ModelConfig field not listed above, at ModelConfig's default."""
+    config = {k: globals()[k] for k in _TRAIN_KEYS}
+    for f in fields(ModelConfig):
+        if f.name != 'vocab_size' and f.name not in config:
+            config[f.name] = f.default
+    return config
+
+
+def optional_types():
+    """For ModelConfig fields that default to None (e.g. top_k: int | None), the type a value must have."""
+    out = {}
+    for name, hint in typing.get_type_hints(ModelConfig).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if len(args) == 1 and isinstance(args[0], type):
+            out[name] = args[0]
+    return out
+
+
+def setup_ddp(device):
+    """Under torchrun (RANK is set) join the process group: NCCL on CUDA, gloo on CPU.
+    Returns (rank, world_size, device)."""
+    if 'RANK' not in os.environ:
+        return 0, 1, device
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
+    if device.startswith('cuda'):
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+        dist.init_process_group('nccl', device_id=torch.device(device))
+    else:
+        dist.init_process_group('gloo')
+    return rank, world_size, device
+
+
+def load_data(cfg, rank, cpu_group):
+    """Open train.bin and val.bin of data_dir/{dataset}_{tokenizer}; rank 0 prepares the default corpus if needed."""
+    try:
+        tok = get_tokenizer(cfg.tokenizer)
+    except (ValueError, ImportError, RuntimeError) as e:
+        raise TrainError(str(e)) from None
+    folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+    if cfg.dataset == 'default' and rank == 0:
+        prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir)  # does nothing if done already
+    if cpu_group is not None:
+        dist.barrier(group=cpu_group)  # the other ranks wait for rank 0 to prepare the data
+    if not (folder / 'train.bin').exists():
+        raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py '
+                         f'--dataset {cfg.dataset} --tokenizer {cfg.tokenizer} --data_dir {cfg.data_dir}')
+    try:
+        train = load_tokens(folder / 'train.bin', tokenizer=cfg.tokenizer, vocab_size=tok.vocab_size)
+        val = load_tokens(folder / 'val.bin', tokenizer=cfg.tokenizer, vocab_size=tok.vocab_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise TrainError(str(e)) from None
+    for name, data in (('train', train), ('val', val)):
+        if len(data.tokens) < cfg.block_size + 1:
+            raise TrainError(f'{name}.bin in {folder} holds {len(data.tokens)} tokens, fewer than '
+                             f'block_size + 1 = {cfg.block_size + 1}: use a smaller --block_size or more data')
+    return tok, folder, train.tokens, val.tokens
+
+
+def get_batch(tokens, starts, block_size, device):
+    """Inputs x = tokens[s : s+block_size] and targets y = tokens[s+1 : s+block_size+1] for each start s."""
+    xy = torch.from_numpy(np.stack([tokens[s:s + block_size + 1] for s in starts]).astype(np.int64))
+    if device.type == 'cuda':
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+
+def random_starts(gen, n_tokens, batch_size, block_size):
+    return gen.integers(0, n_tokens - block_size, size=batch_size)
+
+
+@torch.no_grad()
+def estimate_loss(model, tokens, starts, cfg, device, ctx, cpu_group, rank, world_size):
+    """Mean loss per token over the fixed validation windows (split over the ranks under DDP)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    mine = starts[rank::world_size]
+    for i in range(0, len(mine), cfg.batch_size):
+        x, y = get_batch(tokens, mine[i:i + cfg.batch_size], cfg.block_size, device)
+        with ctx:
+            _, loss = model(x, y)
+        total += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
+    if cpu_group is not None:
+        dist.all_reduce(total, group=cpu_group)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def get_lr(it, cfg):
+    """Linear warmup for warmup_iters steps, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def rng_states():
+    """Python, NumPy, torch CPU and CUDA random states (the batch generators are added by the caller)."""
+    np_state = np.random.get_state()
+    return {'python': random.getstate(),
+            'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
+            'torch': torch.get_rng_state(),
+            'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+
+
+def set_rng_states(rng):
+    random.setstate(rng['python'])
+    np.random.set_state((rng['numpy'][0], np.array(rng['numpy'][1], dtype=np.uint32), *rng['numpy'][2:]))
+    torch.set_rng_state(rng['torch'])
+    if rng['cuda'] is not None and torch.cuda.is_available() and len(rng['cuda']) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng['cuda'])
+
+
+def save_checkpoint(ckpt, path):
+    """Write atomically: to a temporary file beside path, then rename, so path is never half-written."""
+    tmp = f'{path}.tmp'
+    with open(tmp, 'wb') as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def link_checkpoint(src, dst, ckpt):
+    """Make dst the file src without writing it again: a hard link (src is only ever replaced, never rewritten,
+    so dst stays intact), or a fresh save where the file system has no hard links."""
+    tmp = f'{dst}.tmp'
+    try:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+    except OSError:
+        save_checkpoint(ckpt, dst)
+
+
+def load_checkpoint(path):
+    """Load a checkpoint onto the CPU; raise TrainError saying what to do if it is missing or unreadable."""
+    path = Path(path)
+    if not path.exists():
+        raise TrainError(f'no checkpoint at {path}: train one first (python train.py, which writes '
+                         f'out/ckpt.pt), or point --out_dir at the folder that holds it')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # ranks share the pages
+    except Exception as e:
+        raise TrainError(f'{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}). It may have '
+                         f'been cut short or written by another program: delete it and train again with '
+                         f'--init_from=scratch, or use best.pt beside it') from None
+    missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise TrainError(f'{path} is not a checkpoint of this train.py (missing {", ".join(missing)}): '
+                         f'train again with --init_from=scratch')
+    return ckpt
+
+
+def model_from_checkpoint(ckpt, path):
+    """Rebuild the model of a checkpoint (on the CPU) with clear errors for a config or weights mismatch."""
+    try:
+        model = Model(ModelConfig(**ckpt['model_config']))
+    except (TypeError, ValueError) as e:
+        raise TrainError(f'{path} holds a model config this model.py cannot build ({e}): use the model.py '
+                         f'version that wrote it, or train again with --init_from=scratch') from None
+    try:
+        model.load_state_dict(ckpt['model'])
+    except RuntimeError as e:
+        raise TrainError(f'the weights in {path} do not fit the model they describe ({str(e)[:500]}): '
+                         f'use the model.py version that wrote it, or train again') from None
+    return model
+
+
+def peak_memory_gb(device):
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
+
+
+def main(argv=()):
+    argv = list(argv)
+    if '-h' in argv or '--help' in argv:
+        print(__doc__ + '\nsettings (--key=value):\n' + help_text(default_config()))
+        return None
+    config = load_config(default_config(), argv, optional_types())
+    cfg = SimpleNamespace(**config)
+    if cfg.init_from not in ('scratch', 'resume'):
+        raise ConfigError(f"init_from must be 'scratch' or 'resume', not {cfg.init_from!r}")
+    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg.dtype!r}")
+    if cfg.eval_iters < 1 or cfg.eval_interval < 1 or cfg.log_interval < 1:
+        raise ConfigError('eval_iters, eval_interval and log_interval must be at least 1')
+
+    rank, world_size, device_name = setup_ddp(cfg.device)
+    # under DDP, a CPU process group for small messages (stop flag, eval sums, batch generator states): no GPU syncs
+    cpu_group = dist.new_group(backend='gloo') if dist.is_initialized() else None
+    try:
+        return train(cfg, config, rank, world_size, device_name, cpu_group)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(cfg, config, rank, world_size, device_name, cpu_group):
+    master = rank == 0
+    if cfg.gradient_accumulation_steps % world_size:
+        raise ConfigError(f'gradient_accumulation_steps={cfg.gradient_accumulation_steps} counts the micro-batches '
+                          f'of a step over all {world_size} processes: make it a multiple of {world_size}')
+    grad_accum = cfg.gradient_accumulation_steps // world_size
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    device = torch.device(device_name)
+    device_type = device.type
+    dtype = cfg.dtype if cfg.dtype != 'auto' else ('bfloat16' if device_type == 'cuda' else 'float32')
+    if device_type == 'cuda' and dtype == 'bfloat16' and not torch.cuda.is_bf16_supported():
+        dtype = 'float16'
+    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
+    if device_type == 'cuda':
+        torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        print(f'device {device} ({torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"}), '
+              f'dtype {dtype}, world size {world_size}, tokens per step {tokens_per_iter:,} '
+              f'({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})')
+
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    tok, folder, train_tokens, val_tokens = load_data(cfg, rank, cpu_group)
+
+    # model, optimizer, and the state of a resumed run
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    iter_num, best_val_loss, ckpt = 0, float('inf'), None
+    if cfg.init_from == 'resume':
+        ckpt = load_checkpoint(ckpt_path)
+        if ckpt['tokenizer'] != cfg.tokenizer:
+            raise TrainError(f'{ckpt_path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
+                             f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
+        for k, v in ckpt['model_config'].items():
+            if k in config and config[k] != v and master:
+                print(f'resume: keeping the checkpoint\'s {k}={v!r} (this run says {config[k]!r})')
+        raw_model = model_from_checkpoint(ckpt, ckpt_path)
+        iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+    else:
+        vocab_size = tok.vocab_size
+        if vocab_size > 256 and cfg.vocab_multiple > 1:
+            vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
+        model_args = {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
+        try:
+            raw_model = Model(ModelConfig(**{**model_args, 'vocab_size': vocab_size}))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    raw_model.to(device)
+    model_config = raw_model.config
+    if master:
+        print(f'model: {model_config}')
+        print(f'parameters: {raw_model.num_params(non_embedding=False):,} '
+              f'({raw_model.num_params():,} without embeddings)')
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                               device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        if 'scaler' in ckpt:
+            scaler.load_state_dict(ckpt['scaler'])
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    eval_model = model  # evaluation needs no gradient sync: call the model without the DDP wrapper
+    if cpu_group is not None:
+        model = DDP(model, device_ids=[device.index] if device_type == 'cuda' else None)
+
+    # the batch generator of this rank; its state before drawing the pending batch goes in the checkpoint
+    gen = np.random.default_rng([cfg.seed, rank])
+    if ckpt is not None:
+        set_rng_states(ckpt['rng'])
+        if ckpt['data_state']['world_size'] == world_size and ckpt['data_state']['train_tokens'] == len(train_tokens):
+            gen.bit_generator.state = ckpt['rng']['batch'][rank]
+        else:
+            gen = np.random.default_rng([cfg.seed, rank, iter_num])
+            if master:
+                print('resume: the world size or the training data changed, so the batches differ from an '
+                      'uninterrupted run')
+        del ckpt  # free the memory
+    val_starts = random_starts(np.random.default_rng(_EVAL_SEED), len(val_tokens), cfg.eval_iters * cfg.batch_size,
+                               cfg.block_size)
+
+    def checkpoint(batch_state):
+        """Gather every rank's batch generator state; rank 0 returns the checkpoint dict, the others None."""
+        batch_states = [batch_state]
+        if cpu_group is not None:
+            batch_states = [None] * world_size
+            dist.all_gather_object(batch_states, batch_state, group=cpu_group)
+        if not master:
+            return None
+        return {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+                'model_config': asdict(model_config), 'train_config': config, 'iter_num': iter_num,
+                'best_val_loss': best_val_loss, 'rng': {**rng_states(), 'batch': batch_states},
+                'data_state': {'folder': str(folder), 'train_tokens': len(train_tokens), 'world_size': world_size,
+                               'tokens_seen': iter_num * tokens_per_iter},
+                'tokenizer': cfg.tokenizer}
+
+    if cfg.wandb_log and master:
+        import wandb
+        wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=config)
+
+    # Ctrl-C / SIGTERM: finish the step, save, stop. A second Ctrl-C raises KeyboardInterrupt at once.
+    stop = [False]
+    previous = {}
+
+    def request_stop(signum, frame):
+        stop[0] = True
+        signal.signal(signum, previous[signum])
+        if master:
+            print(f'\n{signal.Signals(signum).name}: saving a checkpoint after this step (Ctrl-C again to quit now)',
+                  flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, request_stop)
+        except ValueError:  # not the main thread: no handlers
+            pass
+
+    history = {'train': [], 'val': []}
+    start_iter, saved_iter, stop_now = iter_num, iter_num, False
+    batch_state = gen.bit_generator.state
+    X, Y = get_batch(train_tokens, random_starts(gen, len(train_tokens), cfg.batch_size, cfg.block_size),
+                     cfg.block_size, device)
+    t_log, iters_since_log, loss_sum = time.time(), 0, torch.zeros((), device=device)
+    try:
+        while True:
+            # evaluate, checkpoint
+            due = iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters
+            if due and (iter_num > start_iter or cfg.init_from == 'scratch'):  # not again right after resuming
+                val_loss = estimate_loss(eval_model, val_tokens, val_starts, cfg, device, ctx, cpu_group, rank,
+                                         world_size)
+                history['val'].append((iter_num, val_loss))
+                new_best = iter_num > start_iter and val_loss < best_val_loss
+                if new_best:
+                    best_val_loss = val_loss
+                if master:
+                    bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
+                    print(f'step {iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}')
+                    if cfg.wandb_log:
+                        wandb.log({'iter': iter_num, 'val/loss': val_loss, 'lr': get_lr(iter_num, cfg)})
+                if iter_num > start_iter and (cfg.always_save_checkpoint or iter_num >= cfg.max_iters or new_best):
+                    ckpt = checkpoint(batch_state)
+                    if master and (cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
+                        save_checkpoint(ckpt, ckpt_path)
+                        saved_iter = iter_num
+                    if master and new_best:
+                        best_path = os.path.join(cfg.out_dir, 'best.pt')
+                        if saved_iter == iter_num:
+                            link_checkpoint(ckpt_path, best_path, ckpt)
+                        else:
+                            save_checkpoint(ckpt, best_path)
+                    del ckpt
+                t_log = time.time()  # leave evaluation out of the timings
+            if iter_num >= cfg.max_iters:
+                break
+            if stop_now:
+                if saved_iter != iter_num:
+                    ckpt = checkpoint(batch_state)
+                    if master:
+                        save_checkpoint(ckpt, ckpt_path)
+                if master:
+                    print(f'saved {ckpt_path} at step {iter_num}; continue with --init_from=resume')
+                break
+
+            # one optimizer step over grad_accum micro-batches
+            lr = get_lr(iter_num, cfg)
+            for param_group in optimizer.param_groups:
+                param_group['lr'] = lr
+            for micro_step in range(grad_accum):
+                last = micro_step == grad_accum - 1
+                with model.no_sync() if cpu_group is not None and not last else nullcontext():
+                    with ctx:
+                        _, loss = model(X, Y)
+                    # draw the next batch while the accelerator works on this one
+                    batch_state = gen.bit_generator.state
+                    X, Y = get_batch(train_tokens, random_starts(gen, len(train_tokens), cfg.batch_size,
+                                                                 cfg.block_size), cfg.block_size, device)
+                    scaler.scale(loss / grad_accum).backward()
+                loss_sum += loss.detach() / grad_accum
+            if cfg.grad_clip > 0.0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+            iters_since_log += 1
+
+            # log: loss of this rank averaged over the steps since the last log
+            if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+                lossf = loss_sum.item() / iters_since_log  # .item() waits for the GPU, so the timing is right
+                dt = (time.time() - t_log) / iters_since_log
+                history['train'].append((iter_num, lossf))
+                if master:
+                    tok_s = tokens_per_iter / dt
+                    mfu = raw_model.estimate_mfu(tok_s / world_size, torch.cuda.get_device_name(device)) \
+                        if device_type == 'cuda' else 0.0
+                    mfu_text = f', mfu {100 * mfu:.1f}%' if device_type == 'cuda' else ''
+                    print(f'iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s{mfu_text}, '
+                          f'mem {peak_memory_gb(device):.2f}GB, {1000 * dt:.1f}ms/iter', flush=True)
+                    if cfg.wandb_log:
+                        wandb.log({'iter': iter_num, 'train/loss': lossf, 'lr': lr, 'mfu': mfu, 'tok_s': tok_s})
+                t_log, iters_since_log, loss_sum = time.time(), 0, torch.zeros((), device=device)
+
+            stop_now = stop[0]
+            if cpu_group is not None:  # every rank stops at the same step
+                flag = torch.tensor([float(stop_now)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group)
+                stop_now = bool(flag.item())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if cfg.wandb_log and master:
+        wandb.finish()
+    return history
+
+
+if __name__ == '__main__':
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, TrainError) as e:
+        sys.exit(f'error: {e}')
