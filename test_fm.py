@@ -1,12 +1,22 @@
-"""The test suite: `python test_fm.py` (or `pytest test_fm.py`).
+"""The test suite: `python test_fm.py` (or `pytest test_fm.py`); CPU only, a few minutes on 2 cores.
 
-Chain of references: the float64 loop `fm_scan_naive` checks `fm_scan_torch`, and both check the
-Triton kernels, which run on the CPU under TRITON_INTERPRET=1 when no GPU is present (as in CI).
+Kernels: the float64 loop `fm_scan_naive` checks `fm_scan_torch`, and both check the Triton kernels,
+which run on the CPU under TRITON_INTERPRET=1 when no GPU is present (as in CI). Then the model
+(decode parity of every mixer, overfitting, configs), the data pipeline, training and sampling.
 """
 
+import glob
+import json
+import math
 import os
+import signal
+import subprocess
+import sys
+from dataclasses import fields
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton import
@@ -14,7 +24,13 @@ if not torch.cuda.is_available():
 import pytest
 
 import fm_kernel
+import prepare_data
+import sample
+import train
+from configurator import ConfigError, load_config
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
+from model import FactorizationMemory, Model, ModelConfig
+from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens, prepare
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -65,7 +81,7 @@ def assert_close_all(got, want, tol):
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
 
 
-# ----------------------------------------------------------------------------- references
+# ============================================================================= fm_kernel.py: references
 
 
 @pytest.mark.parametrize("T", [1, 17, 64, 200])
@@ -230,6 +246,702 @@ def test_triton_scan_real_size_gpu(dtype, tol):
     assert_close_all(got, want, tol)
 
 
+# ============================================================================= model.py
+
+MIXERS = {  # name -> config overrides; the fm cases use m = 8
+    'fm_dense': dict(mixer='fm'),
+    'fm_sparse': dict(mixer='fm', top_k=3),
+    'attn': dict(mixer='attn'),
+    'mamba2': dict(mixer='mamba2'),
+}
+
+
+def tiny_config(**overrides):
+    """2 layers, d_model 32, vocab 64, chunk 16: T = 37 spans three chunks, the last one partial."""
+    config = dict(vocab_size=64, block_size=48, n_layer=2, d_model=32, n_memory=8, chunk_size=16,
+                  n_head=4, n_kv_head=2, d_state=8, mamba_head_dim=16)
+    config.update(overrides)
+    return ModelConfig(**config)
+
+
+# ----------------------------------------------------------------------------- FM routing
+
+def fm_reference(layer, x):
+    """The paper's equations written out: softmax router, top-k mask and renormalisation, naive scan."""
+    alpha = torch.softmax(layer.router(x) / layer.tau, dim=-1)  # (B, T, M)
+    mask = torch.zeros_like(alpha).scatter(-1, alpha.topk(layer.top_k, dim=-1).indices, 1.0)
+    alpha = mask * alpha / (mask * alpha).sum(-1, keepdim=True)
+    eta, mu = torch.sigmoid(layer.rates(x)).unbind(-1)  # (B, T)
+    y, h = fm_kernel.fm_scan_naive(layer.in_proj(x), eta[..., None] * alpha, mu[..., None] * alpha, eps=layer.eps)
+    return layer.out_proj(y), h
+
+
+@pytest.mark.parametrize('top_k', [1, 3, 7, 8, None])
+def test_fm_layer_matches_paper_equations(top_k):
+    torch.manual_seed(0)
+    layer = FactorizationMemory(tiny_config(top_k=top_k, tau=0.5)).double()
+    for p in layer.parameters():  # weights large enough that routing is far from uniform
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 37, 32, dtype=torch.float64)
+    y, state = layer(x)
+    y_ref, h_ref = fm_reference(layer, x)
+    assert rel_err(y, y_ref) < 1e-10
+    assert rel_err(state['h'], h_ref) < 1e-10
+
+
+def test_fm_sparse_with_k_equal_m_is_dense():
+    torch.manual_seed(0)
+    dense = FactorizationMemory(tiny_config(top_k=None)).double()
+    sparse = FactorizationMemory(tiny_config(top_k=8)).double()
+    sparse.load_state_dict(dense.state_dict())
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    assert torch.equal(sparse(x)[0], dense(x)[0])
+
+
+@pytest.mark.parametrize('top_k', [1, 2, 5, 8])
+def test_router_weights_sum_to_one_over_k_rows(top_k):
+    torch.manual_seed(0)
+    layer = FactorizationMemory(tiny_config(top_k=top_k))
+    x = torch.randn(3, 10, 32)
+    idx, alpha, eta, mu = layer.route(x)
+    if idx is not None:
+        alpha = torch.zeros(3, 10, 8).scatter(-1, idx, alpha)
+    assert alpha.dtype == torch.float32
+    assert ((alpha > 0).sum(-1) == top_k).all()
+    torch.testing.assert_close(alpha.sum(-1), torch.ones(3, 10))
+    kept = torch.softmax(layer.router(x), -1).topk(top_k, dim=-1).indices  # the k largest affinities
+    assert (alpha.gather(-1, kept) > 0).all()
+    assert ((eta > 0) & (eta < 1) & (mu > 0) & (mu < 1)).all()
+
+
+# ----------------------------------------------------------------------------- every mixer
+
+@pytest.mark.parametrize('name', MIXERS)
+def test_step_and_prefill_match_forward(name):
+    torch.manual_seed(0)
+    model = Model(tiny_config(init_std=0.1, **MIXERS[name])).double().eval()
+    idx = torch.randint(0, 64, (2, 37))
+    logits, _ = model(idx)  # (B, T, V)
+
+    state = model.init_state(2)
+    stepped = []
+    for t in range(idx.shape[1]):
+        step_logits, state = model.step(idx[:, t], state)
+        stepped.append(step_logits)
+    assert rel_err(torch.stack(stepped, 1), logits) < 1e-9
+
+    last_logits, state = model.prefill(idx[:, :21])
+    continued = [last_logits]
+    for t in range(21, idx.shape[1]):
+        step_logits, state = model.step(idx[:, t], state)
+        continued.append(step_logits)
+    assert rel_err(torch.stack(continued, 1), logits[:, 20:]) < 1e-9
+
+
+@pytest.mark.parametrize('name', MIXERS)
+def test_overfits_one_batch(name):
+    torch.manual_seed(0)
+    model = Model(tiny_config(**MIXERS[name]))
+    optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), 'cpu')
+    idx = torch.randint(0, 64, (4, 33))
+    losses = []
+    for _ in range(40):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert math.isclose(losses[0], math.log(64), rel_tol=0.05)  # a fresh model predicts near uniformly
+    assert losses[-1] < losses[0] / 2, losses
+
+
+@pytest.mark.parametrize('name', MIXERS)
+def test_bf16_autocast_trains(name):
+    torch.manual_seed(0)
+    model = Model(tiny_config(**MIXERS[name]))
+    idx = torch.randint(0, 64, (2, 20))
+    targets = idx.roll(-1, 1)
+    targets[:, -1] = -1  # ignored
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        logits, loss = model(idx, targets)
+    loss.backward()
+    assert logits.dtype == torch.float32
+    assert all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, :-1].flatten())
+    torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize('name', MIXERS)
+def test_generate(name):
+    torch.manual_seed(0)
+    model = Model(tiny_config(init_std=0.1, **MIXERS[name]))
+    prompt = torch.randint(0, 64, (2, 5))
+    out = model.generate(prompt, max_new_tokens=7, temperature=0.8, top_k=10)
+    assert out.shape == (2, 12) and torch.equal(out[:, :5], prompt)
+    assert out.min() >= 0 and out.max() < 64
+    assert torch.equal(model.generate(prompt, max_new_tokens=0), prompt)
+
+    greedy = model.generate(prompt, max_new_tokens=6, top_k=1)  # top_k=1 is argmax decoding
+    expected = prompt
+    for _ in range(6):
+        next_token = model(expected)[0][:, -1].argmax(-1, keepdim=True)
+        expected = torch.cat([expected, next_token], 1)
+    assert torch.equal(greedy, expected)
+
+
+# ----------------------------------------------------------------------------- config and accounting
+
+@pytest.mark.parametrize('overrides, field', [
+    (dict(top_k=0), 'top_k'),
+    (dict(top_k=9), 'top_k'),
+    (dict(mixer='rnn'), 'mixer'),
+    (dict(d_model=0), 'd_model'),
+    (dict(n_layer=-1), 'n_layer'),
+    (dict(tau=0.0), 'tau'),
+    (dict(n_memory=0), 'n_memory'),
+    (dict(mixer='attn', d_model=30), 'd_model'),
+    (dict(mixer='attn', n_kv_head=3), 'n_kv_head'),
+    (dict(mixer='attn', d_model=36), 'n_head'),
+    (dict(mixer='mamba2', mamba_head_dim=24), 'mamba_head_dim'),
+    (dict(mixer='mamba2', d_state=0), 'd_state'),
+])
+def test_bad_config_raises_naming_the_field(overrides, field):
+    config = tiny_config(**overrides)
+    with pytest.raises(ValueError, match=rf'\b{field}\b'):
+        config.validate()
+    with pytest.raises(ValueError, match=rf'\b{field}\b'):
+        Model(config)
+
+
+def test_defaults_resolve():
+    config = ModelConfig()
+    config.validate()
+    assert (config.ffn_dim, config.memory_dim, config.k, config.kv_heads) == (704, 256, 64, 8)
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_num_params(tie):
+    model = Model(tiny_config(tie_embeddings=tie))
+    embedding = 64 * 32
+    total = sum(p.numel() for p in model.parameters())
+    assert model.num_params(non_embedding=False) == total
+    assert model.num_params() == total - embedding * (1 if tie else 2) > 0
+
+
+def test_flops_per_token():
+    fm_dense, fm_sparse, attn, mamba2 = (Model(tiny_config(**MIXERS[name])) for name in MIXERS)
+    for model in (fm_dense, fm_sparse, attn, mamba2):
+        assert model.flops_per_token(48) > 6 * model.num_params()
+    assert fm_dense.flops_per_token(48) == fm_dense.flops_per_token(4096)  # recurrent: no context term
+    assert mamba2.flops_per_token(48) == mamba2.flops_per_token(4096)
+    assert attn.flops_per_token(4096) - attn.flops_per_token(48) == 12 * 2 * (4096 - 48) * 32
+    assert fm_dense.flops_per_token(48) - fm_sparse.flops_per_token(48) == 3 * 2 * (8 - 3) * (9 * 32 + 5)
+
+
+def test_estimate_mfu():
+    model = Model(tiny_config())
+    flops = model.flops_per_token(48)
+    assert model.estimate_mfu(1e9, 'NVIDIA H100 80GB HBM3') == pytest.approx(flops * 1e9 / 989e12)
+    assert model.estimate_mfu(1e9, 'NVIDIA A100-SXM4-40GB') == pytest.approx(flops * 1e9 / 312e12)
+    assert model.estimate_mfu(1e9, 'cpu') == 0.0
+    if not torch.cuda.is_available():
+        assert model.estimate_mfu(1e9) == 0.0
+
+
+def test_configure_optimizers_decays_only_matrices():
+    model = Model(tiny_config(mixer='mamba2'))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    decay, no_decay = optimizer.param_groups
+    assert decay['weight_decay'] == 0.1 and no_decay['weight_decay'] == 0.0
+    assert all(p.dim() >= 2 for p in decay['params']) and all(p.dim() < 2 for p in no_decay['params'])
+    assert len(decay['params']) + len(no_decay['params']) == len(list(model.parameters()))
+
+
+# ============================================================================= prepare_data.py
+
+TEXT = "To be, or not to be: that is the question.\n\tCafé — ‘naïve’ 🎭 ends <|endoftext|> here\n"
+
+# documents of the local corpora: ASCII, accents, emoji, CJK, blank lines, a literal special token
+DOCUMENTS = [f"Document {i}: {TEXT * (i % 5 + 1)}{'世界' * i}\n\n{'x' * (i * 37 % 101)}" for i in range(40)]
+
+
+def read_split_documents(folder, tokenizer):
+    """The texts of the documents of train.bin and val.bin, decoded through doc_offsets."""
+    tok = get_tokenizer(tokenizer)
+    skip = 0 if tok.eot is None else 1
+    texts = {}
+    for split in ("train", "val"):
+        tokens = load_tokens(folder / f"{split}.bin", tokenizer, tok.vocab_size)
+        if tok.eot is not None:
+            assert (tokens.tokens[tokens.doc_offsets] == tok.eot).all()  # each document begins with eot
+        texts[split] = [tok.decode(tokens.document(i)[skip:]) for i in range(len(tokens.doc_offsets))]
+    return texts
+
+
+def assert_split_round_trip(folder, tokenizer, documents):
+    texts = read_split_documents(folder, tokenizer)
+    assert texts["train"] and texts["val"]
+    assert sorted(texts["train"] + texts["val"]) == sorted(documents)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+@pytest.mark.parametrize("name, vocab_size, eot", [("bytes", 256, None), ("cl100k_base", 100277, 100257)])
+def test_tokenizer_round_trip(name, vocab_size, eot):
+    tok = get_tokenizer(name)
+    assert (tok.name, tok.vocab_size, tok.eot) == (name, vocab_size, eot)
+    ids = tok.encode(TEXT)
+    assert all(0 <= i < vocab_size for i in ids) and eot not in ids  # a literal <|endoftext|> is plain text
+    assert tok.decode(ids) == TEXT
+    assert tok.decode(np.array(ids, dtype=prepare_data.token_dtype(vocab_size))) == TEXT
+
+
+def test_tokenizer_errors(monkeypatch):
+    import tiktoken
+
+    with pytest.raises(ValueError, match="unknown tokenizer 'nope'"):
+        get_tokenizer("nope")
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(RuntimeError, match="internet access.*cl100k_base"):
+        prepare_data._load_tiktoken("gpt2")
+
+
+def test_token_dtype():
+    assert [prepare_data.token_dtype(v).itemsize for v in (256, 257, 65536, 65537, 200019)] == [1, 2, 2, 4, 4]
+
+
+# ----------------------------------------------------------------------------- default corpus
+
+def test_default_corpus_contents():
+    works = load_default_corpus()
+    titles = [work["title"] for work in works]
+    assert len(works) == 49 and len(set(titles)) == 49
+    assert len({work["text"] for work in works}) == 49
+    assert sum(work["author"] == "Milton, John" for work in works) == 7
+    assert not any("gutenberg" in work["text"].lower() or "\r" in work["text"] for work in works)
+    assert "Actus primus" not in "".join(titles)  # no First Folio edition
+    assert set(prepare_data.VALIDATION_WORKS) <= set(titles)
+    lengths = {work["title"]: len(work["text"]) for work in works}
+    longest_val = sorted(prepare_data.VALIDATION_WORKS, key=lengths.get)[-len(prepare_data.LONG_WORKS):]
+    assert set(prepare_data.LONG_WORKS) == set(longest_val)
+
+
+@pytest.fixture(scope="module")
+def default_bytes(tmp_path_factory):
+    return prepare(data_dir=tmp_path_factory.mktemp("data"), num_proc=2)
+
+
+def test_prepare_default_bytes(default_bytes):
+    assert default_bytes.name == "default_bytes"
+    works = load_default_corpus()
+    title_of = {work["text"]: work["title"] for work in works}
+    tok = get_tokenizer("bytes")
+    titles = {}
+    for split in ("train", "val", "long"):
+        tokens = load_tokens(default_bytes / f"{split}.bin", "bytes", 256)
+        assert tokens.tokens.dtype == np.uint8 and isinstance(tokens.tokens, np.memmap)
+        titles[split] = [title_of[tok.decode(tokens.document(i))] for i in range(len(tokens.doc_offsets))]
+        assert len(tokens) == sum(len(w["text"].encode()) for w in works if w["title"] in titles[split])
+    assert not set(titles["train"]) & set(titles["val"])
+    assert sorted(titles["train"] + titles["val"]) == sorted(w["title"] for w in works)
+    assert sorted(titles["val"]) == sorted(prepare_data.VALIDATION_WORKS)
+    assert sorted(titles["long"]) == sorted(prepare_data.LONG_WORKS)
+    meta = json.loads((default_bytes / "meta.json").read_text())
+    train, val = meta["files"]["train.bin"]["tokens"], meta["files"]["val.bin"]["tokens"]
+    assert train > 5_000_000 and 0.1 < val / (train + val) < 0.2
+    assert not [path for path in default_bytes.iterdir() if "tmp" in path.name]
+
+
+def test_prepare_is_idempotent_and_repairs(default_bytes, capsys):
+    mtime = (default_bytes / "train.bin").stat().st_mtime_ns
+    assert prepare(data_dir=default_bytes.parent) == default_bytes
+    assert "already prepared" in capsys.readouterr().out
+    assert (default_bytes / "train.bin").stat().st_mtime_ns == mtime
+    with open(default_bytes / "long.bin", "r+b") as f:
+        f.truncate(1000)
+    prepare(data_dir=default_bytes.parent, num_proc=2)
+    assert "wrote" in capsys.readouterr().out
+    assert len(load_tokens(default_bytes / "long.bin").doc_offsets) == len(prepare_data.LONG_WORKS)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+@pytest.fixture
+def token_file(tmp_path):
+    folder = tmp_path / "default_bytes"
+    folder.mkdir()
+    with prepare_data._TokenWriter(folder / "train.bin", get_tokenizer("bytes")) as writer:
+        writer.add(np.frombuffer(b"hello", dtype=np.uint8))
+        writer.add(np.frombuffer(b"world!", dtype=np.uint8))
+    return folder / "train.bin"
+
+
+def test_load_tokens_reads_header_offsets_and_tokens(token_file):
+    tokens = load_tokens(token_file, "bytes", 256)
+    assert (tokens.tokenizer, tokens.vocab_size, len(tokens)) == ("bytes", 256, 11)
+    assert tokens.doc_offsets.tolist() == [0, 5]
+    assert bytes(tokens.document(-1)) == b"world!" and bytes(tokens.tokens) == b"helloworld!"
+
+
+RERUN = "python prepare_data.py --dataset default --tokenizer bytes"
+
+
+def corrupt(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: os.truncate(p, p.stat().st_size - 1), "truncated"),
+    (lambda p: os.truncate(p, 10), "truncated"),
+    (lambda p: corrupt(p, 0, b"NOTTOKEN"), "bad magic"),
+    (lambda p: corrupt(p, 8, (7).to_bytes(2, "little")), "format version 7"),
+    (lambda p: corrupt(p, 10, (3).to_bytes(2, "little")), "corrupt"),
+    (lambda p: corrupt(p, HEADER.size, (3).to_bytes(8, "little")), "invalid document offsets"),
+    (lambda p: open(p, "ab").write(b"\0"), "corrupt"),
+])
+def test_load_tokens_refuses_damaged_files(token_file, damage, message):
+    damage(token_file)
+    with pytest.raises(ValueError, match=message) as error:
+        load_tokens(token_file, "bytes", 256)
+    assert RERUN in str(error.value)
+
+
+def test_load_tokens_refuses_mismatch_and_missing(token_file):
+    with pytest.raises(ValueError, match="not of the expected tokenizer 'cl100k_base'") as error:
+        load_tokens(token_file, "cl100k_base")
+    assert "--dataset default --tokenizer cl100k_base" in str(error.value)
+    with pytest.raises(ValueError, match="vocabulary size 256, not the expected 512"):
+        load_tokens(token_file, vocab_size=512)
+    with pytest.raises(FileNotFoundError, match=RERUN):
+        load_tokens(token_file.with_name("val.bin"), "bytes")
+
+
+def test_interrupted_write_leaves_nothing(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with prepare_data._TokenWriter(tmp_path / "train.bin", get_tokenizer("bytes")) as writer:
+            writer.add(np.zeros(10, dtype=np.uint8))
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- user corpora
+
+def test_txt_directory_corpus(tmp_path):
+    corpus = tmp_path / "texts"
+    (corpus / "more").mkdir(parents=True)
+    for i, text in enumerate(DOCUMENTS):
+        (corpus / ("more" if i % 2 else "") / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    (corpus / "empty.txt").write_text("")  # skipped: no tokens
+    (corpus / "notes.md").write_text("not a document")
+    folder = prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=2)
+    assert folder == tmp_path / "data" / "texts_bytes"
+    assert_split_round_trip(folder, "bytes", DOCUMENTS)
+    first = {name: (folder / name).read_bytes() for name in ("train.bin", "val.bin")}
+    prepare(str(corpus), "bytes", tmp_path / "other", val_fraction=0.25, num_proc=1)  # split and files deterministic
+    assert all((tmp_path / "other" / "texts_bytes" / name).read_bytes() == data for name, data in first.items())
+
+
+def test_jsonl_corpus_cl100k(tmp_path, capsys):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "content": text}) + "\n" for i, text in enumerate(DOCUMENTS)))
+    prepare_data.main(["--dataset", str(path), "--tokenizer", "cl100k_base", "--data_dir", str(tmp_path),
+                       "--text_field", "content", "--val_fraction", "0.25", "--num_proc", "2"])
+    out = capsys.readouterr().out
+    assert "wrote" in out and "train.bin" in out and "val.bin" in out
+    folder = tmp_path / "docs_cl100k_base"
+    assert load_tokens(folder / "train.bin").tokens.dtype == np.uint32
+    assert_split_round_trip(folder, "cl100k_base", DOCUMENTS)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["files"]["train.bin"]["documents"] + meta["files"]["val.bin"]["documents"] == len(DOCUMENTS)
+    prepare(str(path), "cl100k_base", tmp_path, text_field="content", val_fraction=0.25, max_docs=10)
+    assert sum(len(docs) for docs in read_split_documents(folder, "cl100k_base").values()) == 10
+
+
+def test_corpus_errors(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"content": "hello"}) + "\n")
+    with pytest.raises(ValueError, match="no field 'text'.*--text_field"):
+        prepare(str(path), "bytes", tmp_path, num_proc=1)
+    with pytest.raises(ValueError, match="no documents for val"):
+        prepare(str(path), "bytes", tmp_path, text_field="content", val_fraction=1e-9, num_proc=1)
+    with pytest.raises(FileNotFoundError, match="no corpus at"):
+        prepare(str(tmp_path / "missing"), "bytes", tmp_path)
+    assert not list((tmp_path / "docs_bytes").iterdir())  # nothing half-written
+
+
+def test_parquet_corpus(tmp_path):
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet
+
+    path = tmp_path / "docs.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"text": DOCUMENTS}), path, row_group_size=7)
+    folder = prepare(str(path), "bytes", tmp_path, val_fraction=0.25, num_proc=2)
+    assert_split_round_trip(folder, "bytes", DOCUMENTS)
+
+
+def test_hf_dataset(tmp_path):
+    pytest.importorskip("datasets")
+    corpus = tmp_path / "hub_like"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    folder = prepare(f"hf:{corpus}", "bytes", tmp_path / "data", val_fraction=0.25, num_proc=2)  # a local folder
+    assert folder.name.startswith("hf_") and folder.name.endswith("hub_like_bytes")
+    assert_split_round_trip(folder, "bytes", DOCUMENTS)
+
+
+# ============================================================================= train.py, sample.py, configurator.py, config/
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp('data')
+    prepare(dataset='default', tokenizer='bytes', data_dir=str(data_dir))
+    return str(data_dir)
+
+
+def tiny(data_dir, out_dir, *extra):
+    """Arguments for a tiny FM model that trains in about 20 ms a step."""
+    return [f'--data_dir={data_dir}', f'--out_dir={out_dir}', '--n_layer=2', '--d_model=32', '--n_memory=8',
+            '--top_k=2', '--chunk_size=16', '--block_size=48', '--batch_size=4', '--eval_iters=2',
+            '--eval_interval=4', '--log_interval=1', '--warmup_iters=2', '--learning_rate=1e-2', '--min_lr=1e-3',
+            *extra]
+
+
+@pytest.fixture(scope='module')
+def trained(data_dir, tmp_path_factory):
+    """out_dir of a tiny model trained for 8 steps, and its history."""
+    out_dir = str(tmp_path_factory.mktemp('out'))
+    history = train.main(tiny(data_dir, out_dir, '--max_iters=8', '--lr_decay_iters=8'))
+    return out_dir, history
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def defaults():
+    return train.default_config(), train.optional_types()
+
+
+def test_overrides_parse_to_the_default_types():
+    config, types = defaults()
+    c = load_config(config, ['--batch_size=3', '--learning_rate=1', '--compile=True', '--wandb_log=false',
+                             '--mixer=attn', '--out_dir="my out"', '--top_k=None', '--d_ff=512', '--tau=0.5'], types)
+    assert c['batch_size'] == 3 and c['learning_rate'] == 1.0 and isinstance(c['learning_rate'], float)
+    assert c['compile'] is True and c['wandb_log'] is False
+    assert c['mixer'] == 'attn' and c['out_dir'] == 'my out'
+    assert c['top_k'] is None and c['d_ff'] == 512 and c['tau'] == 0.5
+    assert config['batch_size'] == 16  # the defaults are left alone
+    assert set(f.name for f in fields(ModelConfig)) - {'vocab_size'} <= set(config)  # every model field
+
+
+@pytest.mark.parametrize('arg, message', [
+    ('--batch_size=2.5', "bad value for 'batch_size'"),
+    ('--batch_size=x', "bad value for 'batch_size'"),
+    ('--compile=1', "bad value for 'compile'"),  # bools take True/False only
+    ('--n_layer=True', "bad value for 'n_layer'"),
+    ('--learning_rate=fast', "bad value for 'learning_rate'"),
+    ('--top_k=2.0', "bad value for 'top_k'"),
+    ('--batch_size', 'expected --key=value'),
+    ('--batch_sise=4', "unknown config key 'batch_sise'. Did you mean batch_size"),
+    ('config/nothing_here.py', 'config file not found: config/nothing_here.py'),
+])
+def test_bad_overrides_are_refused(arg, message):
+    config, types = defaults()
+    with pytest.raises(ConfigError, match=message.replace('.', r'\.').replace('(', r'\(')):
+        load_config(config, [arg], types)
+
+
+def test_config_files(tmp_path):
+    config, types = defaults()
+    good = tmp_path / 'good.py'
+    good.write_text('import math\n_helper = 3\nmax_iters = 2 * warmup_iters\nd_model = 64\ntop_k = None\n')
+    c = load_config(config, [str(good), '--d_model=96'], types)  # later arguments win
+    assert c['max_iters'] == 2 * config['warmup_iters'] and c['d_model'] == 96 and c['top_k'] is None
+    bad = tmp_path / 'bad.py'
+    bad.write_text('n_layers = 4\n')
+    with pytest.raises(ConfigError, match="bad.py: unknown config key 'n_layers'. Did you mean n_layer"):
+        load_config(config, [str(bad)], types)
+    bad.write_text('batch_size = "16"\n')
+    with pytest.raises(ConfigError, match="bad value for 'batch_size'"):
+        load_config(config, [str(bad)], types)
+
+
+def build(path, meta=False):
+    config, types = defaults()
+    c = load_config(config, [path], types)
+    model_args = {f.name: c[f.name] for f in fields(ModelConfig) if f.name in c}
+    vocab = 100288 if c['tokenizer'] == 'cl100k_base' else 256  # cl100k_base's 100,277 padded to a multiple of 64
+    with torch.device('meta' if meta else 'cpu'):
+        return Model(ModelConfig(**model_args, vocab_size=vocab))
+
+
+def test_every_config_builds():
+    paths = sorted(glob.glob(os.path.join(REPO, 'config', '*.py')))
+    assert len(paths) >= 6
+    for path in paths:
+        build(path, meta=True)
+
+
+@pytest.mark.parametrize('size', ['1b', 'small'])
+def test_baselines_match_fm_in_parameters(size):
+    n_fm = build(os.path.join(REPO, 'config', f'fm_{size}.py'), meta=True).num_params(non_embedding=False)
+    for mixer in ('transformer', 'mamba2'):
+        n = build(os.path.join(REPO, 'config', f'{mixer}_{size}.py'), meta=True).num_params(non_embedding=False)
+        assert abs(n / n_fm - 1) < 0.02, (mixer, n, n_fm)
+
+
+def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
+    with pytest.raises(train.TrainError, match='no dataset at .*Prepare it with:\n  python prepare_data.py'):
+        train.main(tiny(data_dir, tmp_path, f'--dataset={tmp_path / "corpus.txt"}'))
+    with pytest.raises(train.TrainError, match="unknown tokenizer 'nope'"):
+        train.main(tiny(data_dir, tmp_path, '--tokenizer=nope'))
+
+
+def test_command_line_errors_are_clear():
+    run = subprocess.run([sys.executable, 'train.py', '--batch_sise=4'], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "error: unknown config key 'batch_sise'. Did you mean batch_size or" in run.stderr
+    assert 'Traceback' not in run.stderr
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_lr_schedule():
+    cfg = train.SimpleNamespace(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    assert train.get_lr(0, cfg) == pytest.approx(1 / 11)
+    assert train.get_lr(10, cfg) == pytest.approx(1.0)
+    assert train.get_lr(60, cfg) == pytest.approx(0.55)
+    assert train.get_lr(110, cfg) == train.get_lr(1000, cfg) == 0.1
+
+
+def test_loss_falls(data_dir, tmp_path):
+    history = train.main(tiny(data_dir, tmp_path, '--max_iters=40', '--lr_decay_iters=40', '--eval_interval=40',
+                              '--batch_size=8', '--block_size=64'))
+    (_, first), (_, last) = history['val'][0], history['val'][-1]
+    assert first > 5.0 and last < first - 1.5, history['val']
+    assert {'ckpt.pt', 'best.pt'} <= set(os.listdir(tmp_path)) and not glob.glob(str(tmp_path / '*.tmp'))
+
+
+def test_resume_is_exact(data_dir, tmp_path, trained):
+    """8 steps straight == 4 steps, save, resume, 4 steps: same losses and weights, bit for bit."""
+    straight_dir, straight = trained
+    out_dir = str(tmp_path)
+    first = train.main(tiny(data_dir, out_dir, '--max_iters=4', '--lr_decay_iters=8'))
+    second = train.main(tiny(data_dir, out_dir, '--max_iters=8', '--lr_decay_iters=8', '--init_from=resume'))
+    assert first['train'] + second['train'] == straight['train']  # float losses compared exactly
+    assert first['val'] + second['val'] == straight['val']
+    a = torch.load(os.path.join(straight_dir, 'ckpt.pt'), weights_only=True)
+    b = torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=True)
+    assert a['iter_num'] == b['iter_num'] == 8 and a['best_val_loss'] == b['best_val_loss']
+    for name, tensor in a['model'].items():
+        assert torch.equal(tensor, b['model'][name]), name
+    for i, state in a['optimizer']['state'].items():
+        assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
+    assert a['rng']['batch'] == b['rng']['batch']
+
+
+def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):
+    args = ['--gradient_accumulation_steps=2', '--lr_decay_iters=6', '--eval_interval=3']
+    straight = train.main(tiny(data_dir, tmp_path / 'a', '--max_iters=6', *args))
+    first = train.main(tiny(data_dir, tmp_path / 'b', '--max_iters=3', *args))
+    second = train.main(tiny(data_dir, tmp_path / 'b', '--max_iters=6', '--init_from=resume', *args))
+    assert first['train'] + second['train'] == straight['train']
+
+
+def test_checkpoint_contents(trained):
+    ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
+    assert set(train.CKPT_KEYS) <= set(ckpt)
+    assert ckpt['tokenizer'] == 'bytes' and ckpt['model_config']['d_model'] == 32
+    assert ckpt['train_config']['max_iters'] == 8
+    assert {'python', 'numpy', 'torch', 'cuda', 'batch'} <= set(ckpt['rng'])
+    assert not any(k.startswith(('_orig_mod.', 'module.')) for k in ckpt['model'])
+    best = torch.load(os.path.join(trained[0], 'best.pt'), weights_only=True)
+    assert best['best_val_loss'] == min(v for i, v in trained[1]['val'] if i > 0)
+
+
+def test_missing_and_corrupt_checkpoints(data_dir, tmp_path, trained):
+    args = tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume')
+    with pytest.raises(train.TrainError, match='no checkpoint at .*ckpt.pt: train one first'):
+        train.main(args)
+    good = open(os.path.join(trained[0], 'ckpt.pt'), 'rb').read()
+    for damaged in (b'not a checkpoint', good[:len(good) // 2]):
+        (tmp_path / 'ckpt.pt').write_bytes(damaged)
+        with pytest.raises(train.TrainError, match='is not a readable checkpoint .* --init_from=scratch'):
+            train.main(args)
+        with pytest.raises(train.TrainError, match='is not a readable checkpoint'):
+            sample.main([f'--out_dir={tmp_path}'])
+    torch.save({'model': {}}, tmp_path / 'ckpt.pt')
+    with pytest.raises(train.TrainError, match='missing optimizer, model_config'):
+        train.main(args)
+
+
+def test_incompatible_checkpoints(trained, tmp_path):
+    ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
+    cases = [({'model_config': {**ckpt['model_config'], 'd_model': 48}}, 'do not fit the model'),
+             ({'model_config': {**ckpt['model_config'], 'n_experts': 2}}, 'cannot build'),
+             ({'model': {k: v for k, v in ckpt['model'].items() if 'router' not in k}}, 'do not fit the model'),
+             ({'tokenizer': 'no_such_tokenizer'}, "tokenizer 'no_such_tokenizer', which cannot be loaded")]
+    for change, message in cases:
+        torch.save({**ckpt, **change}, tmp_path / 'ckpt.pt')
+        with pytest.raises(train.TrainError, match=message):
+            sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+
+
+def test_sample(trained, tmp_path):
+    out_dir = trained[0]
+    samples = sample.main([f'--out_dir={out_dir}', '--start=ROMEO:', '--num_samples=2', '--max_new_tokens=20'])
+    assert len(samples) == 2 and all(s.startswith('ROMEO:') for s in samples)
+    (tmp_path / 'prompt.txt').write_text('To be')
+    again = sample.main([f'--out_dir={out_dir}', '--ckpt=best.pt', f'--start=FILE:{tmp_path / "prompt.txt"}',
+                         '--num_samples=1', '--max_new_tokens=20', '--top_k=5', '--temperature=0.5'])
+    assert again[0].startswith('To be')
+    run = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out_dir}', '--num_samples=1',
+                          '--max_new_tokens=10', '--seed=1'], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0 and '---------------' in run.stdout, run.stderr
+
+
+def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
+    cmd = [sys.executable, 'train.py', *tiny(data_dir, tmp_path, '--max_iters=100000', '--eval_interval=100000')]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith('iter 3:'):
+                proc.send_signal(signal.SIGINT)
+                break
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] >= 3 and f'saved {tmp_path / "ckpt.pt"} at step {ckpt["iter_num"]}' in output
+    history = train.main(tiny(data_dir, tmp_path, f'--max_iters={ckpt["iter_num"] + 2}', '--init_from=resume'))
+    assert [i for i, _ in history['train']] == [ckpt['iter_num'] + 1, ckpt['iter_num'] + 2]
+
+
+def test_ddp_on_cpu(data_dir, tmp_path):
+    """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps."""
+    def torchrun(out_dir, *extra):
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+               *tiny(data_dir, out_dir, '--device=cpu', '--gradient_accumulation_steps=2', '--lr_decay_iters=4',
+                     '--eval_interval=2', *extra)]
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+        assert run.returncode == 0, run.stdout + run.stderr
+        return [line.split(',')[0] for line in run.stdout.splitlines() if line.startswith(('iter', 'step'))]
+    straight = torchrun(tmp_path / 'a', '--max_iters=4')
+    resumed = torchrun(tmp_path / 'b', '--max_iters=2')
+    resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume')
+    assert straight == resumed and len(straight) == 4 + 3
+    ckpt = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)
+    assert ckpt['data_state']['world_size'] == 2 and len(ckpt['rng']['batch']) == 2
+    assert ckpt['rng']['batch'][0] != ckpt['rng']['batch'][1]
+
+
 if __name__ == "__main__":
-    import sys
     sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
