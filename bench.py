@@ -12,7 +12,6 @@ Mamba-2 peers need `mamba-ssm` (its Triton parts; see README); they are skipped 
 """
 
 import argparse
-import math
 import sys
 import types
 
@@ -243,6 +242,15 @@ def model_from_config_file(path, vocab_size, **overrides):
     return Model(ModelConfig(**{**model_cfg.__dict__, **overrides}))
 
 
+def train_step(model, optimizer, batch):
+    """One AdamW step on batch (B, T + 1) under bf16 autocast."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def bench_train(args):
     """Training steps (AdamW, bf16 autocast, optionally compiled) on random tokens of the 1B configs."""
     import time
@@ -254,20 +262,12 @@ def bench_train(args):
         optimizer = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), "cuda")
         step_model = torch.compile(model) if args.compile else model
         tokens = torch.randint(args.vocab_size, (args.steps + 3, args.batch_size, args.block_size + 1), device="cuda")
-
-        def step(batch):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = step_model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
         for batch in tokens[:3]:  # warm-up: compilation, autotuning, allocator
-            step(batch)
+            train_step(step_model, optimizer, batch)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for batch in tokens[3:]:
-            step(batch)
+            train_step(step_model, optimizer, batch)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.steps
         tokens_per_s = args.batch_size * args.block_size / seconds

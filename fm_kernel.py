@@ -34,8 +34,6 @@ With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear attention
 and chunk-end states follow from H_next = e^{b_C} H + sum_s e^{b_C - b_s} theta_s xbar_s.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -157,6 +155,12 @@ if triton is not None:
         return tl.dot(a, b, input_precision=precision)
 
     @triton.jit
+    def _load_cols(row_ptrs, rows_ok, offs_d, D):
+        """Columns offs_d of the rows at row_ptrs (R,) as a float32 (R, BD) tile, zeros where masked."""
+        mask = rows_ok[:, None] & (offs_d < D)[None, :]
+        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _decay_matrix(b_t, causal):
         """E[t, s] = exp(b_t - b_s) for s <= t, else 0.  (C, C)"""
         diff = tl.minimum(b_t[:, None] - b_t[None, :], 0.0)
@@ -219,17 +223,16 @@ if triton is not None:
         t_abs = n * C + offs_t
         t_ok = t_abs < T
         m_ok = offs_m < M
-        x_base = x_ptr + bi * T * D + t_abs[:, None] * D
-        h_base = hs_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
+        x_rows = x_ptr + bi * T * D + t_abs * D  # (C,) row pointers
+        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
 
         gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
         hx = tl.zeros([BM, C], dtype=tl.float32)  # H X^T
         h_sq = tl.zeros([BM], dtype=tl.float32)  # ||H_i||^2
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
-            d_ok = offs_d < D
-            x = tl.load(x_base + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            x = _load_cols(x_rows, t_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
             gram += _mm(x, tl.trans(x), PRECISION)
             hx += _mm(h, tl.trans(x), PRECISION)
             h_sq += tl.sum(h * h, axis=1)
@@ -260,12 +263,11 @@ if triton is not None:
         q_state = phi / rms * tl.exp(b)  # (C, BM): reads of the chunk-start state
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
-            d_ok = offs_d < D
-            x = tl.load(x_base + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            x = _load_cols(x_rows, t_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
             y = _mm(P, x, PRECISION) + _mm(q_state, h, PRECISION)  # (C, BD)
             tl.store(y_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & d_ok[None, :])
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dq_ptr, c_ptr, dyh_ptr,
@@ -278,19 +280,17 @@ if triton is not None:
         t_abs = n * C + offs_t
         t_ok = t_abs < T
         m_ok = offs_m < M
-        x_base = x_ptr + bi * T * D + t_abs[:, None] * D
-        dy_base = dy_ptr + bi * T * D + t_abs[:, None] * D
-        h_base = hs_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
+        x_rows = x_ptr + bi * T * D + t_abs * D  # (C,) row pointers
+        dy_rows = dy_ptr + bi * T * D + t_abs * D
+        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
 
         dyx = tl.zeros([C, C], dtype=tl.float32)  # dY X^T
         dyh = tl.zeros([C, BM], dtype=tl.float32)  # dY H^T
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
-            d_ok = offs_d < D
-            td_mask = t_ok[:, None] & d_ok[None, :]
-            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            h = tl.load(h_base + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            x = _load_cols(x_rows, t_ok, offs_d, D)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
             dyx += _mm(dy, tl.trans(x), PRECISION)
             dyh += _mm(dy, tl.trans(h), PRECISION)
         chunk = bi * NC + n  # columns of dyh are read back one at a time below
@@ -322,14 +322,12 @@ if triton is not None:
         J = tl.load(j_row + offs_m[:, None] * C + offs_t[None, :], mask=m_ok[:, None], other=0.0)  # (BM, C)
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
-            d_ok = offs_d < D
-            td_mask = t_ok[:, None] & d_ok[None, :]
-            md_mask = m_ok[:, None] & d_ok[None, :]
-            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
+            x = _load_cols(x_rows, t_ok, offs_d, D)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
             ds = _mm(tl.trans(q_state), dy, PRECISION) + _mm(J, x, PRECISION) + kappa[:, None] * h
-            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds, mask=md_mask)
+            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
+                     mask=m_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, c_ptr, hx_ptr,
@@ -342,10 +340,10 @@ if triton is not None:
         t_abs = n * C + offs_t
         t_ok = t_abs < T
         m_ok = offs_m < M
-        x_base = x_ptr + bi * T * D + t_abs[:, None] * D
-        dy_base = dy_ptr + bi * T * D + t_abs[:, None] * D
-        h_base = hs_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
-        dh_base = dh_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D
+        x_rows = x_ptr + bi * T * D + t_abs * D  # (C,) row pointers
+        dy_rows = dy_ptr + bi * T * D + t_abs * D
+        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
+        dh_rows = dh_ptr + (bi * NC + n) * M * D + offs_m * D
 
         gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
         xdy = tl.zeros([C, C], dtype=tl.float32)  # X dY^T
@@ -353,13 +351,10 @@ if triton is not None:
         dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end X^T
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
-            d_ok = offs_d < D
-            td_mask = t_ok[:, None] & d_ok[None, :]
-            md_mask = m_ok[:, None] & d_ok[None, :]
-            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
-            dh = tl.load(dh_base + offs_d[None, :], mask=md_mask, other=0.0)
+            x = _load_cols(x_rows, t_ok, offs_d, D)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
+            dh = _load_cols(dh_rows, m_ok, offs_d, D)
             gram += _mm(x, tl.trans(x), PRECISION)
             xdy += _mm(x, tl.trans(dy), PRECISION)
             hx += _mm(h, tl.trans(x), PRECISION)
@@ -404,17 +399,14 @@ if triton is not None:
         v_end = theta * tl.exp(b_end[None, :] - b)
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
-            d_ok = offs_d < D
-            td_mask = t_ok[:, None] & d_ok[None, :]
-            md_mask = m_ok[:, None] & d_ok[None, :]
-            x = tl.load(x_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_base + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-            h = tl.load(h_base + offs_d[None, :], mask=md_mask, other=0.0)
-            dh = tl.load(dh_base + offs_d[None, :], mask=md_mask, other=0.0)
+            x = _load_cols(x_rows, t_ok, offs_d, D)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
+            dh = _load_cols(dh_rows, m_ok, offs_d, D)
             dx = (_mm(PT, dy, PRECISION) + _mm(W, x, PRECISION)
                   + _mm(v_state, h, PRECISION) + _mm(v_end, dh, PRECISION))
             tl.store(dx_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=td_mask)
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
@@ -543,8 +535,6 @@ def _reverse_cumsum_time(v):
 class _FMScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xbar, theta, phi, h0, eps, cu_seqlens):
-        B, T, D = xbar.shape
-        M = theta.shape[-1]
         x = xbar.contiguous()
         theta_p, phi_p, log_decay, b = _prepare(theta, phi, cu_seqlens)
         states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous())
@@ -556,9 +546,7 @@ class _FMScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dhT):
         x, theta, phi, log_decay, b, states, rms, hT = ctx.saved_tensors
-        B, T, D = x.shape
-        Tp, M = theta.shape[1:]
-        NC = states.shape[1]
+        T, D = x.shape[1:]
         dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
         dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
         dq, c, dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms)

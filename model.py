@@ -518,11 +518,12 @@ class Model(nn.Module):
 
     def estimate_mfu(self, tokens_per_sec, device_name=None):
         """Model FLOPs utilisation of one GPU processing tokens_per_sec at block_size context, against its bf16
-        dense peak (PEAK_BF16_FLOPS). device_name None -> the current CUDA device; CPU or an unknown GPU -> 0.0."""
+        dense peak (PEAK_BF16_FLOPS). device_name None -> the GPU holding the model; CPU or an unknown GPU -> 0.0."""
         if device_name is None:
-            if not torch.cuda.is_available():
+            device = next(self.parameters()).device
+            if device.type != 'cuda':
                 return 0.0
-            device_name = torch.cuda.get_device_name()
+            device_name = torch.cuda.get_device_name(device)
         peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name.upper()), None)
         if peak is None:
             return 0.0

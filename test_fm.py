@@ -29,6 +29,7 @@ import sample
 import train
 from configurator import ConfigError, load_config
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
+import model as model_module
 from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens, prepare
 
@@ -353,6 +354,43 @@ def test_overfits_one_batch(name):
         losses.append(loss.item())
     assert math.isclose(losses[0], math.log(64), rel_tol=0.05)  # a fresh model predicts near uniformly
     assert losses[-1] < losses[0] / 2, losses
+
+
+def train_losses(scan, steps, device, dtype, **overrides):
+    """Losses of AdamW steps, cycling over 4 fixed random batches, of a small FM model whose layers use scan."""
+    torch.manual_seed(0)
+    model = Model(tiny_config(**{'mixer': 'fm', 'top_k': 2, **overrides})).to(device)
+    optimizer = model.configure_optimizers(0.0, 3e-3, (0.9, 0.95), device)
+    batches = torch.randint(0, 64, (4, 4, 33), generator=torch.Generator().manual_seed(1)).to(device)
+    losses = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_module, 'memory_scan', lambda xbar, theta, phi, eps, chunk: scan(xbar, theta, phi, None, eps))
+        for step in range(steps):
+            idx = batches[step % len(batches)]
+            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_training_with_triton_scan_matches_torch_scan():
+    """The model trained through fm_scan follows the fm_scan_torch loss curve (float32, CPU interpreter or GPU)."""
+    triton_losses = train_losses(fm_scan, 6, DEVICE, torch.float32)
+    torch_losses = train_losses(fm_scan_torch, 6, DEVICE, torch.float32)
+    assert triton_losses == pytest.approx(torch_losses, rel=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="a few hundred GPU steps")
+def test_training_with_triton_scan_matches_torch_scan_gpu_bf16():
+    big = dict(d_model=256, n_memory=64, top_k=8)
+    triton_losses = train_losses(fm_scan, 300, "cuda", torch.bfloat16, **big)
+    torch_losses = train_losses(fm_scan_torch, 300, "cuda", torch.bfloat16, **big)
+    assert triton_losses[-1] < triton_losses[0] / 2
+    for step in (99, 199, 299):  # bf16 noise: compare 20-step means along the curve
+        assert sum(triton_losses[step - 19:step + 1]) == pytest.approx(sum(torch_losses[step - 19:step + 1]), rel=2e-2)
 
 
 @pytest.mark.parametrize('name', MIXERS)
