@@ -576,6 +576,10 @@ def _check_scan_args(xbar, theta, phi, h0, cu_seqlens):
         raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
     if cu_seqlens is not None and (B != 1 or h0 is not None):
         raise ValueError("cu_seqlens packs documents into one row: use batch size 1 and h0=None")
+    n_chunks = -(-T // CHUNK)
+    if B * n_chunks * CHUNK * max(D, theta.shape[-1]) >= 2**31 or B * n_chunks * theta.shape[-1] * D >= 2**31:
+        raise ValueError(f"fm_scan indexes with 32-bit offsets: B*T*D = {B * T * D:,} and the chunk states are too "
+                         f"large for one call; split the batch into calls of fewer tokens")
 
 
 @torch.compiler.disable  # torch.compile runs the kernels as they are, with a graph break around them

@@ -232,6 +232,9 @@ def test_scan_rejects_bad_shapes():
         fm_scan(x, torch.rand(1, 5, 4), torch.rand(1, 5, 4))
     with pytest.raises(ValueError, match="h0"):
         fm_scan(x, torch.rand(1, 4, 4), torch.rand(1, 4, 4), h0=torch.randn(1, 3, 8))
+    huge = torch.empty(1, 2**21, 1024, device="meta")  # 2^31 elements: past 32-bit offsets
+    with pytest.raises(ValueError, match="split the batch"):
+        fm_scan(huge, torch.empty(1, 2**21, 4, device="meta"), torch.empty(1, 2**21, 4, device="meta"))
 
 
 @pytest.mark.skipif(not CUDA, reason="real sizes need a GPU")
