@@ -213,7 +213,7 @@ class FactorizationMemory(nn.Module):
 
 def rotate(x, positions, inv_freq):
     """RoPE, rotating the two halves of the head dim: x (B, H, T, hd), positions (T,) -> (B, H, T, hd)."""
-    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq  # (T, hd/2)
+    angles = positions.float()[:, None] * inv_freq.float()  # (T, hd/2), float32 even in a bf16 model
     cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.to(inv_freq.dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
@@ -474,14 +474,15 @@ class Model(nn.Module):
         return self.logits(x[:, -1]), states
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample max_new_tokens after idx (B, T), prefill then a step a token -> (B, T + max_new_tokens)."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_tokens=None):
+        """Sample max_new_tokens after idx (B, T), prefill then a step a token -> (B, T + max_new_tokens).
+        n_tokens: sample only ids below it (the tokenizer's size when the model's vocabulary is padded)."""
         if max_new_tokens <= 0:
             return idx
         logits, state = self.prefill(idx)
         tokens = [idx]
         for i in range(max_new_tokens):
-            next_token = sample(logits, temperature, top_k)  # (B,)
+            next_token = sample(logits[:, :n_tokens], temperature, top_k)  # (B,)
             tokens.append(next_token[:, None])
             if i + 1 < max_new_tokens:
                 logits, state = self.step(next_token, state)

@@ -61,6 +61,7 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sHHIQQ64s")  # magic, version, bytes per token, vocab, tokens, documents, tokenizer
 TOKEN_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TXT_PIECE = 200  # a corpus that is one .txt file is cut into documents of this many lines, for the split
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -362,7 +363,13 @@ def _read_documents(dataset, options):
         yield from _read_hf(dataset[3:], options["hf_config"], options["hf_split"], options["text_field"])
         return
     readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
-    for file in _corpus_files(Path(dataset)):
+    path = Path(dataset)
+    if path.is_file() and path.suffix == ".txt":  # one text (nanoGPT's input.txt): documents of TXT_PIECE lines
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        for start in range(0, len(lines), TXT_PIECE):
+            yield "".join(lines[start:start + TXT_PIECE])
+        return
+    for file in _corpus_files(path):
         yield from readers[file.suffix](file, options["text_field"])
 
 
@@ -537,7 +544,8 @@ def main(argv=None):
     """Command line entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description="Tokenize a corpus into train.bin and val.bin token files.")
     parser.add_argument("--dataset", default="default", help="'default' (Shakespeare and Milton, in the repository), "
-                        "a .txt/.jsonl/.parquet file or a directory of them (a .txt file is one document), or hf:NAME")
+                        "a .txt/.jsonl/.parquet file or a directory of them (in a directory a .txt file is one "
+                             f"document; a lone .txt file is cut into documents of {TXT_PIECE} lines), or hf:NAME")
     parser.add_argument("--tokenizer", default="bytes",
                         help="'bytes' or a tiktoken encoding (cl100k_base works offline)")
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="output root (default: data/ in the repository)")
@@ -548,7 +556,10 @@ def main(argv=None):
     parser.add_argument("--hf_split", default="train", help="split of an hf: dataset")
     parser.add_argument("--max_docs", type=int, default=None, help="read at most this many documents")
     parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: all CPUs)")
-    prepare(**vars(parser.parse_args(argv)))
+    try:
+        prepare(**vars(parser.parse_args(argv)))
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ def main(argv=()):
 
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
+        if not os.path.isfile(prompt[5:]):
+            raise ConfigError(f'--start=FILE:{prompt[5:]}: no such file')
         with open(prompt[5:], encoding='utf-8') as f:
             prompt = f.read()
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
@@ -67,7 +69,8 @@ def main(argv=()):
                          f'is {path} from another tokenizer?')
     idx = torch.tensor(ids, dtype=torch.long, device=device)[None].repeat(cfg['num_samples'], 1)
     with torch.no_grad(), ctx:
-        out = model.generate(idx, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None)
+        out = model.generate(idx, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None,
+                             n_tokens=tok.vocab_size)  # never the padding ids of a padded vocabulary
     samples = [tok.decode(row.tolist()) for row in out]
     for text in samples:
         print(text)

@@ -34,6 +34,7 @@ from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens, prepare
 
 CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(fm_kernel.triton is None, reason="Triton is not installed (Linux only)")
 DEVICE = "cuda" if CUDA else "cpu"
 
 
@@ -148,6 +149,7 @@ KERNEL_CASES = [  # B, T, D, M, k, h0
 ]
 
 
+@needs_triton
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_triton_scan_matches_loop(case, poisoned_outputs):
     B, T, D, M, k, with_h0 = case
@@ -160,6 +162,7 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
     assert_close_all([g.cpu() for g in got], want, 2e-5)
 
 
+@needs_triton
 @pytest.mark.parametrize("rate", [1e-4, 1 - 1e-4])
 def test_triton_scan_extreme_rates(rate, poisoned_outputs):
     torch.manual_seed(3)
@@ -169,23 +172,26 @@ def test_triton_scan_extreme_rates(rate, poisoned_outputs):
     got = scan_and_grads(fm_scan, [t.float().to(DEVICE) for t in inputs], grad_y.to(DEVICE), grad_h.to(DEVICE))
     got = [g.cpu() for g in got]
     # dtheta = dk - dlog(1-theta) / (1 - theta): float32 rounding grows like 1 / (1 - theta) there
-    assert rel_err(got[3], want[3]) < 2e-5 / (1 - rate)
+    assert rel_err(got[3], want[3]) < max(2e-5, 1e-6 / (1 - rate))
     got[3] = want[3] = torch.ones(1)
     assert_close_all(got, want, 2e-5 if rate < 0.5 else 1e-3)  # dh0 of nearly erased rows is tiny
 
 
-def test_triton_scan_bf16_inputs():
+@needs_triton
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_triton_scan_16bit_inputs(dtype, poisoned_outputs):
     torch.manual_seed(4)
     inputs = scan_inputs(1, 70, 32, 16, 4)
     grad_y, grad_h = torch.randn(1, 70, 32, dtype=torch.float64), torch.randn(1, 16, 32, dtype=torch.float64)
     want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
     x, theta, phi, h0 = inputs
-    bf16 = [x.bfloat16().to(DEVICE), theta.float().to(DEVICE), phi.float().to(DEVICE), h0.float().to(DEVICE)]
-    got = scan_and_grads(fm_scan, bf16, grad_y.to(DEVICE), grad_h.to(DEVICE))
-    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
+    half = [x.to(dtype).to(DEVICE), theta.float().to(DEVICE), phi.float().to(DEVICE), h0.float().to(DEVICE)]
+    got = scan_and_grads(fm_scan, half, grad_y.to(DEVICE), grad_h.to(DEVICE))
+    assert got[0].dtype == dtype and got[2].dtype == dtype
     assert_close_all([g.cpu() for g in got], want, 1e-2)
 
 
+@needs_triton
 def test_triton_scan_packed_documents_restart_memory(poisoned_outputs):
     torch.manual_seed(5)
     lengths = [5, 70, 1, 30]
@@ -209,6 +215,7 @@ def test_triton_scan_packed_documents_restart_memory(poisoned_outputs):
         assert rel_err(g, torch.cat(g_docs, 1)) < 1e-4
 
 
+@needs_triton
 @pytest.mark.parametrize("K,M,D", [(1, 4, 16), (3, 10, 40), (8, 8, 100)])
 def test_triton_step_matches_naive(K, M, D, poisoned_outputs):
     torch.manual_seed(K + M)
@@ -226,6 +233,7 @@ def test_triton_step_matches_naive(K, M, D, poisoned_outputs):
     assert torch.equal(h[untouched], h_naive[untouched])
 
 
+@needs_triton
 def test_scan_rejects_bad_shapes():
     x = torch.randn(1, 4, 8)
     with pytest.raises(ValueError, match="theta"):
@@ -282,6 +290,7 @@ def fm_reference(layer, x):
 
 @pytest.mark.parametrize('top_k', [1, 3, 7, 8, None])
 def test_fm_layer_matches_paper_equations(top_k):
+    """The reference always masks to the top k and renormalises: at k = m (8, None) the dense layer equals it."""
     torch.manual_seed(0)
     layer = FactorizationMemory(tiny_config(top_k=top_k, tau=0.5)).double()
     for p in layer.parameters():  # weights large enough that routing is far from uniform
@@ -291,15 +300,6 @@ def test_fm_layer_matches_paper_equations(top_k):
     y_ref, h_ref = fm_reference(layer, x)
     assert rel_err(y, y_ref) < 1e-10
     assert rel_err(state['h'], h_ref) < 1e-10
-
-
-def test_fm_sparse_with_k_equal_m_is_dense():
-    torch.manual_seed(0)
-    dense = FactorizationMemory(tiny_config(top_k=None)).double()
-    sparse = FactorizationMemory(tiny_config(top_k=8)).double()
-    sparse.load_state_dict(dense.state_dict())
-    x = torch.randn(2, 20, 32, dtype=torch.float64)
-    assert torch.equal(sparse(x)[0], dense(x)[0])
 
 
 @pytest.mark.parametrize('top_k', [1, 2, 5, 8])
@@ -342,6 +342,22 @@ def test_step_and_prefill_match_forward(name):
     assert rel_err(torch.stack(continued, 1), logits[:, 20:]) < 1e-9
 
 
+@needs_triton
+@pytest.mark.parametrize('top_k', [3, None])
+def test_step_matches_forward_through_the_triton_kernels(top_k):
+    """The dispatch the model takes on CUDA (fm_scan, fm_step), here under the interpreter, in float32."""
+    torch.manual_seed(0)
+    model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1)).to(DEVICE).eval()
+    idx = torch.randint(0, 64, (2, 37), device=DEVICE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_module, 'memory_scan', lambda xbar, theta, phi, eps, chunk: fm_scan(xbar, theta, phi, None, eps))
+        patch.setattr(model_module, 'memory_step', fm_step)
+        logits, _ = model(idx)
+        state = model.init_state(2, DEVICE)
+        stepped = [model.step(idx[:, t], state)[0] for t in range(idx.shape[1])]
+    assert rel_err(torch.stack(stepped, 1), logits) < 1e-5
+
+
 @pytest.mark.parametrize('name', MIXERS)
 def test_overfits_one_batch(name):
     torch.manual_seed(0)
@@ -379,6 +395,7 @@ def train_losses(scan, steps, device, dtype, **overrides):
     return losses
 
 
+@needs_triton
 def test_training_with_triton_scan_matches_torch_scan():
     """The model trained through fm_scan follows the fm_scan_torch loss curve (float32, CPU interpreter or GPU)."""
     triton_losses = train_losses(fm_scan, 6, DEVICE, torch.float32)
@@ -688,6 +705,15 @@ def test_txt_directory_corpus(tmp_path):
     assert all((tmp_path / "other" / "texts_bytes" / name).read_bytes() == data for name, data in first.items())
 
 
+def test_lone_txt_file_is_cut_into_documents(tmp_path):
+    lines = [f"line {i}: to be, or not to be 🎭\n" for i in range(3000)]
+    (tmp_path / "input.txt").write_text("".join(lines), encoding="utf-8")
+    folder = prepare(str(tmp_path / "input.txt"), "bytes", tmp_path / "data", val_fraction=0.1, num_proc=1)
+    train_docs, val_docs = (load_tokens(folder / name) for name in ("train.bin", "val.bin"))
+    assert len(train_docs.doc_offsets) + len(val_docs.doc_offsets) == 3000 // prepare_data.TXT_PIECE
+    assert len(val_docs) > 0 and len(train_docs) + len(val_docs) == len("".join(lines).encode("utf-8"))
+
+
 def test_jsonl_corpus_cl100k(tmp_path, capsys):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"id": i, "content": text}) + "\n" for i, text in enumerate(DOCUMENTS)))
@@ -886,6 +912,14 @@ def test_resume_is_exact(data_dir, tmp_path, trained):
     for i, state in a['optimizer']['state'].items():
         assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
     assert a['rng']['batch'] == b['rng']['batch']
+
+
+def test_resume_in_another_dtype(data_dir, tmp_path):
+    """A float32 checkpoint resumes under float16 autocast (its gradient scaler starts fresh)."""
+    out_dir = str(tmp_path)
+    train.main(tiny(data_dir, out_dir, '--max_iters=2', '--dtype=float32'))
+    history = train.main(tiny(data_dir, out_dir, '--max_iters=4', '--dtype=float16', '--init_from=resume'))
+    assert len(history['train']) == 2
 
 
 def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):

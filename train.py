@@ -47,9 +47,10 @@ wandb_log = False
 wandb_project = 'factorization-memory'
 wandb_run_name = 'fm'
 # data: data_dir/{dataset}_{tokenizer}/{train,val}.bin, written by prepare_data.py
-dataset = 'default'
+dataset = 'default'  # 'default', or the --dataset given to prepare_data.py (a path or hf:NAME)
 tokenizer = 'bytes'
 data_dir = 'data'
+hf_config = ''  # the --hf_config given to prepare_data.py, if any
 gradient_accumulation_steps = 1  # micro-batches per step over all processes (divided by the world size under DDP)
 batch_size = 16  # micro-batch size per process
 block_size = 256
@@ -71,7 +72,7 @@ beta2 = 0.95
 grad_clip = 1.0  # clip the gradient norm at this value; 0.0 disables
 # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
 warmup_iters = 50
-lr_decay_iters = 500  # usually = max_iters
+lr_decay_iters = 0  # step where the cosine reaches min_lr; 0: max_iters
 min_lr = 4e-4
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps', ...
@@ -129,14 +130,15 @@ def load_data(cfg, rank, cpu_group):
         tok = get_tokenizer(cfg.tokenizer)
     except (ValueError, ImportError, RuntimeError) as e:
         raise TrainError(str(e)) from None
-    folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+    folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
     if cfg.dataset == 'default' and rank == 0:
         prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir)  # does nothing if done already
     if cpu_group is not None:
         dist.barrier(group=cpu_group)  # the other ranks wait for rank 0 to prepare the data
     if not (folder / 'train.bin').exists():
+        hf_config = f' --hf_config {cfg.hf_config}' if cfg.hf_config else ''
         raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py '
-                         f'--dataset {cfg.dataset} --tokenizer {cfg.tokenizer} --data_dir {cfg.data_dir}')
+                         f'--dataset {cfg.dataset} --tokenizer {cfg.tokenizer} --data_dir {cfg.data_dir}{hf_config}')
     try:
         train = load_tokens(folder / 'train.bin', tokenizer=cfg.tokenizer, vocab_size=tok.vocab_size)
         val = load_tokens(folder / 'val.bin', tokenizer=cfg.tokenizer, vocab_size=tok.vocab_size)
@@ -182,9 +184,10 @@ def get_lr(it, cfg):
     """Linear warmup for warmup_iters steps, cosine decay to min_lr at lr_decay_iters, then min_lr."""
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    if it >= cfg.lr_decay_iters:
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it >= decay_iters:
         return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
@@ -326,10 +329,14 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
         if ckpt['tokenizer'] != cfg.tokenizer:
             raise TrainError(f'{ckpt_path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
                              f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
-        for k, v in ckpt['model_config'].items():
-            if k in config and config[k] != v and master:
+        for k, v in ckpt['model_config'].items():  # the architecture is the checkpoint's
+            if k in config and k != 'block_size' and config[k] != v and master:
                 print(f'resume: keeping the checkpoint\'s {k}={v!r} (this run says {config[k]!r})')
+        for k, v in ckpt['train_config'].items():  # training settings, block_size included, are this run's
+            if k in config and (k == 'block_size' or k not in ckpt['model_config']) and config[k] != v and master:
+                print(f'resume: {k}={config[k]!r} (the checkpoint\'s run had {v!r})')
         raw_model = model_from_checkpoint(ckpt, ckpt_path)
+        raw_model.config.block_size = cfg.block_size  # the context trained from now on (the model has no limit)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     else:
         vocab_size = tok.vocab_size
@@ -351,7 +358,7 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
     if ckpt is not None:
         optimizer.load_state_dict(ckpt['optimizer'])
-        if 'scaler' in ckpt:
+        if ckpt.get('scaler') and scaler.is_enabled():  # float16 runs only; empty for bfloat16 / float32
             scaler.load_state_dict(ckpt['scaler'])
     model = torch.compile(raw_model) if cfg.compile else raw_model
     eval_model = model  # evaluation needs no gradient sync: call the model without the DDP wrapper

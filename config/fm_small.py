@@ -24,7 +24,6 @@ learning_rate = 4e-3
 min_lr = 4e-4
 warmup_iters = 50
 max_iters = 500
-lr_decay_iters = 500
 
 eval_interval = 100
 eval_iters = 16
