@@ -342,6 +342,8 @@ def main():
         bench_scan(mamba, ceilings)
     if args.what == "stages":
         bench_stages()
+    if args.what in ("train", "generate"):
+        import_mamba()  # before model.py is imported, so that its Mamba-2 uses mamba-ssm's scan when installed
     if args.what == "train":
         bench_train(args)
     if args.what == "generate":
