@@ -375,12 +375,15 @@ def test_overfits_one_batch(name):
     assert losses[-1] < losses[0] / 2, losses
 
 
-def train_losses(scan, steps, device, dtype, **overrides):
-    """Losses of AdamW steps, cycling over 4 fixed random batches, of a small FM model whose layers use scan."""
+def train_losses(scan, steps, device, dtype, batches=None, **overrides):
+    """Losses of AdamW steps of a small FM model whose layers use scan, cycling over batches (N, B, T + 1)
+    (default: 4 fixed random batches of vocab 64)."""
     torch.manual_seed(0)
     model = Model(tiny_config(**{'mixer': 'fm', 'top_k': 2, **overrides})).to(device)
     optimizer = model.configure_optimizers(0.0, 3e-3, (0.9, 0.95), device)
-    batches = torch.randint(0, 64, (4, 4, 33), generator=torch.Generator().manual_seed(1)).to(device)
+    if batches is None:
+        batches = torch.randint(0, 64, (4, 4, 33), generator=torch.Generator().manual_seed(1))
+    batches = batches.to(device)
     losses = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_module, 'memory_scan', lambda xbar, theta, phi, eps, chunk: scan(xbar, theta, phi, None, eps))
@@ -395,6 +398,13 @@ def train_losses(scan, steps, device, dtype, **overrides):
     return losses
 
 
+def text_batches(n, batch_size, block_size, data_dir):
+    """n batches of random windows of the default corpus (bytes), fixed by a seed."""
+    tokens = load_tokens(prepare("default", "bytes", data_dir) / "train.bin").tokens
+    starts = np.random.default_rng(0).integers(0, len(tokens) - block_size - 1, size=(n, batch_size))
+    return torch.from_numpy(np.stack([[tokens[s:s + block_size + 1] for s in row] for row in starts]).astype(np.int64))
+
+
 @needs_triton
 def test_training_with_triton_scan_matches_torch_scan():
     """The model trained through fm_scan follows the fm_scan_torch loss curve (float32, CPU interpreter or GPU)."""
@@ -404,13 +414,15 @@ def test_training_with_triton_scan_matches_torch_scan():
 
 
 @pytest.mark.skipif(not CUDA, reason="a few hundred GPU steps")
-def test_training_with_triton_scan_matches_torch_scan_gpu_bf16():
-    big = dict(d_model=256, n_memory=64, top_k=8)
-    triton_losses = train_losses(fm_scan, 300, "cuda", torch.bfloat16, **big)
-    torch_losses = train_losses(fm_scan_torch, 300, "cuda", torch.bfloat16, **big)
-    assert triton_losses[-1] < triton_losses[0] / 2
-    for step in (99, 199, 299):  # bf16 noise: compare 20-step means along the curve
-        assert sum(triton_losses[step - 19:step + 1]) == pytest.approx(sum(torch_losses[step - 19:step + 1]), rel=2e-2)
+def test_training_with_triton_scan_matches_torch_scan_gpu_bf16(tmp_path):
+    """300 bf16 steps on text (no memorisation, where tiny differences would grow): the two loss curves agree."""
+    batches = text_batches(300, 16, 256, tmp_path)
+    big = dict(vocab_size=256, d_model=256, n_memory=64, top_k=8, block_size=256)
+    triton_losses = train_losses(fm_scan, 300, "cuda", torch.bfloat16, batches, **big)
+    torch_losses = train_losses(fm_scan_torch, 300, "cuda", torch.bfloat16, batches, **big)
+    assert sum(triton_losses[-20:]) < sum(triton_losses[:20]) / 2
+    for step in (99, 199, 299):  # means of 20 steps along the curve
+        assert sum(triton_losses[step - 19:step + 1]) == pytest.approx(sum(torch_losses[step - 19:step + 1]), rel=3e-2)
 
 
 @pytest.mark.parametrize('name', MIXERS)
