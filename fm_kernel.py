@@ -551,10 +551,10 @@ class _FMScan(torch.autograd.Function):
         T, D = x.shape[1:]
         dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
         dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
-        dq, c, dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms)
-        dh0 = torch.empty_like(hT)
+        dq, c, dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms)  # (B, Tp, M) x 2, (B, NC, M, D)
+        dh0 = torch.empty_like(hT)  # (B, M, D)
         _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
-        dx, dk = _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, c)
+        dx, dk = _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, c)  # (B, T, D), (B, Tp, M)
         # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
         # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
         q = phi / rms

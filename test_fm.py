@@ -350,7 +350,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k):
     model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1)).to(DEVICE).eval()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, 'memory_scan', lambda xbar, theta, phi, eps, chunk: fm_scan(xbar, theta, phi, None, eps))
+        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, eps, chunk: fm_scan(x, theta, phi, None, eps))
         patch.setattr(model_module, 'memory_step', fm_step)
         logits, _ = model(idx)
         state = model.init_state(2, DEVICE)
@@ -386,7 +386,7 @@ def train_losses(scan, steps, device, dtype, batches=None, **overrides):
     batches = batches.to(device)
     losses = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, 'memory_scan', lambda xbar, theta, phi, eps, chunk: scan(xbar, theta, phi, None, eps))
+        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, eps, chunk: scan(x, theta, phi, None, eps))
         for step in range(steps):
             idx = batches[step % len(batches)]
             with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
@@ -422,7 +422,8 @@ def test_training_with_triton_scan_matches_torch_scan_gpu_bf16(tmp_path):
     torch_losses = train_losses(fm_scan_torch, 300, "cuda", torch.bfloat16, batches, **big)
     assert sum(triton_losses[-20:]) < sum(triton_losses[:20]) / 2
     for step in (99, 199, 299):  # means of 20 steps along the curve
-        assert sum(triton_losses[step - 19:step + 1]) == pytest.approx(sum(torch_losses[step - 19:step + 1]), rel=3e-2)
+        window = slice(step - 19, step + 1)
+        assert sum(triton_losses[window]) == pytest.approx(sum(torch_losses[window]), rel=3e-2)
 
 
 @pytest.mark.parametrize('name', MIXERS)
@@ -774,7 +775,7 @@ def test_hf_dataset(tmp_path):
     assert_split_round_trip(folder, "bytes", DOCUMENTS)
 
 
-# ============================================================================= train.py, sample.py, configurator.py, config/
+# ============================================================================= train.py, sample.py, config/
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
