@@ -244,24 +244,29 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, causal):
         """q (B, H, Tq, hd), k, v (B, Hkv, Tk, hd) -> (B, Tq, d_model)."""
-        group = self.n_head // self.n_kv_head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, Tq, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)  # (B, H, Tq, hd)
         B, H, Tq, hd = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(B, Tq, H * hd))
 
     def forward(self, x):  # x (B, T, d_model)
         q, k, v = self.project(x, 0)
-        return self.attend(q, k, v, causal=True), {'k': k, 'v': v}
+        return self.attend(q, k, v, causal=True), {'k': k, 'v': v, 'len': k.shape[2]}
 
     def step(self, x, state):  # x (B, d_model)
-        q, k, v = self.project(x[:, None], state['k'].shape[2])
-        k, v = torch.cat([state['k'], k], dim=2), torch.cat([state['v'], v], dim=2)  # (B, Hkv, t+1, hd)
-        return self.attend(q, k, v, causal=False)[:, 0], {'k': k, 'v': v}
+        """Writes the new key and value into the cache, doubling its capacity when it is full."""
+        t = state['len']
+        q, k, v = self.project(x[:, None], t)
+        if t == state['k'].shape[2]:
+            B, H, _, hd = state['k'].shape
+            state['k'], state['v'] = (torch.cat([c, c.new_zeros(B, H, max(t, 16), hd)], dim=2)
+                                      for c in (state['k'], state['v']))
+        state['k'][:, :, t], state['v'][:, :, t] = k[:, :, 0], v[:, :, 0]
+        state['len'] = t + 1
+        return self.attend(q, state['k'][:, :, :t + 1], state['v'][:, :, :t + 1], causal=False)[:, 0], state
 
     def init_state(self, batch_size, device):
         empty = self.k_proj.weight.new_zeros(batch_size, self.n_kv_head, 0, self.head_dim, device=device)
-        return {'k': empty, 'v': empty.clone()}
+        return {'k': empty, 'v': empty.clone(), 'len': 0}
 
 
 # ----------------------------------------------------------------------------- Mamba-2
@@ -455,7 +460,7 @@ class Model(nn.Module):
         return logits, loss
 
     def init_state(self, batch_size, device=None):
-        """Empty per-layer states: fm {'h'}, attn {'k', 'v'} (grows a token a step), mamba2 {'conv', 'ssm'}."""
+        """Empty per-layer states: fm {'h'}, attn {'k', 'v', 'len'} (a KV cache that grows), mamba2 {'conv', 'ssm'}."""
         device = self.embed.weight.device if device is None else device
         return [block.mixer.init_state(batch_size, device) for block in self.blocks]
 
