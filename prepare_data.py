@@ -481,7 +481,8 @@ def dataset_dir(dataset, tokenizer, data_dir=DEFAULT_DATA_DIR, hf_config=None):
     if dataset.startswith("hf:"):
         name = "hf_" + dataset[3:] + (f"_{hf_config}" if hf_config else "")
     else:
-        name = dataset if dataset == "default" else Path(dataset).resolve().stem
+        path = Path(dataset).resolve()
+        name = dataset if dataset == "default" else path.name if path.is_dir() else path.stem
     return Path(data_dir) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}_{tokenizer}"
 
 
