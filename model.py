@@ -48,7 +48,7 @@ class ModelConfig:
     d_memory: int | None = None  # width of a memory row; None -> d_model
     tau: float = 1.0  # router softmax temperature
     fm_eps: float = 1e-6
-    chunk_size: int = 64  # chunk length of the fm and mamba2 parallel scans
+    chunk_size: int = 64  # chunk length of the PyTorch fm scan and of the mamba2 scan (Triton fm: 64)
     # attn
     n_head: int = 8
     n_kv_head: int | None = None  # None -> n_head
