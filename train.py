@@ -295,6 +295,47 @@ def main(argv=()):
             dist.destroy_process_group()
 
 
+def precision(dtype, device_type):
+    """The training dtype ('auto': bfloat16 on CUDA, float16 where it lacks bfloat16, else float32)
+    and the autocast context for it."""
+    if dtype == 'auto':
+        dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
+    if device_type == 'cuda' and dtype == 'bfloat16' and not torch.cuda.is_bf16_supported():
+        dtype = 'float16'
+    if device_type == 'cuda':
+        torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
+    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
+    return dtype, ctx
+
+
+def new_model(cfg, config, vocab_size):
+    """A fresh Model from the run's settings; a tokenizer of more than 256 ids pads to vocab_multiple."""
+    if vocab_size > 256 and cfg.vocab_multiple > 1:
+        vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
+    model_args = {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
+    try:
+        return Model(ModelConfig(**{**model_args, 'vocab_size': vocab_size}))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def resumed_model(ckpt, ckpt_path, cfg, config, master):
+    """The checkpoint's model: its architecture wins; training settings (block_size too) are this run's."""
+    if ckpt['tokenizer'] != cfg.tokenizer:
+        raise TrainError(f'{ckpt_path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
+                         f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
+    if master:
+        for k, v in ckpt['model_config'].items():
+            if k in config and k != 'block_size' and config[k] != v:
+                print(f'resume: keeping the checkpoint\'s {k}={v!r} (this run says {config[k]!r})')
+        for k, v in ckpt['train_config'].items():
+            if k in config and (k == 'block_size' or k not in ckpt['model_config']) and config[k] != v:
+                print(f'resume: {k}={config[k]!r} (the checkpoint\'s run had {v!r})')
+    model = model_from_checkpoint(ckpt, ckpt_path)
+    model.config.block_size = cfg.block_size  # the context trained from now on (the model has no limit)
+    return model
+
+
 def train(cfg, config, rank, world_size, device_name, cpu_group):
     master = rank == 0
     if cfg.gradient_accumulation_steps % world_size:
@@ -304,12 +345,7 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     device = torch.device(device_name)
     device_type = device.type
-    dtype = cfg.dtype if cfg.dtype != 'auto' else ('bfloat16' if device_type == 'cuda' else 'float32')
-    if device_type == 'cuda' and dtype == 'bfloat16' and not torch.cuda.is_bf16_supported():
-        dtype = 'float16'
-    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
-    if device_type == 'cuda':
-        torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
+    dtype, ctx = precision(cfg.dtype, device_type)
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         print(f'device {device} ({torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"}), '
@@ -326,27 +362,10 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     iter_num, best_val_loss, ckpt = 0, float('inf'), None
     if cfg.init_from == 'resume':
         ckpt = load_checkpoint(ckpt_path)
-        if ckpt['tokenizer'] != cfg.tokenizer:
-            raise TrainError(f'{ckpt_path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
-                             f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
-        for k, v in ckpt['model_config'].items():  # the architecture is the checkpoint's
-            if k in config and k != 'block_size' and config[k] != v and master:
-                print(f'resume: keeping the checkpoint\'s {k}={v!r} (this run says {config[k]!r})')
-        for k, v in ckpt['train_config'].items():  # training settings, block_size included, are this run's
-            if k in config and (k == 'block_size' or k not in ckpt['model_config']) and config[k] != v and master:
-                print(f'resume: {k}={config[k]!r} (the checkpoint\'s run had {v!r})')
-        raw_model = model_from_checkpoint(ckpt, ckpt_path)
-        raw_model.config.block_size = cfg.block_size  # the context trained from now on (the model has no limit)
+        raw_model = resumed_model(ckpt, ckpt_path, cfg, config, master)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     else:
-        vocab_size = tok.vocab_size
-        if vocab_size > 256 and cfg.vocab_multiple > 1:
-            vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
-        model_args = {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
-        try:
-            raw_model = Model(ModelConfig(**{**model_args, 'vocab_size': vocab_size}))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        raw_model = new_model(cfg, config, tok.vocab_size)
     raw_model.to(device)
     model_config = raw_model.config
     if master:
