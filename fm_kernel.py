@@ -89,10 +89,10 @@ def _log_decay(theta):
     return torch.where(below_one, torch.log1p(-torch.where(below_one, theta, 0)), LOG_DECAY_FLOOR)
 
 
-def _chunk_log_decay(theta, chunk):
-    """Within-chunk inclusive cumsum of log(1 - theta): (B, NC, C, M)."""
-    B, Tp, M = theta.shape
-    return _log_decay(theta).view(B, Tp // chunk, chunk, M).cumsum(2)
+def _chunk_cumsum(log_decay, chunk):
+    """Within-chunk inclusive cumsum of the log-decays (B, Tp, M): b (B, NC, C, M)."""
+    B, Tp, M = log_decay.shape
+    return log_decay.view(B, Tp // chunk, chunk, M).cumsum(2)
 
 
 def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
@@ -106,7 +106,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     x = x.view(B, NC, C, D)
     th = _pad_time(theta.to(dtype), C)
     ph = _pad_time(phi.to(dtype), C).view(B, NC, C, M)
-    b = _chunk_log_decay(th, C).transpose(-1, -2)  # (B, NC, M, C)
+    b = _chunk_cumsum(_log_decay(th), C).transpose(-1, -2)  # (B, NC, M, C)
     th = th.view(B, NC, C, M).transpose(-1, -2)  # (B, NC, M, C)
 
     causal = torch.ones(C, C, dtype=torch.bool, device=x.device).tril()
@@ -524,8 +524,7 @@ def _prepare(theta, phi, cu_seqlens):
     log_decay = _log_decay(theta_p)
     if cu_seqlens is not None:  # a document start forgets the memory
         log_decay[:, cu_seqlens[1:-1].long()] = LOG_DECAY_FLOOR
-    B, Tp, M = theta_p.shape
-    b = log_decay.view(B, Tp // CHUNK, CHUNK, M).cumsum(2).view(B, Tp, M)
+    b = _chunk_cumsum(log_decay, CHUNK).view(theta_p.shape)
     return theta_p, phi_p, log_decay, b
 
 

@@ -512,8 +512,7 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
                 history['train'].append((iter_num, lossf))
                 if master:
                     tok_s = tokens_per_iter / dt
-                    mfu = raw_model.estimate_mfu(tok_s / world_size, torch.cuda.get_device_name(device)) \
-                        if device_type == 'cuda' else 0.0
+                    mfu = raw_model.estimate_mfu(tok_s / world_size)  # 0.0 off CUDA
                     mfu_text = f', mfu {100 * mfu:.1f}%' if device_type == 'cuda' else ''
                     print(f'iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s{mfu_text}, '
                           f'mem {peak_memory_gb(device):.2f}GB, {1000 * dt:.1f}ms/iter', flush=True)
