@@ -213,15 +213,15 @@ def bench_stages():
         dy = torch.randn_like(x)
         theta_p, phi_p, _, b = fm_kernel._prepare(theta, phi, None)
         states, hT = fm_kernel._chunk_states(x, theta_p, b, h0)
-        y, rms = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
-        dq, c, dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms)
+        y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
+        dq, c, gamma, dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms)
         stages = {
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
             "write+scan": lambda: fm_kernel._chunk_states(x, theta_p, b, h0),
             "scan alone": lambda: fm_kernel._scan_states(states, b, h0, hT, reverse=False),
             "out": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
             "dstate": lambda: fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms),
-            "dinput": lambda: fm_kernel._chunk_dinput(x, dy, theta_p, phi_p, b, states, dstates, rms, c),
+            "dinput": lambda: fm_kernel._chunk_dinput(x, dy, theta_p, phi_p, b, states, dstates, rms, gamma, P),
         }
         row = {"T": T}
         row.update({name: do_bench(fn, return_mode="median") for name, fn in stages.items()})

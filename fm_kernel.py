@@ -47,6 +47,7 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e
 # measurable, but every document start in a chunk adds -80 to its cumulative log-decay, which costs float32
 # precision in the relative decays (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
 CHUNK = 64  # tokens per chunk in the Triton scan
+SUB = 16  # tokens per sub-chunk: the unit of the within-chunk products that batch all rows
 
 
 # ----------------------------------------------------------------------------- references
@@ -163,12 +164,6 @@ if triton is not None:
         return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _decay_matrix(b_t, causal):
-        """E[t, s] = exp(b_t - b_s) for s <= t, else 0.  (C, C)"""
-        diff = tl.minimum(b_t[:, None] - b_t[None, :], 0.0)
-        return tl.where(causal, tl.exp(diff), 0.0)
-
-    @triton.jit
     def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC,
                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -216,16 +211,60 @@ if triton is not None:
         tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
 
     @triton.jit
-    def _chunk_out_kernel(x_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, hx_ptr, hsq_ptr, r_ptr, y_ptr, eps,
-                          T, Tp, D, M, NC,
-                          C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    def _tile(ptr, base, offs_m, m_ok, offs_t, M):
+        """(rows, tokens) tile of a (B, Tp, M) float32 array: [i, t] at base + t * M + i, 0 on padded rows."""
+        return tl.load(ptr + base + offs_t[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=0.0)
+
+    @triton.jit
+    def _store_tile(ptr, base, offs_m, m_ok, offs_t, M, value):
+        tl.store(ptr + base + offs_t[None, :] * M + offs_m[:, None], value, mask=m_ok[:, None])
+
+    @triton.jit
+    def _query(phi_ptr, r_ptr, base, offs_m, m_ok, offs_t, M):
+        """q = phi / rms as a (rows, tokens) tile, 0 on padded rows."""
+        ptrs = base + offs_t[None, :] * M + offs_m[:, None]
+        rms = tl.load(r_ptr + ptrs, mask=m_ok[:, None], other=1.0)
+        return tl.load(phi_ptr + ptrs, mask=m_ok[:, None], other=0.0) / rms
+
+    @triton.jit
+    def _block(ptr, offs_r, offs_c, width):
+        """Block [offs_r, offs_c] of a row-major float32 matrix `width` wide."""
+        return tl.load(ptr + offs_r[:, None] * width + offs_c[None, :])
+
+    @triton.jit
+    def _boundary(b_ptr, base, offs_m, m_ok, t, M):
+        """b at chunk-relative token t (BM,), or 0 for t = -1 (the chunk start)."""
+        b_t = tl.load(b_ptr + base + tl.maximum(t, 0) * M + offs_m, mask=m_ok, other=0.0)
+        return tl.where(t >= 0, b_t, 0.0)
+
+    @triton.jit
+    def _masked_decay(b_from, b_to, keep):
+        """e^{b_to - b_from} where keep, else 0 (the exponent is <= 0 wherever keep holds)."""
+        return tl.where(keep, tl.exp(tl.minimum(b_to - b_from, 0.0)), 0.0)
+
+    @triton.jit
+    def _local_decays(b_sub, S: tl.constexpr):
+        """E[i, t, s] = e^{b_t[i] - b_s[i]} for s <= t inside one sub-chunk, else 0.  (BM, S, S)"""
+        offs = tl.arange(0, S)
+        causal = (offs[:, None] >= offs[None, :])[None, :, :]
+        return _masked_decay(b_sub[:, None, :], b_sub[:, :, None], causal)
+
+    @triton.jit
+    def _local_gram(l, g_loc, BM: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+        """sum_s' l[i, t, s'] G[s', s] for every row i: one (BM*S, S) x (S, S) product.  (BM, S, S)"""
+        return tl.reshape(_mm(tl.reshape(l, (BM * S, S)), g_loc, PRECISION), (BM, S, S))
+
+    @triton.jit
+    def _chunk_out_kernel(x_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, g_ptr, hx_ptr, p_ptr, r_ptr, y_ptr, eps,
+                          T, Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
+                          BD: tl.constexpr, PRECISION: tl.constexpr):
+        """Row rms of every token through the Gram expansion, P (C, C) and y = P X + (q e^b) H."""
         n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t = tl.arange(0, C)
+        offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
-        t_abs = n * C + offs_t
-        t_ok = t_abs < T
+        t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + t_abs * D  # (C,) row pointers
+        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
         h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
 
         gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
@@ -238,117 +277,140 @@ if triton is not None:
             gram += _mm(x, tl.trans(x), PRECISION)
             hx += _mm(h, tl.trans(x), PRECISION)
             h_sq += tl.sum(h * h, axis=1)
-        chunk = bi * NC + n  # rows of hx / h_sq are read back one at a time below
-        tl.store(hx_ptr + chunk * BM * C + offs_m[:, None] * C + offs_t[None, :], hx)
-        tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
+        chunk = bi * NC + n
+        g_base, hx_base, p_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, p_ptr + chunk * C * C
+        tl.store(g_base + offs_c[:, None] * C + offs_c[None, :], gram)  # read back in blocks below
+        tl.store(hx_base + offs_m[:, None] * C + offs_c[None, :], hx)
         tl.debug_barrier()
 
-        causal = offs_t[:, None] >= offs_t[None, :]
-        P = tl.zeros([C, C], dtype=tl.float32)
-        tm_row = bi * Tp * M + t_abs * M  # (C,) offsets of (t, row 0)
-        for i in range(M):
-            b_i = tl.load(b_ptr + tm_row + i)  # (C,)
-            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]  # (C, C)
-            quad = tl.sum(_mm(L, gram, PRECISION) * L, axis=1)
-            cross = tl.sum(L * tl.load(hx_ptr + (chunk * BM + i) * C + offs_t)[None, :], axis=1)
-            eb = tl.exp(b_i)
-            sq_norm = eb * eb * tl.load(hsq_ptr + chunk * BM + i) + 2.0 * eb * cross + quad
+        tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
+        for j in range(C // S):  # sub-chunk j: tokens start .. start + S - 1 of the chunk
+            start = j * S
+            offs_s = start + tl.arange(0, S)
+            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # (BM,) reference point
+            keys = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * _masked_decay(
+                _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r[:, None], offs_c[None, :] < start)  # (BM, C)
+            kg = _mm(keys, gram, PRECISION)  # (BM, C)
+            e_r = tl.exp(r)  # V = e^r H + keys X is the state before the sub-chunk
+            v_sq = e_r * e_r * h_sq + 2.0 * e_r * tl.sum(keys * hx, axis=1) + tl.sum(kg * keys, axis=1)  # ||V||^2
+            vx = e_r[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, _block(g_base, offs_c, offs_s, C),
+                                                                         PRECISION)  # (BM, S): V . x_s
+            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (BM, S)
+            l = _local_decays(b_sub, S) * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]  # (BM, S, S)
+            quad = tl.sum(_local_gram(l, _block(g_base, offs_s, offs_s, C), BM, S, PRECISION) * l, axis=2)
+            e = tl.exp(b_sub - r[:, None])  # (BM, S): decay since the reference point
+            sq_norm = e * e * v_sq[:, None] + 2.0 * e * tl.sum(l * vx[:, None, :], axis=2) + quad
             rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
-            tl.store(r_ptr + tm_row + i, rms)
-            P += (tl.load(phi_ptr + tm_row + i) / rms)[:, None] * L
+            _store_tile(r_ptr, tm, offs_m, m_ok, offs_s, M, rms)
+            q = _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / rms  # (BM, S)
+            tl.store(p_base + offs_s[:, None] * C + offs_c[None, :], _mm(tl.trans(q * e), keys, PRECISION))
+            tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
+            tl.store(p_base + offs_s[:, None] * C + offs_s[None, :], tl.sum(q[:, :, None] * l, axis=0))
         tl.debug_barrier()
 
-        tm_ptr = tm_row[:, None] + offs_m[None, :]
+        P = _block(p_base, offs_c, offs_c, C)  # (C, C): P[t, s] = sum_i q_t[i] L_i[t, s]
+        tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
         rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)  # (C, BM)
-        phi = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        q_state = phi / rms * tl.exp(b)  # (C, BM): reads of the chunk-start state
+        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / rms * tl.exp(
+            tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # (C, BM): reads of the chunk-start state
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
             h = _load_cols(h_rows, m_ok, offs_d, D)
             y = _mm(P, x, PRECISION) + _mm(q_state, h, PRECISION)  # (C, BD)
-            tl.store(y_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & (offs_d < D)[None, :])
+            tl.store(y_ptr + bi * T * D + (n * C + offs_c)[:, None] * D + offs_d[None, :],
+                     y.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dq_ptr, c_ptr, dyh_ptr,
-                             j_ptr, ds_ptr, T, Tp, D, M, NC,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-        """dq = dy.h, c = dL/d||h||^2 * 2, and dS = sum_u e^{b_u} g_u with g_u = q_u dy_u + c_u h_u."""
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dyx_ptr, hdy_ptr,
+                             dq_ptr, c_ptr, gam_ptr, ds_ptr, T, Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr,
+                             BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+        """dq = dy . h, c (the norm's gradient factor), Gamma, and the chunk's gradient to its start state
+        dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, omega = theta Gamma."""
         n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t = tl.arange(0, C)
+        offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
-        t_abs = n * C + offs_t
-        t_ok = t_abs < T
+        t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + t_abs * D  # (C,) row pointers
-        dy_rows = dy_ptr + bi * T * D + t_abs * D
+        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
+        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
         h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
 
         dyx = tl.zeros([C, C], dtype=tl.float32)  # dY X^T
-        dyh = tl.zeros([C, BM], dtype=tl.float32)  # dY H^T
+        hdy = tl.zeros([BM, C], dtype=tl.float32)  # H dY^T
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
             dy = _load_cols(dy_rows, t_ok, offs_d, D)
             h = _load_cols(h_rows, m_ok, offs_d, D)
             dyx += _mm(dy, tl.trans(x), PRECISION)
-            dyh += _mm(dy, tl.trans(h), PRECISION)
-        chunk = bi * NC + n  # columns of dyh are read back one at a time below
-        tl.store(dyh_ptr + chunk * C * BM + offs_t[:, None] * BM + offs_m[None, :], dyh)
+            hdy += _mm(h, tl.trans(dy), PRECISION)
+        chunk = bi * NC + n
+        dyx_base, hdy_base = dyx_ptr + chunk * C * C, hdy_ptr + chunk * BM * C
+        tl.store(dyx_base + offs_c[:, None] * C + offs_c[None, :], dyx)  # read back in blocks below
+        tl.store(hdy_base + offs_m[:, None] * C + offs_c[None, :], hdy)
         tl.debug_barrier()
 
-        causal = offs_t[:, None] >= offs_t[None, :]
-        tm_row = bi * Tp * M + t_abs * M
-        j_row = j_ptr + chunk * M * C
-        for i in range(M):
-            b_i = tl.load(b_ptr + tm_row + i)
-            L = _decay_matrix(b_i, causal) * tl.load(theta_ptr + tm_row + i)[None, :]
-            eb = tl.exp(b_i)
-            dq = tl.sum(L * dyx, axis=1) + eb * tl.load(dyh_ptr + chunk * C * BM + offs_t * BM + i)
-            rms = tl.load(r_ptr + tm_row + i)
-            q = tl.load(phi_ptr + tm_row + i) / rms
-            c = -dq * q / (D * rms * rms)
-            tl.store(dq_ptr + tm_row + i, dq)
-            tl.store(c_ptr + tm_row + i, c)
-            tl.store(j_row + i * C + offs_t, tl.sum((eb * c)[:, None] * L, axis=0))  # J[i, s]
+        tm = bi * Tp * M + n * C * M
+        carry = tl.zeros([BM], dtype=tl.float32)  # sum over later tokens u of c_u e^{2(b_u - b_end of sub-chunk)}
+        for jj in range(C // S):  # sub-chunks last to first, for the reverse sum Gamma
+            start = (C // S - 1 - jj) * S
+            offs_s = start + tl.arange(0, S)
+            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)
+            keys = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * _masked_decay(
+                _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r[:, None], offs_c[None, :] < start)  # (BM, C)
+            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (BM, S)
+            E = _local_decays(b_sub, S)  # (BM, S, S)
+            l = E * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]
+            e = tl.exp(b_sub - r[:, None])
+            dq = (e * (tl.exp(r)[:, None] * _block(hdy_base, offs_m, offs_s, C)
+                       + _mm(keys, tl.trans(_block(dyx_base, offs_s, offs_c, C)), PRECISION))
+                  + tl.sum(l * _block(dyx_base, offs_s, offs_s, C)[None, :, :], axis=2))  # (BM, S)
+            rms = tl.load(r_ptr + tm + offs_s[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
+            c = -dq * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M) / (D * rms * rms)
+            _store_tile(dq_ptr, tm, offs_m, m_ok, offs_s, M, dq)
+            _store_tile(c_ptr, tm, offs_m, m_ok, offs_s, M, c)
+            b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)
+            gamma = tl.sum(E * E * c[:, :, None], axis=1) + tl.exp(2.0 * (b_last[:, None] - b_sub)) * carry[:, None]
+            _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)  # Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}
+            carry = tl.sum(e * e * c, axis=1) + tl.exp(2.0 * (b_last - r)) * carry
         tl.debug_barrier()
 
-        tm_ptr = tm_row[:, None] + offs_m[None, :]
-        rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)  # (C, BM)
-        eb = tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
-        c = tl.load(c_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / rms * eb  # (C, BM)
-        kappa = tl.sum(eb * eb * c, axis=0)  # (BM,)
-        J = tl.load(j_row + offs_m[:, None] * C + offs_t[None, :], mask=m_ok[:, None], other=0.0)  # (BM, C)
+        kappa = carry  # sum_u c_u e^{2 b_u} over the whole chunk
+        tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
+        e_b = tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # (C, BM)
+        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / tl.load(
+            r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0) * e_b
+        w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
+            gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * e_b  # omega e^b
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
             dy = _load_cols(dy_rows, t_ok, offs_d, D)
             h = _load_cols(h_rows, m_ok, offs_d, D)
-            ds = _mm(tl.trans(q_state), dy, PRECISION) + _mm(J, x, PRECISION) + kappa[:, None] * h
+            ds = _mm(tl.trans(q_state), dy, PRECISION) + _mm(tl.trans(w_state), x, PRECISION) + kappa[:, None] * h
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
                      mask=m_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
-    def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, c_ptr, hx_ptr,
-                             dhx_ptr, dk_ptr, v_ptr, dx_ptr, T, Tp, D, M, NC,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-        """dh_t = sum_{u>=t} e^{b_u-b_t} g_u + e^{b_C-b_t} dH_end; dk = dh.x, dx = sum_i theta_i dh_i."""
+    def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, gam_ptr, p_ptr,
+                             g_ptr, dyx_ptr, hx_ptr, dhx_ptr, pw_ptr, dk_ptr, dx_ptr, T, Tp, D, M, NC,
+                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        """dk_s = dh_s . x_s and dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end, where dh_s is the
+        gradient wrt h_s and W = P_w + P_w^T - diag(P_w), P_w being P with omega as the query."""
         n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t = tl.arange(0, C)
+        offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
-        t_abs = n * C + offs_t
-        t_ok = t_abs < T
+        t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + t_abs * D  # (C,) row pointers
-        dy_rows = dy_ptr + bi * T * D + t_abs * D
+        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
+        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
         h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
         dh_rows = dh_ptr + (bi * NC + n) * M * D + offs_m * D
 
         gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
-        xdy = tl.zeros([C, C], dtype=tl.float32)  # X dY^T
+        dyx = tl.zeros([C, C], dtype=tl.float32)  # dY X^T
         hx = tl.zeros([BM, C], dtype=tl.float32)  # H X^T
         dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end X^T
         for d0 in range(0, D, BD):
@@ -358,47 +420,65 @@ if triton is not None:
             h = _load_cols(h_rows, m_ok, offs_d, D)
             dh = _load_cols(dh_rows, m_ok, offs_d, D)
             gram += _mm(x, tl.trans(x), PRECISION)
-            xdy += _mm(x, tl.trans(dy), PRECISION)
+            dyx += _mm(dy, tl.trans(x), PRECISION)
             hx += _mm(h, tl.trans(x), PRECISION)
             dhx += _mm(dh, tl.trans(x), PRECISION)
-        chunk = bi * NC + n  # rows of hx / dhx are read back one at a time below
-        tl.store(hx_ptr + chunk * BM * C + offs_m[:, None] * C + offs_t[None, :], hx)
-        tl.store(dhx_ptr + chunk * BM * C + offs_m[:, None] * C + offs_t[None, :], dhx)
+        chunk = bi * NC + n
+        g_base, dyx_base = g_ptr + chunk * C * C, dyx_ptr + chunk * C * C
+        hx_base, dhx_base, pw_base = hx_ptr + chunk * BM * C, dhx_ptr + chunk * BM * C, pw_ptr + chunk * C * C
+        tl.store(g_base + offs_c[:, None] * C + offs_c[None, :], gram)  # read back in blocks below
+        tl.store(dyx_base + offs_c[:, None] * C + offs_c[None, :], dyx)
+        tl.store(hx_base + offs_m[:, None] * C + offs_c[None, :], hx)
+        tl.store(dhx_base + offs_m[:, None] * C + offs_c[None, :], dhx)
         tl.debug_barrier()
 
-        causal = offs_t[:, None] >= offs_t[None, :]
-        anti = offs_t[:, None] <= offs_t[None, :]
-        tm_row = bi * Tp * M + t_abs * M
-        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=m_ok, other=0.0)
-        W = tl.zeros([C, C], dtype=tl.float32)  # dx += W X
-        PT = tl.zeros([C, C], dtype=tl.float32)  # dx += P^T dY
-        for i in range(M):
-            b_i = tl.load(b_ptr + tm_row + i)
-            theta = tl.load(theta_ptr + tm_row + i)
-            q = tl.load(phi_ptr + tm_row + i) / tl.load(r_ptr + tm_row + i)
-            c = tl.load(c_ptr + tm_row + i)
-            eb = tl.exp(b_i)
-            L = _decay_matrix(b_i, causal) * theta[None, :]  # (C, C) [t, s]
-            R = tl.where(anti, tl.exp(tl.minimum(b_i[None, :] - b_i[:, None], 0.0)), 0.0)  # [t, u]: e^{b_u-b_t}
-            Rc = R * c[None, :]
-            Z = _mm(Rc, L, PRECISION)  # (C, C): sum_u R[t,u] c_u L[u,s]
-            Rq = R * q[None, :]
-            W += theta[:, None] * Z
-            PT += theta[:, None] * Rq
-            v = tl.sum(Rc * eb[None, :], axis=1)  # (C,): weight of H_i in dh_t
-            b_end_i = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + i)
-            row = (chunk * BM + i) * C + offs_t
-            dk = (tl.sum(Rq * xdy, axis=1) + tl.sum(Z * gram, axis=1) + tl.load(hx_ptr + row) * v
-                  + tl.exp(b_end_i - b_i) * tl.load(dhx_ptr + row))
-            tl.store(dk_ptr + tm_row + i, dk)
-            tl.store(v_ptr + tm_row + i, v)
+        tm = bi * Tp * M + n * C * M
+        b_end = _boundary(b_ptr, tm, offs_m, m_ok, C - 1, M)  # (BM,)
+        for j in range(C // S):
+            start = j * S
+            offs_s = start + tl.arange(0, S)
+            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # before the sub-chunk
+            b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)  # its last token
+            b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
+            theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
+            keys = theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)  # (BM, C) past
+            future = _masked_decay(b_last[:, None], b_all, offs_c[None, :] >= start + S)  # (BM, C) e^{b_u - b_last}
+            q_fut = future * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_c, M)
+            w_fut = future * theta_all * _tile(gam_ptr, tm, offs_m, m_ok, offs_c, M)
+            g_cols = _block(g_base, offs_c, offs_s, C)  # (C, S)
+            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (BM, S)
+            theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
+            q_sub = _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M)
+            gamma = _tile(gam_ptr, tm, offs_m, m_ok, offs_s, M)
+            w_sub = theta_sub * gamma  # omega
+            E = _local_decays(b_sub, S)  # (BM, S, S) [i, u, s]
+            l = E * theta_sub[:, None, :]
+            g_loc = _block(g_base, offs_s, offs_s, C)  # (S, S)
+            dyx_loc = _block(dyx_base, offs_s, offs_s, C)
+            # sum_{u >= s} e^{b_u - b_s} (q_u dy_u . x_s + omega_u x_u . x_s), later sub-chunks then this one
+            reads = tl.exp(b_last[:, None] - b_sub) * (_mm(q_fut, _block(dyx_base, offs_c, offs_s, C), PRECISION)
+                                                      + _mm(w_fut, g_cols, PRECISION))
+            reads += tl.sum(E * (q_sub[:, :, None] * dyx_loc[None, :, :] + w_sub[:, :, None] * g_loc[None, :, :]),
+                            axis=1)
+            diag = tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], g_loc, 0.0), axis=0)  # (S,) x_s . x_s
+            e = tl.exp(b_sub - r[:, None])
+            vx = tl.exp(r)[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, g_cols, PRECISION)
+            hx_own = e * vx + tl.sum(l * g_loc[None, :, :], axis=2)  # (BM, S): h_s . x_s
+            dk = (reads - w_sub * diag[None, :] + gamma * hx_own + tl.exp(b_end[:, None] - b_sub) * _block(dhx_base, offs_m, offs_s, C))
+            _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, dk)
+            tl.store(pw_base + offs_s[:, None] * C + offs_c[None, :], _mm(tl.trans(w_sub * e), keys, PRECISION))
+            tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
+            tl.store(pw_base + offs_s[:, None] * C + offs_s[None, :], tl.sum(w_sub[:, :, None] * l, axis=0))
         tl.debug_barrier()
 
-        tm_ptr = tm_row[:, None] + offs_m[None, :]
-        theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
-        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        v_state = theta * tl.load(v_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        v_end = theta * tl.exp(b_end[None, :] - b)
+        pw = _block(pw_base, offs_c, offs_c, C)
+        W = pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0)  # (C, C) symmetric
+        PT = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C))
+        tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
+        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
+        theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        w_state = theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)  # omega e^b
+        w_end = theta * tl.exp(b_end[None, :] - b)  # e^{b_end - b_s} theta_s
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
@@ -406,9 +486,9 @@ if triton is not None:
             h = _load_cols(h_rows, m_ok, offs_d, D)
             dh = _load_cols(dh_rows, m_ok, offs_d, D)
             dx = (_mm(PT, dy, PRECISION) + _mm(W, x, PRECISION)
-                  + _mm(v_state, h, PRECISION) + _mm(v_end, dh, PRECISION))
-            tl.store(dx_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & (offs_d < D)[None, :])
+                  + _mm(w_state, h, PRECISION) + _mm(w_end, dh, PRECISION))
+            tl.store(dx_ptr + bi * T * D + (n * C + offs_c)[:, None] * D + offs_d[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
@@ -443,12 +523,12 @@ if triton is not None:
 
 
 def _precision(x):
-    """tf32 matmuls for 16-bit inputs; three-pass tf32 (about float32 accuracy) for float32 inputs."""
-    return "tf32x3" if x.dtype == torch.float32 else "tf32"
+    """tf32 products for 16-bit inputs; exact float32 ('ieee', CUDA cores) for float32 inputs."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _block_m(M):
-    """Row tile: at least 32, since Triton 3.6 faults (illegal address) on tf32x3 products 16 wide."""
+    """Row tile: at least 32, since Triton 3.6 faulted (illegal address) on tf32x3 products 16 rows wide."""
     return max(32, triton.next_power_of_2(M))
 
 
@@ -475,45 +555,48 @@ def _scan_states(states, b, init, final, reverse):
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
-def _meta(x, M, num_warps, num_stages):
-    """Launch settings of the per-chunk kernels (warps chosen per kernel on an H200: bench.py stages)."""
-    return dict(C=CHUNK, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
+def _meta(x, M, num_warps):
+    """Launch settings of the per-chunk kernels."""
+    return dict(C=CHUNK, S=SUB, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=num_warps, num_stages=1)
+
+
+def _scratch(theta, NC, rows):
+    """Per-chunk float32 work space (B, NC, rows, CHUNK) that a kernel writes and reads back in blocks."""
+    return theta.new_empty(theta.shape[0], NC, rows, CHUNK)
 
 
 def _chunk_out(x, theta, phi, b, states, eps):
-    """Forward output y (B, T, D) and the row rms (B, Tp, M)."""
+    """Forward output y (B, T, D), the row rms (B, Tp, M) and P (B, NC, C, C), the within-chunk reads."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    hx = theta.new_empty(B, NC, _block_m(M), CHUNK)
-    h_sq = theta.new_empty(B, NC, _block_m(M))
+    gram, hx, P = _scratch(theta, NC, CHUNK), _scratch(theta, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
     rms, y = torch.empty_like(theta), torch.empty_like(x)
-    _chunk_out_kernel[(NC, B)](x, theta, phi, b, states, hx, h_sq, rms, y, eps, T, theta.shape[1], D, M, NC,
-                               **_meta(x, M, num_warps=4, num_stages=2))
-    return y, rms
+    _chunk_out_kernel[(NC, B)](x, theta, phi, b, states, gram, hx, P, rms, y, eps, T, theta.shape[1], D, M, NC,
+                               **_meta(x, M, num_warps=8))
+    return y, rms, P
 
 
 def _chunk_dstate(x, dy, theta, phi, b, states, rms):
-    """dq = dy . h and c = dL/d||h||^2 * 2 (B, Tp, M); each chunk's gradient to its start state."""
+    """dq = dy . h, c (dL/d||h||^2 times 2) and Gamma, all (B, Tp, M); each chunk's gradient to its start."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    dq, c = torch.empty_like(theta), torch.empty_like(theta)
-    dyh = theta.new_empty(B, NC, CHUNK, _block_m(M))
-    J = theta.new_empty(B, NC, M, CHUNK)
+    dyx, hdy = _scratch(theta, NC, CHUNK), _scratch(theta, NC, _block_m(M))
+    dq, c, gamma = torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(theta)
     dstates = torch.empty_like(states)
-    _chunk_dstate_kernel[(NC, B)](x, dy, theta, phi, b, states, rms, dq, c, dyh, J, dstates,
-                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=4, num_stages=1))
-    return dq, c, dstates
+    _chunk_dstate_kernel[(NC, B)](x, dy, theta, phi, b, states, rms, dyx, hdy, dq, c, gamma, dstates,
+                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=8))
+    return dq, c, gamma, dstates
 
 
-def _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, c):
+def _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, gamma, P):
     """dxbar (B, T, D) and dk = dL/dtheta as a key (B, Tp, M)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    hx = theta.new_empty(B, NC, _block_m(M), CHUNK)
-    dhx = torch.empty_like(hx)
-    dk, v, dx = torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
-    _chunk_dinput_kernel[(NC, B)](x, dy, theta, phi, b, states, dstates, rms, c, hx, dhx, dk, v, dx,
-                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=8, num_stages=1))
+    gram, dyx, p_w = _scratch(theta, NC, CHUNK), _scratch(theta, NC, CHUNK), _scratch(theta, NC, CHUNK)
+    hx, dhx = _scratch(theta, NC, _block_m(M)), _scratch(theta, NC, _block_m(M))
+    dk, dx = torch.empty_like(theta), torch.empty_like(x)
+    _chunk_dinput_kernel[(NC, B)](x, dy, theta, phi, b, states, dstates, rms, gamma, P, gram, dyx, hx, dhx, p_w,
+                                  dk, dx, T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=8))
     return dx, dk
 
 
@@ -539,21 +622,21 @@ class _FMScan(torch.autograd.Function):
         x = xbar.contiguous()
         theta_p, phi_p, log_decay, b = _prepare(theta, phi, cu_seqlens)
         states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous())
-        y, rms = _chunk_out(x, theta_p, phi_p, b, states, eps)
-        ctx.save_for_backward(x, theta_p, phi_p, log_decay, b, states, rms, hT)
+        y, rms, P = _chunk_out(x, theta_p, phi_p, b, states, eps)
+        ctx.save_for_backward(x, theta_p, phi_p, log_decay, b, states, rms, P, hT)
         ctx.has_h0, ctx.in_dtypes, ctx.eps = h0 is not None, (theta.dtype, phi.dtype), eps
         return y, hT
 
     @staticmethod
     def backward(ctx, dy, dhT):
-        x, theta, phi, log_decay, b, states, rms, hT = ctx.saved_tensors
+        x, theta, phi, log_decay, b, states, rms, P, hT = ctx.saved_tensors
         T, D = x.shape[1:]
         dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
         dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
-        dq, c, dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms)  # (B, Tp, M) x 2, (B, NC, M, D)
+        dq, c, gamma, dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms)  # (B, Tp, M) x 3, (B, NC, M, D)
         dh0 = torch.empty_like(hT)  # (B, M, D)
         _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
-        dx, dk = _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, c)  # (B, T, D), (B, Tp, M)
+        dx, dk = _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, gamma, P)  # (B, T, D), (B, Tp, M)
         # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
         # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
         q = phi / rms
