@@ -214,14 +214,18 @@ def bench_stages():
         theta_p, phi_p, _, b = fm_kernel._prepare(theta, phi, None)
         states, hT = fm_kernel._chunk_states(x, theta_p, b, h0)
         y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
-        dq, c, gamma, dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms)
+        dq, c, gamma, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms)
+        dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
         stages = {
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
             "write+scan": lambda: fm_kernel._chunk_states(x, theta_p, b, h0),
             "scan alone": lambda: fm_kernel._scan_states(states, b, h0, hT, reverse=False),
-            "out": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
-            "dstate": lambda: fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms),
-            "dinput": lambda: fm_kernel._chunk_dinput(x, dy, theta_p, phi_p, b, states, dstates, rms, gamma, P),
+            "fwd products": lambda: fm_kernel._products(x, states, theta_p),
+            "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
+            "bwd products": lambda: fm_kernel._products(x, states, theta_p, dy),
+            "grads (all)": lambda: fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms),
+            "dstate": lambda: fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa),
+            "dx": lambda: fm_kernel._chunk_dx(x, dy, theta_p, b, states, dstates, gamma, P, p_w),
         }
         row = {"T": T}
         row.update({name: do_bench(fn, return_mode="median") for name, fn in stages.items()})

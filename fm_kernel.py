@@ -48,6 +48,7 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e
 # precision in the relative decays (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
 CHUNK = 64  # tokens per chunk in the Triton scan
 SUB = 16  # tokens per sub-chunk: the unit of the within-chunk products that batch all rows
+SPLIT = 256  # columns of D per program in the kernels that stream X and the states
 
 
 # ----------------------------------------------------------------------------- references
@@ -255,34 +256,59 @@ if triton is not None:
         return tl.reshape(_mm(tl.reshape(l, (BM * S, S)), g_loc, PRECISION), (BM, S, S))
 
     @triton.jit
-    def _chunk_out_kernel(x_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, g_ptr, hx_ptr, p_ptr, r_ptr, y_ptr, eps,
-                          T, Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
-                          BD: tl.constexpr, PRECISION: tl.constexpr):
-        """Row rms of every token through the Gram expansion, P (C, C) and y = P X + (q e^b) H."""
+    def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hx_ptr, hsq_ptr, dyx_ptr, hdy_ptr, T, D, M, NC,
+                               C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                               BACKWARD: tl.constexpr):
+        """A chunk's inner products over D: X X^T, H X^T and ||H_i||^2, or for the backward X X^T, H X^T,
+        dY X^T and H dY^T (H the chunk-start state)."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
         x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
+        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
         h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
-
-        gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
-        hx = tl.zeros([BM, C], dtype=tl.float32)  # H X^T
-        h_sq = tl.zeros([BM], dtype=tl.float32)  # ||H_i||^2
+        gram = tl.zeros([C, C], dtype=tl.float32)
+        hx = tl.zeros([BM, C], dtype=tl.float32)
+        h_sq = tl.zeros([BM], dtype=tl.float32)
+        dyx = tl.zeros([C, C], dtype=tl.float32)
+        hdy = tl.zeros([BM, C], dtype=tl.float32)
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
             h = _load_cols(h_rows, m_ok, offs_d, D)
             gram += _mm(x, tl.trans(x), PRECISION)
             hx += _mm(h, tl.trans(x), PRECISION)
-            h_sq += tl.sum(h * h, axis=1)
+            if BACKWARD:
+                dy = _load_cols(dy_rows, t_ok, offs_d, D)
+                dyx += _mm(dy, tl.trans(x), PRECISION)
+                hdy += _mm(h, tl.trans(dy), PRECISION)
+            else:
+                h_sq += tl.sum(h * h, axis=1)
+        chunk = bi * NC + n
+        square, rows = offs_c[:, None] * C + offs_c[None, :], offs_m[:, None] * C + offs_c[None, :]
+        tl.store(g_ptr + chunk * C * C + square, gram)
+        tl.store(hx_ptr + chunk * BM * C + rows, hx)
+        if BACKWARD:
+            tl.store(dyx_ptr + chunk * C * C + square, dyx)
+            tl.store(hdy_ptr + chunk * BM * C + rows, hdy)
+        else:
+            tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
+
+    @triton.jit
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, hsq_ptr, p_ptr, r_ptr, eps, Tp, D, M, NC,
+                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
+        """Row rms of every token of a chunk through the Gram expansion, and P[t, s] = sum_i q_t[i] L_i[t, s]."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        m_ok = offs_m < M
         chunk = bi * NC + n
         g_base, hx_base, p_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, p_ptr + chunk * C * C
-        tl.store(g_base + offs_c[:, None] * C + offs_c[None, :], gram)  # read back in blocks below
-        tl.store(hx_base + offs_m[:, None] * C + offs_c[None, :], hx)
-        tl.debug_barrier()
-
+        gram = _block(g_base, offs_c, offs_c, C)  # (C, C) X X^T
+        hx = _block(hx_base, offs_m, offs_c, C)  # (BM, C) H X^T
+        h_sq = tl.load(hsq_ptr + chunk * BM + offs_m)  # (BM,) ||H_i||^2
         tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
         for j in range(C // S):  # sub-chunk j: tokens start .. start + S - 1 of the chunk
             start = j * S
@@ -306,14 +332,25 @@ if triton is not None:
             tl.store(p_base + offs_s[:, None] * C + offs_c[None, :], _mm(tl.trans(q * e), keys, PRECISION))
             tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
             tl.store(p_base + offs_s[:, None] * C + offs_s[None, :], tl.sum(q[:, :, None] * l, axis=0))
-        tl.debug_barrier()
 
-        P = _block(p_base, offs_c, offs_c, C)  # (C, C): P[t, s] = sum_i q_t[i] L_i[t, s]
-        tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
+    @triton.jit
+    def _chunk_y_kernel(x_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
+                        C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
+                        PRECISION: tl.constexpr):
+        """y = P X + (q e^b) H for the SPLIT columns of D of program axis 2."""
+        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
+        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
+        P = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C)  # (C, C)
+        tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
         rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)  # (C, BM)
         q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / rms * tl.exp(
             tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # (C, BM): reads of the chunk-start state
-        for d0 in range(0, D, BD):
+        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
             h = _load_cols(h_rows, m_ok, offs_d, D)
@@ -322,35 +359,19 @@ if triton is not None:
                      y.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, dyx_ptr, hdy_ptr,
-                             dq_ptr, c_ptr, gam_ptr, ds_ptr, T, Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr,
-                             BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-        """dq = dy . h, c (the norm's gradient factor), Gamma, and the chunk's gradient to its start state
-        dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, omega = theta Gamma."""
+    def _chunk_grads_kernel(theta_ptr, phi_ptr, b_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
+                            dq_ptr, c_ptr, gam_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
+                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
+        """Per token and row: dq = dy . h, c (the norm's gradient factor), Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)},
+        and dk = dh . x without the chunk-end term; per chunk: kappa = sum_u c_u e^{2 b_u} and P_w, which is
+        P with omega = theta Gamma as the query."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
-        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
-        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
-
-        dyx = tl.zeros([C, C], dtype=tl.float32)  # dY X^T
-        hdy = tl.zeros([BM, C], dtype=tl.float32)  # H dY^T
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
-            dyx += _mm(dy, tl.trans(x), PRECISION)
-            hdy += _mm(h, tl.trans(dy), PRECISION)
         chunk = bi * NC + n
+        g_base, hx_base, pw_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, pw_ptr + chunk * C * C
         dyx_base, hdy_base = dyx_ptr + chunk * C * C, hdy_ptr + chunk * BM * C
-        tl.store(dyx_base + offs_c[:, None] * C + offs_c[None, :], dyx)  # read back in blocks below
-        tl.store(hdy_base + offs_m[:, None] * C + offs_c[None, :], hdy)
-        tl.debug_barrier()
-
         tm = bi * Tp * M + n * C * M
         carry = tl.zeros([BM], dtype=tl.float32)  # sum over later tokens u of c_u e^{2(b_u - b_end of sub-chunk)}
         for jj in range(C // S):  # sub-chunks last to first, for the reverse sum Gamma
@@ -372,68 +393,11 @@ if triton is not None:
             _store_tile(c_ptr, tm, offs_m, m_ok, offs_s, M, c)
             b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)
             gamma = tl.sum(E * E * c[:, :, None], axis=1) + tl.exp(2.0 * (b_last[:, None] - b_sub)) * carry[:, None]
-            _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)  # Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}
+            _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)
             carry = tl.sum(e * e * c, axis=1) + tl.exp(2.0 * (b_last - r)) * carry
-        tl.debug_barrier()
+        tl.store(kappa_ptr + chunk * BM + offs_m, carry)
+        tl.debug_barrier()  # Gamma of every token of the chunk is needed below
 
-        kappa = carry  # sum_u c_u e^{2 b_u} over the whole chunk
-        tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
-        e_b = tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # (C, BM)
-        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / tl.load(
-            r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0) * e_b
-        w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
-            gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * e_b  # omega e^b
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
-            ds = _mm(tl.trans(q_state), dy, PRECISION) + _mm(tl.trans(w_state), x, PRECISION) + kappa[:, None] * h
-            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
-                     mask=m_ok[:, None] & (offs_d < D)[None, :])
-
-    @triton.jit
-    def _chunk_dinput_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, dh_ptr, r_ptr, gam_ptr, p_ptr,
-                             g_ptr, dyx_ptr, hx_ptr, dhx_ptr, pw_ptr, dk_ptr, dx_ptr, T, Tp, D, M, NC,
-                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                             PRECISION: tl.constexpr):
-        """dk_s = dh_s . x_s and dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end, where dh_s is the
-        gradient wrt h_s and W = P_w + P_w^T - diag(P_w), P_w being P with omega as the query."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
-        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
-        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
-        dh_rows = dh_ptr + (bi * NC + n) * M * D + offs_m * D
-
-        gram = tl.zeros([C, C], dtype=tl.float32)  # X X^T
-        dyx = tl.zeros([C, C], dtype=tl.float32)  # dY X^T
-        hx = tl.zeros([BM, C], dtype=tl.float32)  # H X^T
-        dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end X^T
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
-            dh = _load_cols(dh_rows, m_ok, offs_d, D)
-            gram += _mm(x, tl.trans(x), PRECISION)
-            dyx += _mm(dy, tl.trans(x), PRECISION)
-            hx += _mm(h, tl.trans(x), PRECISION)
-            dhx += _mm(dh, tl.trans(x), PRECISION)
-        chunk = bi * NC + n
-        g_base, dyx_base = g_ptr + chunk * C * C, dyx_ptr + chunk * C * C
-        hx_base, dhx_base, pw_base = hx_ptr + chunk * BM * C, dhx_ptr + chunk * BM * C, pw_ptr + chunk * C * C
-        tl.store(g_base + offs_c[:, None] * C + offs_c[None, :], gram)  # read back in blocks below
-        tl.store(dyx_base + offs_c[:, None] * C + offs_c[None, :], dyx)
-        tl.store(hx_base + offs_m[:, None] * C + offs_c[None, :], hx)
-        tl.store(dhx_base + offs_m[:, None] * C + offs_c[None, :], dhx)
-        tl.debug_barrier()
-
-        tm = bi * Tp * M + n * C * M
-        b_end = _boundary(b_ptr, tm, offs_m, m_ok, C - 1, M)  # (BM,)
         for j in range(C // S):
             start = j * S
             offs_s = start + tl.arange(0, S)
@@ -464,22 +428,68 @@ if triton is not None:
             e = tl.exp(b_sub - r[:, None])
             vx = tl.exp(r)[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, g_cols, PRECISION)
             hx_own = e * vx + tl.sum(l * g_loc[None, :, :], axis=2)  # (BM, S): h_s . x_s
-            dk = (reads - w_sub * diag[None, :] + gamma * hx_own + tl.exp(b_end[:, None] - b_sub) * _block(dhx_base, offs_m, offs_s, C))
-            _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, dk)
+            _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, reads - w_sub * diag[None, :] + gamma * hx_own)
             tl.store(pw_base + offs_s[:, None] * C + offs_c[None, :], _mm(tl.trans(w_sub * e), keys, PRECISION))
             tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
             tl.store(pw_base + offs_s[:, None] * C + offs_s[None, :], tl.sum(w_sub[:, :, None] * l, axis=0))
-        tl.debug_barrier()
 
-        pw = _block(pw_base, offs_c, offs_c, C)
+    @triton.jit
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, gam_ptr, kappa_ptr, ds_ptr,
+                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+        """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, on SPLIT columns."""
+        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
+        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
+        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
+        tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
+        e_b = tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # (C, BM)
+        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / tl.load(
+            r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0) * e_b
+        w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
+            gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * e_b  # omega e^b
+        kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m)
+        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
+            ds = _mm(tl.trans(q_state), dy, PRECISION) + _mm(tl.trans(w_state), x, PRECISION) + kappa[:, None] * h
+            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
+                     mask=m_ok[:, None] & (offs_d < D)[None, :])
+
+    @triton.jit
+    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, hs_ptr, dh_ptr, gam_ptr, p_ptr, pw_ptr, dhx_ptr, dx_ptr,
+                         T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                         SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+        """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
+        program's share of dH_end X^T, on SPLIT columns."""
+        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        chunk = bi * NC + n
+        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
+        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
+        h_rows = hs_ptr + chunk * M * D + offs_m * D  # (BM,)
+        dh_rows = dh_ptr + chunk * M * D + offs_m * D
+        pw = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
         W = pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0)  # (C, C) symmetric
         PT = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C))
+        tm = bi * Tp * M + n * C * M
         tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
         b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
         theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
         w_state = theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)  # omega e^b
+        b_end = tl.load(b_ptr + tm + (C - 1) * M + offs_m, mask=m_ok, other=0.0)  # (BM,)
         w_end = theta * tl.exp(b_end[None, :] - b)  # e^{b_end - b_s} theta_s
-        for d0 in range(0, D, BD):
+        dhx = tl.zeros([BM, C], dtype=tl.float32)
+        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
             dy = _load_cols(dy_rows, t_ok, offs_d, D)
@@ -489,6 +499,9 @@ if triton is not None:
                   + _mm(w_state, h, PRECISION) + _mm(w_end, dh, PRECISION))
             tl.store(dx_ptr + bi * T * D + (n * C + offs_c)[:, None] * D + offs_d[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
+            dhx += _mm(dh, tl.trans(x), PRECISION)
+        tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
+
 
     @triton.jit
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
@@ -555,49 +568,81 @@ def _scan_states(states, b, init, final, reverse):
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
-def _meta(x, M, num_warps):
-    """Launch settings of the per-chunk kernels."""
-    return dict(C=CHUNK, S=SUB, BM=_block_m(M), BD=64, PRECISION=_precision(x), num_warps=num_warps, num_stages=1)
+def _meta(x, M, num_warps, num_stages=1):
+    """Launch settings shared by the per-chunk kernels."""
+    return dict(C=CHUNK, BM=_block_m(M), PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
 
 
-def _scratch(theta, NC, rows):
-    """Per-chunk float32 work space (B, NC, rows, CHUNK) that a kernel writes and reads back in blocks."""
-    return theta.new_empty(theta.shape[0], NC, rows, CHUNK)
+def _streaming(x, M):
+    """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time."""
+    split = min(SPLIT, 64 * triton.cdiv(x.shape[-1], 64))
+    return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, **_meta(x, M, num_warps=4, num_stages=3))
+
+
+def _scratch(theta, NC, *rows):
+    """Per-chunk float32 work space (B, NC, *rows, CHUNK)."""
+    return theta.new_empty(theta.shape[0], NC, *rows, CHUNK)
+
+
+def _products(x, states, theta, dy=None):
+    """Each chunk's inner products over D: X X^T, H X^T and ||H||^2, or with dy X X^T, H X^T, dY X^T, H dY^T."""
+    B, NC, M, D = states.shape
+    BM = _block_m(M)
+    gram, hx, h_sq = _scratch(theta, NC, CHUNK), _scratch(theta, NC, BM), theta.new_empty(B, NC, BM)
+    dyx, hdy = (gram, hx) if dy is None else (_scratch(theta, NC, CHUNK), _scratch(theta, NC, BM))
+    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hx, h_sq, dyx, hdy, x.shape[1], D, M,
+                                    NC, BD=64, BACKWARD=dy is not None, **_meta(x, M, num_warps=4, num_stages=3))
+    return gram, hx, h_sq, dyx, hdy
 
 
 def _chunk_out(x, theta, phi, b, states, eps):
     """Forward output y (B, T, D), the row rms (B, Tp, M) and P (B, NC, C, C), the within-chunk reads."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    gram, hx, P = _scratch(theta, NC, CHUNK), _scratch(theta, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
-    rms, y = torch.empty_like(theta), torch.empty_like(x)
-    _chunk_out_kernel[(NC, B)](x, theta, phi, b, states, gram, hx, P, rms, y, eps, T, theta.shape[1], D, M, NC,
-                               **_meta(x, M, num_warps=8))
+    gram, hx, h_sq, _, _ = _products(x, states, theta)
+    P, rms, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(x)
+    _chunk_norms_kernel[(NC, B)](theta, phi, b, gram, hx, h_sq, P, rms, eps, theta.shape[1], D, M, NC, S=SUB,
+                                 **_meta(x, M, num_warps=8))
+    splits, meta = _streaming(x, M)
+    _chunk_y_kernel[(NC, B, splits)](x, phi, b, states, rms, P, y, T, theta.shape[1], D, M, NC, **meta)
     return y, rms, P
 
 
-def _chunk_dstate(x, dy, theta, phi, b, states, rms):
-    """dq = dy . h, c (dL/d||h||^2 times 2) and Gamma, all (B, Tp, M); each chunk's gradient to its start."""
+def _chunk_grads(x, dy, theta, phi, b, states, rms):
+    """dq, c, Gamma and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    dyx, hdy = _scratch(theta, NC, CHUNK), _scratch(theta, NC, _block_m(M))
-    dq, c, gamma = torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(theta)
+    gram, hx, _, dyx, hdy = _products(x, states, theta, dy)
+    dq, c, gamma, dk = (torch.empty_like(theta) for _ in range(4))
+    kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
+    _chunk_grads_kernel[(NC, B)](theta, phi, b, rms, gram, hx, dyx, hdy, dq, c, gamma, kappa, dk, p_w,
+                                 theta.shape[1], D, M, NC, S=SUB, **_meta(x, M, num_warps=8))
+    return dq, c, gamma, kappa, dk, p_w
+
+
+def _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa):
+    """Each chunk's gradient to its start state (B, NC, M, D)."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
     dstates = torch.empty_like(states)
-    _chunk_dstate_kernel[(NC, B)](x, dy, theta, phi, b, states, rms, dyx, hdy, dq, c, gamma, dstates,
-                                  T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=8))
-    return dq, c, gamma, dstates
+    splits, meta = _streaming(x, M)
+    _chunk_dstate_kernel[(NC, B, splits)](x, dy, theta, phi, b, states, rms, gamma, kappa, dstates,
+                                          T, theta.shape[1], D, M, NC, **meta)
+    return dstates
 
 
-def _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, gamma, P):
-    """dxbar (B, T, D) and dk = dL/dtheta as a key (B, Tp, M)."""
+def _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w):
+    """dxbar (B, T, D) and the chunk-end term of dk, e^{b_end - b_s} dH_end . x_s (B, Tp, M)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    gram, dyx, p_w = _scratch(theta, NC, CHUNK), _scratch(theta, NC, CHUNK), _scratch(theta, NC, CHUNK)
-    hx, dhx = _scratch(theta, NC, _block_m(M)), _scratch(theta, NC, _block_m(M))
-    dk, dx = torch.empty_like(theta), torch.empty_like(x)
-    _chunk_dinput_kernel[(NC, B)](x, dy, theta, phi, b, states, dstates, rms, gamma, P, gram, dyx, hx, dhx, p_w,
-                                  dk, dx, T, theta.shape[1], D, M, NC, **_meta(x, M, num_warps=8))
-    return dx, dk
+    splits, meta = _streaming(x, M)
+    dhx = _scratch(theta, NC, splits, _block_m(M))  # one share of dH_end X^T per column split
+    dx = torch.empty_like(x)
+    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dstates, gamma, P, p_w, dhx, dx,
+                                      T, theta.shape[1], D, M, NC, **meta)
+    b = b.view(B, NC, CHUNK, M)
+    dk_end = (b[:, :, -1:] - b).exp() * dhx.sum(2)[:, :, :M].transpose(-1, -2)  # (B, NC, C, M)
+    return dx, dk_end.reshape(theta.shape)
 
 
 def _prepare(theta, phi, cu_seqlens):
@@ -633,10 +678,12 @@ class _FMScan(torch.autograd.Function):
         T, D = x.shape[1:]
         dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
         dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
-        dq, c, gamma, dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms)  # (B, Tp, M) x 3, (B, NC, M, D)
+        dq, c, gamma, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, b, states, rms)
+        dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa)  # (B, NC, M, D)
         dh0 = torch.empty_like(hT)  # (B, M, D)
         _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
-        dx, dk = _chunk_dinput(x, dy, theta, phi, b, states, dstates, rms, gamma, P)  # (B, T, D), (B, Tp, M)
+        dx, dk_end = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, Tp, M)
+        dk = dk + dk_end
         # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
         # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
         q = phi / rms
