@@ -48,7 +48,8 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e
 # precision in the relative decays (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
 CHUNK = 64  # tokens per chunk in the Triton scan
 SUB = 16  # tokens per sub-chunk: the unit of the within-chunk products that batch all rows
-SPLIT = 256  # columns of D per program in the kernels that stream X and the states
+ROW_BLOCK = 16  # memory rows at a time in the per-chunk kernels (their (rows, S, S) tiles stay in registers)
+SPLIT = 512  # columns of D per program in the kernels that stream X and the states
 
 
 # ----------------------------------------------------------------------------- references
@@ -298,40 +299,46 @@ if triton is not None:
 
     @triton.jit
     def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, hsq_ptr, p_ptr, r_ptr, eps, Tp, D, M, NC,
-                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
+                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
+                            PRECISION: tl.constexpr):
         """Row rms of every token of a chunk through the Gram expansion, and P[t, s] = sum_i q_t[i] L_i[t, s]."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        m_ok = offs_m < M
         chunk = bi * NC + n
         g_base, hx_base, p_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, p_ptr + chunk * C * C
         gram = _block(g_base, offs_c, offs_c, C)  # (C, C) X X^T
-        hx = _block(hx_base, offs_m, offs_c, C)  # (BM, C) H X^T
-        h_sq = tl.load(hsq_ptr + chunk * BM + offs_m)  # (BM,) ||H_i||^2
         tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
         for j in range(C // S):  # sub-chunk j: tokens start .. start + S - 1 of the chunk
             start = j * S
             offs_s = start + tl.arange(0, S)
-            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # (BM,) reference point
-            keys = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * _masked_decay(
-                _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r[:, None], offs_c[None, :] < start)  # (BM, C)
-            kg = _mm(keys, gram, PRECISION)  # (BM, C)
-            e_r = tl.exp(r)  # V = e^r H + keys X is the state before the sub-chunk
-            v_sq = e_r * e_r * h_sq + 2.0 * e_r * tl.sum(keys * hx, axis=1) + tl.sum(kg * keys, axis=1)  # ||V||^2
-            vx = e_r[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, _block(g_base, offs_c, offs_s, C),
-                                                                         PRECISION)  # (BM, S): V . x_s
-            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (BM, S)
-            l = _local_decays(b_sub, S) * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]  # (BM, S, S)
-            quad = tl.sum(_local_gram(l, _block(g_base, offs_s, offs_s, C), BM, S, PRECISION) * l, axis=2)
-            e = tl.exp(b_sub - r[:, None])  # (BM, S): decay since the reference point
-            sq_norm = e * e * v_sq[:, None] + 2.0 * e * tl.sum(l * vx[:, None, :], axis=2) + quad
-            rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
-            _store_tile(r_ptr, tm, offs_m, m_ok, offs_s, M, rms)
-            q = _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / rms  # (BM, S)
-            tl.store(p_base + offs_s[:, None] * C + offs_c[None, :], _mm(tl.trans(q * e), keys, PRECISION))
+            g_cols = _block(g_base, offs_c, offs_s, C)  # (C, S)
+            g_loc = _block(g_base, offs_s, offs_s, C)  # (S, S)
+            p_past = tl.zeros([S, C], dtype=tl.float32)  # rows of P for the sub-chunk's tokens: earlier tokens
+            p_own = tl.zeros([S, S], dtype=tl.float32)  # and the sub-chunk's own
+            for i0 in range(0, M, RB):  # a block of memory rows
+                offs_m = i0 + tl.arange(0, RB)
+                m_ok = offs_m < M
+                hx = _block(hx_base, offs_m, offs_c, C)  # (RB, C) H X^T
+                r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # (RB,) reference point
+                keys = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * _masked_decay(
+                    _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r[:, None], offs_c[None, :] < start)  # (RB, C)
+                e_r = tl.exp(r)  # V = e^r H + keys X is the state before the sub-chunk
+                v_sq = (e_r * e_r * tl.load(hsq_ptr + chunk * BM + offs_m) + 2.0 * e_r * tl.sum(keys * hx, axis=1)
+                        + tl.sum(_mm(keys, gram, PRECISION) * keys, axis=1))  # (RB,) ||V||^2
+                vx = e_r[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, g_cols, PRECISION)  # V . x_s
+                b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
+                l = _local_decays(b_sub, S) * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]  # (RB, S, S)
+                quad = tl.sum(_local_gram(l, g_loc, RB, S, PRECISION) * l, axis=2)
+                e = tl.exp(b_sub - r[:, None])  # (RB, S): decay since the reference point
+                sq_norm = e * e * v_sq[:, None] + 2.0 * e * tl.sum(l * vx[:, None, :], axis=2) + quad
+                rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
+                _store_tile(r_ptr, tm, offs_m, m_ok, offs_s, M, rms)
+                q = _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / rms  # (RB, S)
+                p_past += _mm(tl.trans(q * e), keys, PRECISION)
+                p_own += tl.sum(q[:, :, None] * l, axis=0)
+            tl.store(p_base + offs_s[:, None] * C + offs_c[None, :], p_past)
             tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
-            tl.store(p_base + offs_s[:, None] * C + offs_s[None, :], tl.sum(q[:, :, None] * l, axis=0))
+            tl.store(p_base + offs_s[:, None] * C + offs_s[None, :], p_own)
 
     @triton.jit
     def _chunk_y_kernel(x_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
@@ -361,77 +368,89 @@ if triton is not None:
     @triton.jit
     def _chunk_grads_kernel(theta_ptr, phi_ptr, b_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
                             dq_ptr, c_ptr, gam_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
-                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
+                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
+                            PRECISION: tl.constexpr):
         """Per token and row: dq = dy . h, c (the norm's gradient factor), Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)},
         and dk = dh . x without the chunk-end term; per chunk: kappa = sum_u c_u e^{2 b_u} and P_w, which is
         P with omega = theta Gamma as the query."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        m_ok = offs_m < M
         chunk = bi * NC + n
         g_base, hx_base, pw_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, pw_ptr + chunk * C * C
         dyx_base, hdy_base = dyx_ptr + chunk * C * C, hdy_ptr + chunk * BM * C
         tm = bi * Tp * M + n * C * M
-        carry = tl.zeros([BM], dtype=tl.float32)  # sum over later tokens u of c_u e^{2(b_u - b_end of sub-chunk)}
-        for jj in range(C // S):  # sub-chunks last to first, for the reverse sum Gamma
-            start = (C // S - 1 - jj) * S
-            offs_s = start + tl.arange(0, S)
-            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)
-            keys = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * _masked_decay(
-                _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r[:, None], offs_c[None, :] < start)  # (BM, C)
-            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (BM, S)
-            E = _local_decays(b_sub, S)  # (BM, S, S)
-            l = E * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]
-            e = tl.exp(b_sub - r[:, None])
-            dq = (e * (tl.exp(r)[:, None] * _block(hdy_base, offs_m, offs_s, C)
-                       + _mm(keys, tl.trans(_block(dyx_base, offs_s, offs_c, C)), PRECISION))
-                  + tl.sum(l * _block(dyx_base, offs_s, offs_s, C)[None, :, :], axis=2))  # (BM, S)
-            rms = tl.load(r_ptr + tm + offs_s[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
-            c = -dq * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M) / (D * rms * rms)
-            _store_tile(dq_ptr, tm, offs_m, m_ok, offs_s, M, dq)
-            _store_tile(c_ptr, tm, offs_m, m_ok, offs_s, M, c)
-            b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)
-            gamma = tl.sum(E * E * c[:, :, None], axis=1) + tl.exp(2.0 * (b_last[:, None] - b_sub)) * carry[:, None]
-            _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)
-            carry = tl.sum(e * e * c, axis=1) + tl.exp(2.0 * (b_last - r)) * carry
-        tl.store(kappa_ptr + chunk * BM + offs_m, carry)
+        for i0 in range(0, M, RB):  # a block of memory rows: every quantity of this loop is per row
+            offs_m = i0 + tl.arange(0, RB)
+            m_ok = offs_m < M
+            b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
+            theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
+            carry = tl.zeros([RB], dtype=tl.float32)  # sum over later tokens u of c_u e^{2(b_u - b_end of sub-chunk)}
+            for jj in range(C // S):  # sub-chunks last to first, for the reverse sum Gamma
+                start = (C // S - 1 - jj) * S
+                offs_s = start + tl.arange(0, S)
+                r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)
+                keys = theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)  # (RB, C)
+                b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
+                E = _local_decays(b_sub, S)  # (RB, S, S)
+                l = E * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]
+                e = tl.exp(b_sub - r[:, None])
+                dq = (e * (tl.exp(r)[:, None] * _block(hdy_base, offs_m, offs_s, C)
+                           + _mm(keys, tl.trans(_block(dyx_base, offs_s, offs_c, C)), PRECISION))
+                      + tl.sum(l * _block(dyx_base, offs_s, offs_s, C)[None, :, :], axis=2))  # (RB, S)
+                rms = tl.load(r_ptr + tm + offs_s[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
+                c = -dq * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M) / (D * rms * rms)
+                _store_tile(dq_ptr, tm, offs_m, m_ok, offs_s, M, dq)
+                _store_tile(c_ptr, tm, offs_m, m_ok, offs_s, M, c)
+                b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)
+                gamma = (tl.sum(E * E * c[:, :, None], axis=1)
+                         + tl.exp(2.0 * (b_last[:, None] - b_sub)) * carry[:, None])
+                _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)
+                carry = tl.sum(e * e * c, axis=1) + tl.exp(2.0 * (b_last - r)) * carry
+            tl.store(kappa_ptr + chunk * BM + offs_m, carry)
         tl.debug_barrier()  # Gamma of every token of the chunk is needed below
 
         for j in range(C // S):
             start = j * S
             offs_s = start + tl.arange(0, S)
-            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # before the sub-chunk
-            b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)  # its last token
-            b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
-            theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
-            keys = theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)  # (BM, C) past
-            future = _masked_decay(b_last[:, None], b_all, offs_c[None, :] >= start + S)  # (BM, C) e^{b_u - b_last}
-            q_fut = future * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_c, M)
-            w_fut = future * theta_all * _tile(gam_ptr, tm, offs_m, m_ok, offs_c, M)
             g_cols = _block(g_base, offs_c, offs_s, C)  # (C, S)
-            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (BM, S)
-            theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
-            q_sub = _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M)
-            gamma = _tile(gam_ptr, tm, offs_m, m_ok, offs_s, M)
-            w_sub = theta_sub * gamma  # omega
-            E = _local_decays(b_sub, S)  # (BM, S, S) [i, u, s]
-            l = E * theta_sub[:, None, :]
+            dyx_cols = _block(dyx_base, offs_c, offs_s, C)
             g_loc = _block(g_base, offs_s, offs_s, C)  # (S, S)
             dyx_loc = _block(dyx_base, offs_s, offs_s, C)
-            # sum_{u >= s} e^{b_u - b_s} (q_u dy_u . x_s + omega_u x_u . x_s), later sub-chunks then this one
-            reads = tl.exp(b_last[:, None] - b_sub) * (_mm(q_fut, _block(dyx_base, offs_c, offs_s, C), PRECISION)
-                                                      + _mm(w_fut, g_cols, PRECISION))
-            reads += tl.sum(E * (q_sub[:, :, None] * dyx_loc[None, :, :] + w_sub[:, :, None] * g_loc[None, :, :]),
-                            axis=1)
             diag = tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], g_loc, 0.0), axis=0)  # (S,) x_s . x_s
-            e = tl.exp(b_sub - r[:, None])
-            vx = tl.exp(r)[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, g_cols, PRECISION)
-            hx_own = e * vx + tl.sum(l * g_loc[None, :, :], axis=2)  # (BM, S): h_s . x_s
-            _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, reads - w_sub * diag[None, :] + gamma * hx_own)
-            tl.store(pw_base + offs_s[:, None] * C + offs_c[None, :], _mm(tl.trans(w_sub * e), keys, PRECISION))
+            pw_past = tl.zeros([S, C], dtype=tl.float32)
+            pw_own = tl.zeros([S, S], dtype=tl.float32)
+            for i0 in range(0, M, RB):
+                offs_m = i0 + tl.arange(0, RB)
+                m_ok = offs_m < M
+                r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # before the sub-chunk
+                b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)  # its last token
+                b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
+                theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
+                keys = theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)  # (RB, C) past
+                future = _masked_decay(b_last[:, None], b_all, offs_c[None, :] >= start + S)  # e^{b_u - b_last}
+                q_fut = future * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_c, M)
+                w_fut = future * theta_all * _tile(gam_ptr, tm, offs_m, m_ok, offs_c, M)
+                b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
+                theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
+                q_sub = _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M)
+                gamma = _tile(gam_ptr, tm, offs_m, m_ok, offs_s, M)
+                w_sub = theta_sub * gamma  # omega
+                E = _local_decays(b_sub, S)  # (RB, S, S) [i, u, s]
+                l = E * theta_sub[:, None, :]
+                # sum_{u >= s} e^{b_u - b_s} (q_u dy_u . x_s + omega_u x_u . x_s), later sub-chunks then this one
+                reads = tl.exp(b_last[:, None] - b_sub) * (_mm(q_fut, dyx_cols, PRECISION)
+                                                          + _mm(w_fut, g_cols, PRECISION))
+                reads += tl.sum(E * (q_sub[:, :, None] * dyx_loc[None, :, :] + w_sub[:, :, None] * g_loc[None, :, :]),
+                                axis=1)
+                e = tl.exp(b_sub - r[:, None])
+                vx = tl.exp(r)[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, g_cols, PRECISION)
+                hx_own = e * vx + tl.sum(l * g_loc[None, :, :], axis=2)  # (RB, S): h_s . x_s
+                _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, reads - w_sub * diag[None, :] + gamma * hx_own)
+                pw_past += _mm(tl.trans(w_sub * e), keys, PRECISION)
+                pw_own += tl.sum(w_sub[:, :, None] * l, axis=0)
+            tl.store(pw_base + offs_s[:, None] * C + offs_c[None, :], pw_past)
             tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
-            tl.store(pw_base + offs_s[:, None] * C + offs_s[None, :], tl.sum(w_sub[:, :, None] * l, axis=0))
+            tl.store(pw_base + offs_s[:, None] * C + offs_s[None, :], pw_own)
 
     @triton.jit
     def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, gam_ptr, kappa_ptr, ds_ptr,
@@ -541,7 +560,7 @@ def _precision(x):
 
 
 def _block_m(M):
-    """Row tile: at least 32, since Triton 3.6 faulted (illegal address) on tf32x3 products 16 rows wide."""
+    """Row tile of the streaming kernels: at least 32, since Triton 3.6 faulted (illegal address) on tf32x3 products 16 rows wide."""
     return max(32, triton.next_power_of_2(M))
 
 
@@ -602,7 +621,7 @@ def _chunk_out(x, theta, phi, b, states, eps):
     gram, hx, h_sq, _, _ = _products(x, states, theta)
     P, rms, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(x)
     _chunk_norms_kernel[(NC, B)](theta, phi, b, gram, hx, h_sq, P, rms, eps, theta.shape[1], D, M, NC, S=SUB,
-                                 **_meta(x, M, num_warps=8))
+                                 RB=ROW_BLOCK, **_meta(x, M, num_warps=4))
     splits, meta = _streaming(x, M)
     _chunk_y_kernel[(NC, B, splits)](x, phi, b, states, rms, P, y, T, theta.shape[1], D, M, NC, **meta)
     return y, rms, P
@@ -616,7 +635,7 @@ def _chunk_grads(x, dy, theta, phi, b, states, rms):
     dq, c, gamma, dk = (torch.empty_like(theta) for _ in range(4))
     kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
     _chunk_grads_kernel[(NC, B)](theta, phi, b, rms, gram, hx, dyx, hdy, dq, c, gamma, kappa, dk, p_w,
-                                 theta.shape[1], D, M, NC, S=SUB, **_meta(x, M, num_warps=8))
+                                 theta.shape[1], D, M, NC, S=SUB, RB=ROW_BLOCK, **_meta(x, M, num_warps=4))
     return dq, c, gamma, kappa, dk, p_w
 
 
