@@ -60,10 +60,10 @@ def fm_inputs(B, T, k, dtype, device="cuda", h0=True):
     return [x, theta, phi, h]
 
 
-def scan_flops_per_token(C=fm_kernel.CHUNK):
-    """Matmul FLOPs of the chunked scan per token: forward, backward (see the kernels)."""
-    fwd = 4 * C * D + 6 * M * D + 2 * M * C * C
-    bwd = 10 * C * D + 14 * M * D + 2 * M * C * C
+def scan_flops_per_token(C=fm_kernel.CHUNK, S=fm_kernel.SUB):
+    """Matmul FLOPs of the chunked scan per token: forward, backward (the products of the kernels)."""
+    fwd = 4 * C * D + 6 * M * D + 2 * M * C * C // S + 4 * M * C + 2 * M * S * S
+    bwd = 8 * C * D + 14 * M * D + 10 * M * C
     return fwd, bwd
 
 

@@ -141,12 +141,25 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 
 # ----------------------------------------------------------------------------- Triton kernels
 #
-# Forward:  _chunk_write_kernel   per (chunk, batch, D block): a chunk's own write to its end state
-#           _chunk_scan_kernel    per (batch, state block): sequential over chunks, chunk-start states
-#           _chunk_out_kernel     per (chunk, batch): row norms through the Gram expansion, then y
-# Backward: _chunk_dstate_kernel  per (chunk, batch): dq, c, and the chunk's gradient to its start state
-#           _chunk_scan_kernel    reversed: gradient at every chunk end
-#           _chunk_dinput_kernel  per (chunk, batch): dxbar and dk (gradient wrt theta as a key)
+# The kernels batch all memory rows. Inside a chunk, tokens go in sub-chunks of S = 16 with reference point
+# r = b before the sub-chunk; every exponent below is <= 0, so nothing overflows however fast a row decays:
+#   earlier tokens s:      L_i[t, s] = e^{b_t - r} K[i, s],   K[i, s] = e^{r - b_s} theta_s   (one matmul for all rows)
+#   the sub-chunk's own:   L_i[t, s] from explicit (rows, S, S) tiles of e^{b_t - b_s}
+#   state V before it:     ||V_i||^2 and V_i . x_s through K (X X^T) K^T and H X^T, never V itself
+#
+# Forward:  _chunk_write_kernel     per (chunk, batch, D block): a chunk's own write to its end state
+#           _chunk_scan_kernel      per (batch, state block): sequential over chunks, chunk-start states H
+#           _chunk_products_kernel  per (chunk, batch): X X^T, H X^T, ||H_i||^2 (sums over D)
+#           _chunk_norms_kernel     per (chunk, batch): row rms of every token, and P (C, C)
+#           _chunk_y_kernel         per (chunk, batch, D split): y = P X + (q e^b) H
+# Backward: _chunk_products_kernel  X X^T, H X^T, dY X^T, H dY^T
+#           _chunk_grads_kernel     per (chunk, batch): dq, c, Gamma, kappa, dk (less its chunk-end term), P_w
+#           _chunk_dstate_kernel    per (chunk, batch, D split): the chunk's gradient to its start state
+#           _chunk_scan_kernel      reversed: gradient at every chunk end
+#           _chunk_dx_kernel        per (chunk, batch, D split): dxbar, and dH_end X^T for dk's chunk-end term
+# With g_u = q_u dy_u + c_u h_u the gradient reaching h_u directly, the norm's part of the backward reduces to
+# Gamma_s = sum_{u>=s} c_u e^{2(b_u - b_s)}: sum_u L_i[u,s] c_u h_u[i] = omega_s[i] h_s[i] + sum_{s'>s} P_w[s', s] x_s'
+# with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T - diag P_w) X + (omega e^b) H + K_end^T dH_end.
 # The gradient wrt the log-decays follows from an identity (see _FMScan.backward), in PyTorch.
 #
 # All tensors the kernels read besides xbar/dy are float32 and padded in time to a multiple of CHUNK:
@@ -156,7 +169,7 @@ if triton is not None:
 
     @triton.jit
     def _mm(a, b, precision: tl.constexpr):
-        """Matrix product with float32 accumulation ('tf32x3' keeps float32 inputs near float32 accuracy)."""
+        """Matrix product with float32 accumulation, precision 'tf32' or 'ieee' (see _precision)."""
         return tl.dot(a, b, input_precision=precision)
 
     @triton.jit
@@ -560,7 +573,7 @@ def _precision(x):
 
 
 def _block_m(M):
-    """Row tile of the streaming kernels: at least 32, since Triton 3.6 faulted (illegal address) on tf32x3 products 16 rows wide."""
+    """Padded row count: at least 32 (Triton 3.6 faulted on 16-row tf32x3 products) and a multiple of ROW_BLOCK."""
     return max(32, triton.next_power_of_2(M))
 
 
