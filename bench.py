@@ -216,10 +216,11 @@ def bench_stages():
         y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
         dq, c, gamma, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms)
         dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
+        states_copy = states.clone()  # the scan works in place
         stages = {
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
             "write+scan": lambda: fm_kernel._chunk_states(x, theta_p, b, h0),
-            "scan alone": lambda: fm_kernel._scan_states(states, b, h0, hT, reverse=False),
+            "scan alone": lambda: fm_kernel._scan_states(states_copy, b, h0, hT, reverse=False),
             "fwd products": lambda: fm_kernel._products(x, states, theta_p),
             "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
             "bwd products": lambda: fm_kernel._products(x, states, theta_p, dy),

@@ -232,6 +232,7 @@ if triton is not None:
 
     @triton.jit
     def _store_tile(ptr, base, offs_m, m_ok, offs_t, M, value):
+        """Store a (rows, tokens) tile into a (B, Tp, M) array, the inverse of _tile."""
         tl.store(ptr + base + offs_t[None, :] * M + offs_m[:, None], value, mask=m_ok[:, None])
 
     @triton.jit
@@ -259,15 +260,32 @@ if triton is not None:
 
     @triton.jit
     def _local_decays(b_sub, S: tl.constexpr):
-        """E[i, t, s] = e^{b_t[i] - b_s[i]} for s <= t inside one sub-chunk, else 0.  (BM, S, S)"""
+        """E[i, t, s] = e^{b_t[i] - b_s[i]} for s <= t inside one sub-chunk, else 0.  (rows, S, S)"""
         offs = tl.arange(0, S)
         causal = (offs[:, None] >= offs[None, :])[None, :, :]
         return _masked_decay(b_sub[:, None, :], b_sub[:, :, None], causal)
 
     @triton.jit
-    def _local_gram(l, g_loc, BM: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
-        """sum_s' l[i, t, s'] G[s', s] for every row i: one (BM*S, S) x (S, S) product.  (BM, S, S)"""
-        return tl.reshape(_mm(tl.reshape(l, (BM * S, S)), g_loc, PRECISION), (BM, S, S))
+    def _local_gram(l, g_loc, RB: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+        """sum_s' l[i, t, s'] G[s', s] for every row i: one (RB*S, S) x (S, S) product.  (RB, S, S)"""
+        return tl.reshape(_mm(tl.reshape(l, (RB * S, S)), g_loc, PRECISION), (RB, S, S))
+
+    @triton.jit
+    def _past_keys(theta_all, b_all, r, offs_c, start):
+        """K[i, s] = e^{r_i - b_s[i]} theta_s[i] for the chunk's tokens s before `start`, else 0.  (rows, C)"""
+        return theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)
+
+    @triton.jit
+    def _state_dot_x(hx_sub, keys, g_cols, r, PRECISION: tl.constexpr):
+        """V_i . x_s for the sub-chunk's tokens s, V = e^r H + keys X being the state before it.  (rows, S)"""
+        return tl.exp(r)[:, None] * hx_sub + _mm(keys, g_cols, PRECISION)
+
+    @triton.jit
+    def _store_p_rows(p_base, offs_s, offs_c, C: tl.constexpr, past, own):
+        """Rows offs_s of a (C, C) read matrix: `past` (S, C) for earlier tokens, then the diagonal block `own`."""
+        tl.store(p_base + offs_s[:, None] * C + offs_c[None, :], past)
+        tl.debug_barrier()  # the diagonal block overwrites zeros of the rows just stored
+        tl.store(p_base + offs_s[:, None] * C + offs_s[None, :], own)
 
     @triton.jit
     def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hx_ptr, hsq_ptr, dyx_ptr, hdy_ptr, T, D, M, NC,
@@ -333,12 +351,12 @@ if triton is not None:
                 m_ok = offs_m < M
                 hx = _block(hx_base, offs_m, offs_c, C)  # (RB, C) H X^T
                 r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # (RB,) reference point
-                keys = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * _masked_decay(
-                    _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r[:, None], offs_c[None, :] < start)  # (RB, C)
+                keys = _past_keys(_tile(theta_ptr, tm, offs_m, m_ok, offs_c, M),
+                                  _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r, offs_c, start)  # (RB, C)
                 e_r = tl.exp(r)  # V = e^r H + keys X is the state before the sub-chunk
                 v_sq = (e_r * e_r * tl.load(hsq_ptr + chunk * BM + offs_m) + 2.0 * e_r * tl.sum(keys * hx, axis=1)
                         + tl.sum(_mm(keys, gram, PRECISION) * keys, axis=1))  # (RB,) ||V||^2
-                vx = e_r[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, g_cols, PRECISION)  # V . x_s
+                vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)  # (RB, S)
                 b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
                 l = _local_decays(b_sub, S) * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]  # (RB, S, S)
                 quad = tl.sum(_local_gram(l, g_loc, RB, S, PRECISION) * l, axis=2)
@@ -349,9 +367,7 @@ if triton is not None:
                 q = _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / rms  # (RB, S)
                 p_past += _mm(tl.trans(q * e), keys, PRECISION)
                 p_own += tl.sum(q[:, :, None] * l, axis=0)
-            tl.store(p_base + offs_s[:, None] * C + offs_c[None, :], p_past)
-            tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
-            tl.store(p_base + offs_s[:, None] * C + offs_s[None, :], p_own)
+            _store_p_rows(p_base, offs_s, offs_c, C, p_past, p_own)
 
     @triton.jit
     def _chunk_y_kernel(x_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
@@ -379,91 +395,104 @@ if triton is not None:
                      y.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
+    def _row_norm_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, dyx_base, hdy_base, dq_ptr, c_ptr, gam_ptr, tm, offs_m,
+                        D, M, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+        """For a block of rows and every token: dq = dy . h, c (the norm's gradient factor) and
+        Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}, stored; returns kappa = sum_u c_u e^{2 b_u} (rows,)."""
+        offs_c = tl.arange(0, C)
+        m_ok = offs_m < M
+        b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
+        theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
+        carry = tl.zeros_like(offs_m).to(tl.float32)  # sum over later tokens u of c_u e^{2(b_u - b_end of sub-chunk)}
+        for jj in range(C // S):  # sub-chunks last to first, for the reverse sum Gamma
+            start = (C // S - 1 - jj) * S
+            offs_s = start + tl.arange(0, S)
+            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)
+            keys = _past_keys(theta_all, b_all, r, offs_c, start)  # (RB, C)
+            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
+            E = _local_decays(b_sub, S)  # (RB, S, S)
+            l = E * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]
+            e = tl.exp(b_sub - r[:, None])
+            dq = (e * (tl.exp(r)[:, None] * _block(hdy_base, offs_m, offs_s, C)
+                       + _mm(keys, tl.trans(_block(dyx_base, offs_s, offs_c, C)), PRECISION))
+                  + tl.sum(l * _block(dyx_base, offs_s, offs_s, C)[None, :, :], axis=2))  # (RB, S)
+            rms = tl.load(r_ptr + tm + offs_s[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
+            c = -dq * _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / (D * rms * rms * rms)
+            _store_tile(dq_ptr, tm, offs_m, m_ok, offs_s, M, dq)
+            _store_tile(c_ptr, tm, offs_m, m_ok, offs_s, M, c)
+            b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)
+            gamma = tl.sum(E * E * c[:, :, None], axis=1) + tl.exp(2.0 * (b_last[:, None] - b_sub)) * carry[:, None]
+            _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)
+            carry = tl.sum(e * e * c, axis=1) + tl.exp(2.0 * (b_last - r)) * carry
+        return carry
+
+    @triton.jit
+    def _row_key_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, gam_ptr, hx_base, dk_ptr, g_cols, dyx_cols, g_loc, dyx_loc,
+                       tm, offs_m, start, M, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+        """For a block of rows and the sub-chunk from `start`: dk = dh . x less its chunk-end term (stored);
+        returns this block's share of the sub-chunk's rows of P_w, (S, C) for earlier tokens and (S, S)."""
+        offs_c = tl.arange(0, C)
+        offs_s = start + tl.arange(0, S)
+        m_ok = offs_m < M
+        r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # before the sub-chunk
+        b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)  # its last token
+        b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
+        theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
+        keys = _past_keys(theta_all, b_all, r, offs_c, start)  # (RB, C)
+        future = _masked_decay(b_last[:, None], b_all, offs_c[None, :] >= start + S)  # e^{b_u - b_last}
+        q_fut = future * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_c, M)
+        w_fut = future * theta_all * _tile(gam_ptr, tm, offs_m, m_ok, offs_c, M)
+        b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
+        theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
+        q_sub = _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M)
+        gamma = _tile(gam_ptr, tm, offs_m, m_ok, offs_s, M)
+        w_sub = theta_sub * gamma  # omega
+        E = _local_decays(b_sub, S)  # (RB, S, S) [i, u, s]
+        l = E * theta_sub[:, None, :]
+        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u . x_s + omega_u x_u . x_s), later sub-chunks then this one
+        reads = tl.exp(b_last[:, None] - b_sub) * (_mm(q_fut, dyx_cols, PRECISION) + _mm(w_fut, g_cols, PRECISION))
+        reads += tl.sum(E * (q_sub[:, :, None] * dyx_loc[None, :, :] + w_sub[:, :, None] * g_loc[None, :, :]), axis=1)
+        diag = tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], g_loc, 0.0), axis=0)  # (S,) x_s . x_s
+        e = tl.exp(b_sub - r[:, None])
+        vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)
+        hx_own = e * vx + tl.sum(l * g_loc[None, :, :], axis=2)  # (RB, S): h_s . x_s
+        _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, reads - w_sub * diag[None, :] + gamma * hx_own)
+        return _mm(tl.trans(w_sub * e), keys, PRECISION), tl.sum(w_sub[:, :, None] * l, axis=0)
+
+    @triton.jit
     def _chunk_grads_kernel(theta_ptr, phi_ptr, b_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
                             dq_ptr, c_ptr, gam_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
                             PRECISION: tl.constexpr):
-        """Per token and row: dq = dy . h, c (the norm's gradient factor), Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)},
-        and dk = dh . x without the chunk-end term; per chunk: kappa = sum_u c_u e^{2 b_u} and P_w, which is
-        P with omega = theta Gamma as the query."""
+        """The backward's per-token factors of a chunk (_row_norm_grads, then _row_key_grads), kappa and P_w,
+        which is P with omega = theta Gamma as the query."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
         chunk = bi * NC + n
         g_base, hx_base, pw_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, pw_ptr + chunk * C * C
         dyx_base, hdy_base = dyx_ptr + chunk * C * C, hdy_ptr + chunk * BM * C
         tm = bi * Tp * M + n * C * M
-        for i0 in range(0, M, RB):  # a block of memory rows: every quantity of this loop is per row
+        for i0 in range(0, M, RB):
             offs_m = i0 + tl.arange(0, RB)
-            m_ok = offs_m < M
-            b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
-            theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
-            carry = tl.zeros([RB], dtype=tl.float32)  # sum over later tokens u of c_u e^{2(b_u - b_end of sub-chunk)}
-            for jj in range(C // S):  # sub-chunks last to first, for the reverse sum Gamma
-                start = (C // S - 1 - jj) * S
-                offs_s = start + tl.arange(0, S)
-                r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)
-                keys = theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)  # (RB, C)
-                b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
-                E = _local_decays(b_sub, S)  # (RB, S, S)
-                l = E * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]
-                e = tl.exp(b_sub - r[:, None])
-                dq = (e * (tl.exp(r)[:, None] * _block(hdy_base, offs_m, offs_s, C)
-                           + _mm(keys, tl.trans(_block(dyx_base, offs_s, offs_c, C)), PRECISION))
-                      + tl.sum(l * _block(dyx_base, offs_s, offs_s, C)[None, :, :], axis=2))  # (RB, S)
-                rms = tl.load(r_ptr + tm + offs_s[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
-                c = -dq * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M) / (D * rms * rms)
-                _store_tile(dq_ptr, tm, offs_m, m_ok, offs_s, M, dq)
-                _store_tile(c_ptr, tm, offs_m, m_ok, offs_s, M, c)
-                b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)
-                gamma = (tl.sum(E * E * c[:, :, None], axis=1)
-                         + tl.exp(2.0 * (b_last[:, None] - b_sub)) * carry[:, None])
-                _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)
-                carry = tl.sum(e * e * c, axis=1) + tl.exp(2.0 * (b_last - r)) * carry
-            tl.store(kappa_ptr + chunk * BM + offs_m, carry)
+            kappa = _row_norm_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, dyx_base, hdy_base, dq_ptr, c_ptr, gam_ptr,
+                                    tm, offs_m, D, M, C, S, PRECISION)
+            tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
         tl.debug_barrier()  # Gamma of every token of the chunk is needed below
 
         for j in range(C // S):
             start = j * S
             offs_s = start + tl.arange(0, S)
-            g_cols = _block(g_base, offs_c, offs_s, C)  # (C, S)
-            dyx_cols = _block(dyx_base, offs_c, offs_s, C)
-            g_loc = _block(g_base, offs_s, offs_s, C)  # (S, S)
-            dyx_loc = _block(dyx_base, offs_s, offs_s, C)
-            diag = tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], g_loc, 0.0), axis=0)  # (S,) x_s . x_s
+            g_cols, dyx_cols = _block(g_base, offs_c, offs_s, C), _block(dyx_base, offs_c, offs_s, C)  # (C, S)
+            g_loc, dyx_loc = _block(g_base, offs_s, offs_s, C), _block(dyx_base, offs_s, offs_s, C)  # (S, S)
             pw_past = tl.zeros([S, C], dtype=tl.float32)
             pw_own = tl.zeros([S, S], dtype=tl.float32)
             for i0 in range(0, M, RB):
-                offs_m = i0 + tl.arange(0, RB)
-                m_ok = offs_m < M
-                r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # before the sub-chunk
-                b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)  # its last token
-                b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
-                theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
-                keys = theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)  # (RB, C) past
-                future = _masked_decay(b_last[:, None], b_all, offs_c[None, :] >= start + S)  # e^{b_u - b_last}
-                q_fut = future * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_c, M)
-                w_fut = future * theta_all * _tile(gam_ptr, tm, offs_m, m_ok, offs_c, M)
-                b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
-                theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
-                q_sub = _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M)
-                gamma = _tile(gam_ptr, tm, offs_m, m_ok, offs_s, M)
-                w_sub = theta_sub * gamma  # omega
-                E = _local_decays(b_sub, S)  # (RB, S, S) [i, u, s]
-                l = E * theta_sub[:, None, :]
-                # sum_{u >= s} e^{b_u - b_s} (q_u dy_u . x_s + omega_u x_u . x_s), later sub-chunks then this one
-                reads = tl.exp(b_last[:, None] - b_sub) * (_mm(q_fut, dyx_cols, PRECISION)
-                                                          + _mm(w_fut, g_cols, PRECISION))
-                reads += tl.sum(E * (q_sub[:, :, None] * dyx_loc[None, :, :] + w_sub[:, :, None] * g_loc[None, :, :]),
-                                axis=1)
-                e = tl.exp(b_sub - r[:, None])
-                vx = tl.exp(r)[:, None] * _block(hx_base, offs_m, offs_s, C) + _mm(keys, g_cols, PRECISION)
-                hx_own = e * vx + tl.sum(l * g_loc[None, :, :], axis=2)  # (RB, S): h_s . x_s
-                _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, reads - w_sub * diag[None, :] + gamma * hx_own)
-                pw_past += _mm(tl.trans(w_sub * e), keys, PRECISION)
-                pw_own += tl.sum(w_sub[:, :, None] * l, axis=0)
-            tl.store(pw_base + offs_s[:, None] * C + offs_c[None, :], pw_past)
-            tl.debug_barrier()  # the diagonal block below overwrites zeros of the rows just stored
-            tl.store(pw_base + offs_s[:, None] * C + offs_s[None, :], pw_own)
+                past, own = _row_key_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, gam_ptr, hx_base, dk_ptr, g_cols,
+                                           dyx_cols, g_loc, dyx_loc, tm, i0 + tl.arange(0, RB), start, M, C, S,
+                                           PRECISION)
+                pw_past += past
+                pw_own += own
+            _store_p_rows(pw_base, offs_s, offs_c, C, pw_past, pw_own)
 
     @triton.jit
     def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, gam_ptr, kappa_ptr, ds_ptr,
@@ -484,7 +513,7 @@ if triton is not None:
             r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0) * e_b
         w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
             gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * e_b  # omega e^b
-        kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m)
+        kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
@@ -573,8 +602,8 @@ def _precision(x):
 
 
 def _block_m(M):
-    """Padded row count: at least 32 (Triton 3.6 faulted on 16-row tf32x3 products) and a multiple of ROW_BLOCK."""
-    return max(32, triton.next_power_of_2(M))
+    """Padded row count, a multiple of ROW_BLOCK: at least 32 (Triton 3.6 once faulted on 16-row products)."""
+    return max(32, ROW_BLOCK, triton.next_power_of_2(M))
 
 
 def _chunk_states(x, theta, b, h0):
@@ -607,7 +636,7 @@ def _meta(x, M, num_warps, num_stages=1):
 
 def _streaming(x, M):
     """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time."""
-    split = min(SPLIT, 64 * triton.cdiv(x.shape[-1], 64))
+    split = 64 * triton.cdiv(min(SPLIT, x.shape[-1]), 64)  # whole steps of BD = 64 columns
     return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, **_meta(x, M, num_warps=4, num_stages=3))
 
 
@@ -617,21 +646,21 @@ def _scratch(theta, NC, *rows):
 
 
 def _products(x, states, theta, dy=None):
-    """Each chunk's inner products over D: X X^T, H X^T and ||H||^2, or with dy X X^T, H X^T, dY X^T, H dY^T."""
+    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H X^T, dY X^T, H dY^T)."""
     B, NC, M, D = states.shape
     BM = _block_m(M)
     gram, hx, h_sq = _scratch(theta, NC, CHUNK), _scratch(theta, NC, BM), theta.new_empty(B, NC, BM)
-    dyx, hdy = (gram, hx) if dy is None else (_scratch(theta, NC, CHUNK), _scratch(theta, NC, BM))
+    dyx, hdy = (gram, hx) if dy is None else (_scratch(theta, NC, CHUNK), _scratch(theta, NC, BM))  # unused if None
     _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hx, h_sq, dyx, hdy, x.shape[1], D, M,
                                     NC, BD=64, BACKWARD=dy is not None, **_meta(x, M, num_warps=4, num_stages=3))
-    return gram, hx, h_sq, dyx, hdy
+    return (gram, hx, h_sq) if dy is None else (gram, hx, dyx, hdy)
 
 
 def _chunk_out(x, theta, phi, b, states, eps):
     """Forward output y (B, T, D), the row rms (B, Tp, M) and P (B, NC, C, C), the within-chunk reads."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    gram, hx, h_sq, _, _ = _products(x, states, theta)
+    gram, hx, h_sq = _products(x, states, theta)
     P, rms, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(x)
     _chunk_norms_kernel[(NC, B)](theta, phi, b, gram, hx, h_sq, P, rms, eps, theta.shape[1], D, M, NC, S=SUB,
                                  RB=ROW_BLOCK, **_meta(x, M, num_warps=4))
@@ -642,9 +671,9 @@ def _chunk_out(x, theta, phi, b, states, eps):
 
 def _chunk_grads(x, dy, theta, phi, b, states, rms):
     """dq, c, Gamma and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
-    B, T, D = x.shape
+    B, _, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    gram, hx, _, dyx, hdy = _products(x, states, theta, dy)
+    gram, hx, dyx, hdy = _products(x, states, theta, dy)
     dq, c, gamma, dk = (torch.empty_like(theta) for _ in range(4))
     kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
     _chunk_grads_kernel[(NC, B)](theta, phi, b, rms, gram, hx, dyx, hdy, dq, c, gamma, kappa, dk, p_w,
@@ -672,8 +701,8 @@ def _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w):
     dx = torch.empty_like(x)
     _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dstates, gamma, P, p_w, dhx, dx,
                                       T, theta.shape[1], D, M, NC, **meta)
-    b = b.view(B, NC, CHUNK, M)
-    dk_end = (b[:, :, -1:] - b).exp() * dhx.sum(2)[:, :, :M].transpose(-1, -2)  # (B, NC, C, M)
+    b_chunks = b.view(B, NC, CHUNK, M)
+    dk_end = (b_chunks[:, :, -1:] - b_chunks).exp() * dhx.sum(2)[:, :, :M].transpose(-1, -2)  # (B, NC, C, M)
     return dx, dk_end.reshape(theta.shape)
 
 
@@ -730,8 +759,11 @@ class _FMScan(torch.autograd.Function):
                 dh0 if ctx.has_h0 else None, None, None)
 
 
-def _check_scan_args(xbar, theta, phi, h0, cu_seqlens):
+def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
     B, T, D = xbar.shape
+    M = theta.shape[-1]
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it keeps rms(h) away from 0), got {eps}")
     if theta.shape != phi.shape or theta.shape[:2] != (B, T):
         raise ValueError(f"theta {tuple(theta.shape)} and phi {tuple(phi.shape)} must both be (B, T, M) "
                          f"with (B, T) = {(B, T)} from xbar")
@@ -739,8 +771,9 @@ def _check_scan_args(xbar, theta, phi, h0, cu_seqlens):
         raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
     if cu_seqlens is not None and (B != 1 or h0 is not None):
         raise ValueError("cu_seqlens packs documents into one row: use batch size 1 and h0=None")
-    n_chunks = -(-T // CHUNK)
-    if B * n_chunks * CHUNK * max(D, theta.shape[-1]) >= 2**31 or B * n_chunks * theta.shape[-1] * D >= 2**31:
+    Tp = CHUNK * -(-T // CHUNK)
+    widest = max(D, CHUNK, _block_m(M) * -(-D // SPLIT))  # per token: x and y, the (C, C) work, dH X^T shares
+    if B * Tp * widest >= 2**31 or B * (Tp // CHUNK) * M * D >= 2**31:
         raise ValueError(f"fm_scan indexes with 32-bit offsets: B*T*D = {B * T * D:,} and the chunk states are too "
                          f"large for one call; split the batch into calls of fewer tokens")
 
@@ -750,7 +783,7 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
     """Triton FM scan (forward and backward). cu_seqlens (N+1,) int: document boundaries in a
     packed batch of one row; the memory restarts at each (see LOG_DECAY_FLOOR), and hT is the state
     after the last token."""
-    _check_scan_args(xbar, theta, phi, h0, cu_seqlens)
+    _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens)
     return _FMScan.apply(xbar, theta, phi, h0, eps, cu_seqlens)
 
 

@@ -163,12 +163,13 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
 
 
 @needs_triton
-def test_triton_scan_splits_columns_among_programs(monkeypatch, poisoned_outputs):
-    """The streaming kernels give each program SPLIT columns of D: 64 here, so D = 96 takes two, one half masked."""
-    monkeypatch.setattr(fm_kernel, "SPLIT", 64)
+@pytest.mark.parametrize("split, D", [(64, 96), (96, 200)])  # 96 rounds up to 128 columns: no overlap
+def test_triton_scan_splits_columns_among_programs(split, D, monkeypatch, poisoned_outputs):
+    """The streaming kernels give each program SPLIT columns of D; the last split is partly masked."""
+    monkeypatch.setattr(fm_kernel, "SPLIT", split)
     torch.manual_seed(6)
-    inputs = scan_inputs(1, 70, 96, 12, 3)
-    grad_y, grad_h = torch.randn(1, 70, 96, dtype=torch.float64), torch.randn(1, 12, 96, dtype=torch.float64)
+    inputs = scan_inputs(1, 70, D, 12, 3)
+    grad_y, grad_h = torch.randn(1, 70, D, dtype=torch.float64), torch.randn(1, 12, D, dtype=torch.float64)
     want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
     got = scan_and_grads(fm_scan, [t.float().to(DEVICE) for t in inputs], grad_y.to(DEVICE), grad_h.to(DEVICE))
     assert_close_all([g.cpu() for g in got], want, 2e-5)
@@ -252,6 +253,8 @@ def test_scan_rejects_bad_shapes():
         fm_scan(x, torch.rand(1, 5, 4), torch.rand(1, 5, 4))
     with pytest.raises(ValueError, match="h0"):
         fm_scan(x, torch.rand(1, 4, 4), torch.rand(1, 4, 4), h0=torch.randn(1, 3, 8))
+    with pytest.raises(ValueError, match="eps"):
+        fm_scan(x, torch.rand(1, 4, 4), torch.rand(1, 4, 4), eps=0.0)
     huge = torch.empty(1, 2**21, 1024, device="meta")  # 2^31 elements: past 32-bit offsets
     with pytest.raises(ValueError, match="split the batch"):
         fm_scan(huge, torch.empty(1, 2**21, 4, device="meta"), torch.empty(1, 2**21, 4, device="meta"))
