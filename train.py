@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 import typing
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -336,6 +336,31 @@ def resumed_model(ckpt, ckpt_path, cfg, config, master):
     return model
 
 
+@contextmanager
+def stop_requests(announce):
+    """While active, Ctrl-C or SIGTERM sets stop[0] (the loop then finishes its step, saves and stops) instead of
+    stopping the process; a second Ctrl-C raises KeyboardInterrupt at once. Yields stop, a list of one bool."""
+    stop, previous = [False], {}
+
+    def request_stop(signum, frame):
+        stop[0] = True
+        signal.signal(signum, previous[signum])
+        if announce:
+            print(f'\n{signal.Signals(signum).name}: saving a checkpoint after this step (Ctrl-C again to quit now)',
+                  flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, request_stop)
+        except ValueError:  # not the main thread: no handlers
+            pass
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def train(cfg, config, rank, world_size, device_name, cpu_group):
     master = rank == 0
     if cfg.gradient_accumulation_steps % world_size:
@@ -418,30 +443,13 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
         import wandb
         wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=config)
 
-    # Ctrl-C / SIGTERM: finish the step, save, stop. A second Ctrl-C raises KeyboardInterrupt at once.
-    stop = [False]
-    previous = {}
-
-    def request_stop(signum, frame):
-        stop[0] = True
-        signal.signal(signum, previous[signum])
-        if master:
-            print(f'\n{signal.Signals(signum).name}: saving a checkpoint after this step (Ctrl-C again to quit now)',
-                  flush=True)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, request_stop)
-        except ValueError:  # not the main thread: no handlers
-            pass
-
     history = {'train': [], 'val': []}
     start_iter, saved_iter, stop_now = iter_num, iter_num, False
     batch_state = gen.bit_generator.state
     X, Y = get_batch(train_tokens, random_starts(gen, len(train_tokens), cfg.batch_size, cfg.block_size),
                      cfg.block_size, device)
     t_log, iters_since_log, loss_sum = time.time(), 0, torch.zeros((), device=device)
-    try:
+    with stop_requests(announce=master) as stop:
         while True:
             # evaluate, checkpoint
             due = iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters
@@ -525,9 +533,6 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
                 flag = torch.tensor([float(stop_now)])
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group)
                 stop_now = bool(flag.item())
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if cfg.wandb_log and master:
         wandb.finish()
     return history
