@@ -179,6 +179,23 @@ if triton is not None:
         return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _token_rows(ptr, bi, n, T, D, C: tl.constexpr):
+        """Row pointers (C,) of chunk n of sequence bi in a (B, T, D) array."""
+        return ptr + bi * T * D + (n * C + tl.arange(0, C)) * D
+
+    @triton.jit
+    def _state_rows(ptr, chunk, M, D, BM: tl.constexpr):
+        """Row pointers (BM,) of one chunk's state in a (B, NC, M, D) array."""
+        return ptr + chunk * M * D + tl.arange(0, BM) * D
+
+    @triton.jit
+    def _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok):
+        """q e^b at the (C, BM) offsets tm_ptr: how much each token reads of the chunk-start state."""
+        rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)
+        q = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / rms
+        return q * tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
+
+    @triton.jit
     def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC,
                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -298,9 +315,8 @@ if triton is not None:
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
-        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
-        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         gram = tl.zeros([C, C], dtype=tl.float32)
         hx = tl.zeros([BM, C], dtype=tl.float32)
         h_sq = tl.zeros([BM], dtype=tl.float32)
@@ -379,20 +395,18 @@ if triton is not None:
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
-        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
+        x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)  # (C,)
+        h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         P = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C)  # (C, C)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)  # (C, BM)
-        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / rms * tl.exp(
-            tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # (C, BM): reads of the chunk-start state
+        q_state = _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok)  # (C, BM)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D)
             h = _load_cols(h_rows, m_ok, offs_d, D)
             y = _mm(P, x, PRECISION) + _mm(q_state, h, PRECISION)  # (C, BD)
-            tl.store(y_ptr + bi * T * D + (n * C + offs_c)[:, None] * D + offs_d[None, :],
-                     y.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
+            tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _row_norm_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, dyx_base, hdy_base, dq_ptr, c_ptr, gam_ptr, tm, offs_m,
@@ -504,15 +518,13 @@ if triton is not None:
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
-        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
-        h_rows = hs_ptr + (bi * NC + n) * M * D + offs_m * D  # (BM,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        e_b = tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # (C, BM)
-        q_state = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / tl.load(
-            r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0) * e_b
+        q_state = _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok)  # (C, BM)
         w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
-            gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * e_b  # omega e^b
+            gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
+            tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # omega e^b
         kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
@@ -535,10 +547,9 @@ if triton is not None:
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
         chunk = bi * NC + n
-        x_rows = x_ptr + bi * T * D + (n * C + offs_c) * D  # (C,) row pointers
-        dy_rows = dy_ptr + bi * T * D + (n * C + offs_c) * D
-        h_rows = hs_ptr + chunk * M * D + offs_m * D  # (BM,)
-        dh_rows = dh_ptr + chunk * M * D + offs_m * D
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
+        h_rows, dh_rows = _state_rows(hs_ptr, chunk, M, D, BM), _state_rows(dh_ptr, chunk, M, D, BM)  # (BM,)
         pw = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
         W = pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0)  # (C, C) symmetric
         PT = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C))
@@ -558,8 +569,8 @@ if triton is not None:
             dh = _load_cols(dh_rows, m_ok, offs_d, D)
             dx = (_mm(PT, dy, PRECISION) + _mm(W, x, PRECISION)
                   + _mm(w_state, h, PRECISION) + _mm(w_end, dh, PRECISION))
-            tl.store(dx_ptr + bi * T * D + (n * C + offs_c)[:, None] * D + offs_d[None, :],
-                     dx.to(dx_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
+            tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
             dhx += _mm(dh, tl.trans(x), PRECISION)
         tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
 
