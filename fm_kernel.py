@@ -164,6 +164,9 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #
 # All tensors the kernels read besides xbar/dy are float32 and padded in time to a multiple of CHUNK:
 # theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M); states (B, NC, M, D).
+# Products with X, dY and the states run on bfloat16 tensor cores for bfloat16 inputs, the float32 factor
+# split into hi + lo bfloat16 halves (_split: 16 bits kept, more than tf32's 11; X and dY are exact); for
+# float32 inputs they are exact float32, for float16 tf32. The small per-chunk products use tf32 or float32.
 
 if triton is not None:
 
@@ -173,10 +176,35 @@ if triton is not None:
         return tl.dot(a, b, input_precision=precision)
 
     @triton.jit
+    def _split(a, OP: tl.constexpr):
+        """A float32 tile as (hi, lo) in the operand dtype OP: hi + lo = a to about 16 bits for bfloat16
+        (lo = 0 when OP is float32)."""
+        hi = a.to(OP)
+        return hi, (a - hi.to(tl.float32)).to(OP)
+
+    @triton.jit
+    def _mm_split(a_hi, a_lo, b, precision: tl.constexpr):
+        """(a_hi + a_lo) @ b for b exact in the operand dtype: two bfloat16 products, or one float32 product."""
+        if a_lo.dtype == tl.float32:
+            acc = tl.dot(a_hi, b, input_precision=precision)
+        else:
+            acc = tl.dot(a_hi, b, tl.dot(a_lo, b))
+        return acc
+
+    @triton.jit
+    def _mm_split2(a_hi, a_lo, b_hi, b_lo, precision: tl.constexpr):
+        """(a_hi + a_lo) @ (b_hi + b_lo) less a_lo @ b_lo: three bfloat16 products, or one float32 product."""
+        if a_lo.dtype == tl.float32:
+            acc = tl.dot(a_hi, b_hi, input_precision=precision)
+        else:
+            acc = tl.dot(a_hi, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_lo, b_hi)))
+        return acc
+
+    @triton.jit
     def _load_cols(row_ptrs, rows_ok, offs_d, D):
-        """Columns offs_d of the rows at row_ptrs (R,) as a float32 (R, BD) tile, zeros where masked."""
+        """Columns offs_d of the rows at row_ptrs (R,): an (R, BD) tile in their own dtype, zeros where masked."""
         mask = rows_ok[:, None] & (offs_d < D)[None, :]
-        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
     @triton.jit
     def _token_rows(ptr, bi, n, T, D, C: tl.constexpr):
@@ -197,7 +225,8 @@ if triton is not None:
 
     @triton.jit
     def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC,
-                            C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+                            C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                            OP: tl.constexpr):
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_t = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
@@ -211,7 +240,8 @@ if triton is not None:
         k_end = theta * tl.exp(b_end[None, :] - b)  # (C, BM): e^{b_C - b_s} theta_s
         x_mask = (t_abs < T)[:, None] & (offs_d < D)[None, :]
         x = tl.load(x_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], mask=x_mask, other=0.0)
-        write = _mm(tl.trans(k_end), x.to(tl.float32), PRECISION)  # (BM, BD)
+        k_hi, k_lo = _split(tl.trans(k_end), OP)
+        write = _mm_split(k_hi, k_lo, x.to(OP), PRECISION)  # (BM, BD)
         s_mask = m_ok[:, None] & (offs_d < D)[None, :]
         tl.store(s_ptr + ((bi * NC + n) * M + offs_m[:, None]) * D + offs_d[None, :], write, mask=s_mask)
 
@@ -307,7 +337,7 @@ if triton is not None:
     @triton.jit
     def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hx_ptr, hsq_ptr, dyx_ptr, hdy_ptr, T, D, M, NC,
                                C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                               BACKWARD: tl.constexpr):
+                               OP: tl.constexpr, BACKWARD: tl.constexpr):
         """A chunk's inner products over D: X X^T, H X^T and ||H_i||^2, or for the backward X X^T, H X^T,
         dY X^T and H dY^T (H the chunk-start state)."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -324,14 +354,15 @@ if triton is not None:
         hdy = tl.zeros([BM, C], dtype=tl.float32)
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D)
+            h_hi, h_lo = _split(h, OP)
             gram += _mm(x, tl.trans(x), PRECISION)
-            hx += _mm(h, tl.trans(x), PRECISION)
+            hx += _mm_split(h_hi, h_lo, tl.trans(x), PRECISION)
             if BACKWARD:
-                dy = _load_cols(dy_rows, t_ok, offs_d, D)
+                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
                 dyx += _mm(dy, tl.trans(x), PRECISION)
-                hdy += _mm(h, tl.trans(dy), PRECISION)
+                hdy += _mm_split(h_hi, h_lo, tl.trans(dy), PRECISION)
             else:
                 h_sq += tl.sum(h * h, axis=1)
         chunk = bi * NC + n
@@ -388,7 +419,7 @@ if triton is not None:
     @triton.jit
     def _chunk_y_kernel(x_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
                         C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, OP: tl.constexpr):
         """y = P X + (q e^b) H for the SPLIT columns of D of program axis 2."""
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
@@ -397,14 +428,14 @@ if triton is not None:
         m_ok = offs_m < M
         x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)  # (C,)
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        P = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C)  # (C, C)
+        p_hi, p_lo = _split(_block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C), OP)  # (C, C)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_state = _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok)  # (C, BM)
+        q_hi, q_lo = _split(_start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok), OP)  # (C, BM)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
-            y = _mm(P, x, PRECISION) + _mm(q_state, h, PRECISION)  # (C, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            h_hi, h_lo = _split(_load_cols(h_rows, m_ok, offs_d, D), OP)
+            y = _mm_split(p_hi, p_lo, x, PRECISION) + _mm_split2(q_hi, q_lo, h_hi, h_lo, PRECISION)  # (C, BD)
             tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
 
@@ -511,7 +542,7 @@ if triton is not None:
     @triton.jit
     def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, gam_ptr, kappa_ptr, ds_ptr,
                              T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                             SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, on SPLIT columns."""
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
@@ -521,24 +552,25 @@ if triton is not None:
         x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_state = _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok)  # (C, BM)
+        q_hi, q_lo = _split(tl.trans(_start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C)
         w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
             gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
             tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # omega e^b
+        w_hi, w_lo = _split(tl.trans(w_state), OP)  # (BM, C)
         kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D)
-            ds = _mm(tl.trans(q_state), dy, PRECISION) + _mm(tl.trans(w_state), x, PRECISION) + kappa[:, None] * h
+            ds = _mm_split(q_hi, q_lo, dy, PRECISION) + _mm_split(w_hi, w_lo, x, PRECISION) + kappa[:, None] * h
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
                      mask=m_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, hs_ptr, dh_ptr, gam_ptr, p_ptr, pw_ptr, dhx_ptr, dx_ptr,
                          T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                         SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                         SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
         program's share of dH_end X^T, on SPLIT columns."""
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -551,27 +583,27 @@ if triton is not None:
         dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
         h_rows, dh_rows = _state_rows(hs_ptr, chunk, M, D, BM), _state_rows(dh_ptr, chunk, M, D, BM)  # (BM,)
         pw = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
-        W = pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0)  # (C, C) symmetric
-        PT = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C))
+        w_hi, w_lo = _split(pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0), OP)  # (C, C)
+        pt_hi, pt_lo = _split(tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)), OP)
         tm = bi * Tp * M + n * C * M
         tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
         b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
         theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        w_state = theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)  # omega e^b
+        ws_hi, ws_lo = _split(theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b), OP)
         b_end = tl.load(b_ptr + tm + (C - 1) * M + offs_m, mask=m_ok, other=0.0)  # (BM,)
-        w_end = theta * tl.exp(b_end[None, :] - b)  # e^{b_end - b_s} theta_s
+        we_hi, we_lo = _split(theta * tl.exp(b_end[None, :] - b), OP)  # e^{b_end - b_s} theta_s
         dhx = tl.zeros([BM, C], dtype=tl.float32)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
-            dh = _load_cols(dh_rows, m_ok, offs_d, D)
-            dx = (_mm(PT, dy, PRECISION) + _mm(W, x, PRECISION)
-                  + _mm(w_state, h, PRECISION) + _mm(w_end, dh, PRECISION))
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+            h_hi, h_lo = _split(_load_cols(h_rows, m_ok, offs_d, D), OP)
+            dh_hi, dh_lo = _split(_load_cols(dh_rows, m_ok, offs_d, D), OP)
+            dx = (_mm_split(pt_hi, pt_lo, dy, PRECISION) + _mm_split(w_hi, w_lo, x, PRECISION)
+                  + _mm_split2(ws_hi, ws_lo, h_hi, h_lo, PRECISION) + _mm_split2(we_hi, we_lo, dh_hi, dh_lo, PRECISION))
             tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
-            dhx += _mm(dh, tl.trans(x), PRECISION)
+            dhx += _mm_split(dh_hi, dh_lo, tl.trans(x), PRECISION)
         tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
 
 
@@ -612,6 +644,13 @@ def _precision(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _operand(x):
+    """Operand dtype of the products with X, dY and the states. bfloat16 inputs are exact in bfloat16, and
+    float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11); float16 (whose range
+    is too narrow for such pairs) and float32 inputs take float32 products at _precision."""
+    return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
+
+
 def _block_m(M):
     """Padded row count, a multiple of ROW_BLOCK: at least 32 (Triton 3.6 once faulted on 16-row products)."""
     return max(32, ROW_BLOCK, triton.next_power_of_2(M))
@@ -625,7 +664,7 @@ def _chunk_states(x, theta, b, h0):
     states = x.new_empty(B, NC, M, D, dtype=torch.float32)
     BD = 64
     _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, states, x.shape[1], Tp, D, M, NC, C=CHUNK,
-                                                     BM=_block_m(M), BD=BD, PRECISION=_precision(x))
+                                                     BM=_block_m(M), BD=BD, PRECISION=_precision(x), OP=_operand(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
     _scan_states(states, b, h0, final, reverse=False)
     return states, final
@@ -648,7 +687,8 @@ def _meta(x, M, num_warps, num_stages=1):
 def _streaming(x, M):
     """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time."""
     split = 64 * triton.cdiv(min(SPLIT, x.shape[-1]), 64)  # whole steps of BD = 64 columns
-    return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, **_meta(x, M, num_warps=4, num_stages=3))
+    return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
+                                                 **_meta(x, M, num_warps=4, num_stages=3))
 
 
 def _scratch(theta, NC, *rows):
@@ -663,7 +703,8 @@ def _products(x, states, theta, dy=None):
     gram, hx, h_sq = _scratch(theta, NC, CHUNK), _scratch(theta, NC, BM), theta.new_empty(B, NC, BM)
     dyx, hdy = (gram, hx) if dy is None else (_scratch(theta, NC, CHUNK), _scratch(theta, NC, BM))  # unused if None
     _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hx, h_sq, dyx, hdy, x.shape[1], D, M,
-                                    NC, BD=64, BACKWARD=dy is not None, **_meta(x, M, num_warps=4, num_stages=3))
+                                    NC, BD=64, OP=_operand(x), BACKWARD=dy is not None,
+                                    **_meta(x, M, num_warps=4, num_stages=3))
     return (gram, hx, h_sq) if dy is None else (gram, hx, dyx, hdy)
 
 
