@@ -184,8 +184,9 @@ if triton is not None:
 
     @triton.jit
     def _mm_split(a_hi, a_lo, b, precision: tl.constexpr):
-        """(a_hi + a_lo) @ b for b exact in the operand dtype: two bfloat16 products, or one float32 product."""
-        if a_lo.dtype == tl.float32:
+        """(a_hi + a_lo) @ b for b exact in the operand dtype: two bfloat16 products, or for float32 operands
+        (a_lo = 0) one product at `precision`."""
+        if a_hi.dtype == tl.float32:
             acc = tl.dot(a_hi, b, input_precision=precision)
         else:
             acc = tl.dot(a_hi, b, tl.dot(a_lo, b))
@@ -193,8 +194,9 @@ if triton is not None:
 
     @triton.jit
     def _mm_split2(a_hi, a_lo, b_hi, b_lo, precision: tl.constexpr):
-        """(a_hi + a_lo) @ (b_hi + b_lo) less a_lo @ b_lo: three bfloat16 products, or one float32 product."""
-        if a_lo.dtype == tl.float32:
+        """(a_hi + a_lo) @ (b_hi + b_lo) less a_lo @ b_lo: three bfloat16 products, or for float32 operands
+        one product at `precision`."""
+        if a_hi.dtype == tl.float32:
             acc = tl.dot(a_hi, b_hi, input_precision=precision)
         else:
             acc = tl.dot(a_hi, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_lo, b_hi)))
@@ -556,14 +558,14 @@ if triton is not None:
         w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
             gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
             tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # omega e^b
-        w_hi, w_lo = _split(tl.trans(w_state), OP)  # (BM, C)
+        ws_hi, ws_lo = _split(tl.trans(w_state), OP)  # (BM, C)
         kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D)
-            ds = _mm_split(q_hi, q_lo, dy, PRECISION) + _mm_split(w_hi, w_lo, x, PRECISION) + kappa[:, None] * h
+            ds = _mm_split(q_hi, q_lo, dy, PRECISION) + _mm_split(ws_hi, ws_lo, x, PRECISION) + kappa[:, None] * h
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
                      mask=m_ok[:, None] & (offs_d < D)[None, :])
 

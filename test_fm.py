@@ -37,14 +37,17 @@ from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens
 CUDA = torch.cuda.is_available()
 
 
-def _interpret_bf16_dots_as_floats():
-    """Triton's interpreter (3.9) multiplies the raw bits of bfloat16 tl.dot operands (it stores bfloat16 as
-    uint16): hand it float32 copies, exact for bfloat16 values, so CI runs the kernels' bfloat16 products."""
+def _interpret_bf16_as_on_gpu():
+    """Two bfloat16 bugs of Triton 3.9's interpreter (private API, checked against that version): tl.dot
+    multiplies the raw bits of bfloat16 operands (it stores bfloat16 as uint16), and float32 -> bfloat16 casts
+    truncate. Hand tl.dot float32 copies (exact for bfloat16 values) and round casts to nearest even, as a GPU
+    does, so CI runs the kernels' bfloat16 products."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
-    dot = interpreter.InterpreterBuilder.create_dot
+    builder = interpreter.InterpreterBuilder
+    dot, cast = builder.create_dot, builder.cast_impl
 
     def as_float(h):
         if h.dtype.scalar != tl.bfloat16:
@@ -55,11 +58,18 @@ def _interpret_bf16_dots_as_floats():
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return dot(self, as_float(a), as_float(b), d, input_precision, max_num_imprecise_acc)
 
-    interpreter.InterpreterBuilder.create_dot = create_dot
+    def cast_impl(self, src, dst_type):
+        if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
+            return cast(self, src, dst_type)
+        bits = src.data.astype(np.float32).view(np.uint32)
+        nearest = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # carries into the exponent
+        return interpreter.TensorHandle(np.where(np.isnan(src.data), np.uint16(0x7FC0), nearest), tl.bfloat16)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
 
 
 if fm_kernel.triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
-    _interpret_bf16_dots_as_floats()
+    _interpret_bf16_as_on_gpu()
 needs_triton = pytest.mark.skipif(fm_kernel.triton is None, reason="Triton is not installed (Linux only)")
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -231,24 +241,25 @@ def test_triton_scan_16bit_inputs(dtype, poisoned_outputs):
 
 
 @needs_triton
-def test_triton_scan_bf16_products_keep_float32_accuracy(poisoned_outputs):
+def test_triton_scan_bf16_products_keep_float32_accuracy(poisoned_outputs, monkeypatch):
     """bfloat16 inputs meet float32 tiles as hi + lo bfloat16 pairs: against float64 on the same bfloat16
-    values, the float32 outputs (hT, dtheta, dphi, dh0) keep float32 accuracy (tf32 on a GPU); with the hi
-    halves alone they would be off by 3e-3."""
+    values, the float32 outputs (hT, dtheta, dphi, dh0) keep float32 accuracy, and y and dxbar are the float64
+    values correctly rounded to bfloat16 but for a few ties. With the hi halves alone, hT is off by 3e-3."""
+    monkeypatch.setattr(fm_kernel, "_precision", lambda x: "ieee")  # the per-chunk kernels' tf32 aside
     torch.manual_seed(14)
     B, T, D, M, k = 2, 150, 72, 16, 4
     x, theta, phi, h0 = scan_inputs(B, T, D, M, k)
     x = x.bfloat16().double()
     grad_y, grad_h = torch.randn(B, T, D, dtype=torch.float64).bfloat16().double(), torch.randn(B, M, D).double()
     want = scan_and_grads(fm_scan_naive, [x, theta, phi, h0], grad_y, grad_h)
-    half = [x.bfloat16().to(DEVICE), theta.float().to(DEVICE), phi.float().to(DEVICE), h0.float().to(DEVICE)]
-    got = [g.cpu() for g in scan_and_grads(fm_scan, half, grad_y.to(DEVICE), grad_h.to(DEVICE))]
-    # measured: hT 2e-6 (hi halves alone: 1.6e-3 on an H200, 3e-3 here); the gradients pass the per-chunk
-    # kernels, whose tf32 products on a GPU leave up to 8e-4 (hi alone: 1.4e-3 to 1.9e-3)
-    grad_tol = 1.2e-3 if CUDA else 1e-4
+    inputs = [x.bfloat16().to(DEVICE), theta.float().to(DEVICE), phi.float().to(DEVICE), h0.float().to(DEVICE)]
+    got = [g.cpu() for g in scan_and_grads(fm_scan, inputs, grad_y.to(DEVICE), grad_h.to(DEVICE))]
     names = ["y", "hT", "dxbar", "dtheta", "dphi", "dh0"]
     for name, a, b in zip(names, got, want):
-        tol = 5e-3 if a.dtype == torch.bfloat16 else 1e-4 if name == "hT" else grad_tol  # y, dxbar: bfloat16
+        if a.dtype == torch.bfloat16:  # y, dxbar: one bfloat16 step (4e-3) where a tie rounds the other way
+            b, tol = b.bfloat16(), 5e-4
+        else:
+            tol = 1e-4
         assert rel_err(a, b) < tol, f"{name}: relative error {rel_err(a, b):.2e} > {tol:.0e}"
 
 
@@ -526,7 +537,7 @@ def test_training_with_triton_scan_matches_torch_scan_gpu_bf16(tmp_path):
     for loss_gap, grad_gaps in gaps:  # measured on an H200: loss <= 5e-5, median 2e-3 to 1.2e-2, worst 9e-2
         # (the router's gradient passes a softmax, whose backward subtracts nearly equal numbers)
         worst = max(grad_gaps, key=grad_gaps.get)
-        assert loss_gap < 1e-3
+        assert loss_gap < 5e-4
         assert sorted(grad_gaps.values())[len(grad_gaps) // 2] < 3e-2, grad_gaps
         assert grad_gaps[worst] < 0.25, (worst, grad_gaps[worst])
 
