@@ -34,6 +34,8 @@ With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear attention
 and chunk-end states follow from H_next = e^{b_C} H + sum_s e^{b_C - b_s} theta_s xbar_s.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -160,7 +162,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # With g_u = q_u dy_u + c_u h_u the gradient reaching h_u directly, the norm's part of the backward reduces to
 # Gamma_s = sum_{u>=s} c_u e^{2(b_u - b_s)}: sum_u L_i[u,s] c_u h_u[i] = omega_s[i] h_s[i] + sum_{s'>s} P_w[s', s] x_s'
 # with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T - diag P_w) X + (omega e^b) H + K_end^T dH_end.
-# The gradient wrt the log-decays follows from an identity (see _FMScan.backward), in PyTorch.
+# The gradient wrt the log-decays follows from an identity (see _scan_backward), in PyTorch.
 #
 # All tensors the kernels read besides xbar/dy are float32 and padded in time to a multiple of CHUNK:
 # theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M); states (B, NC, M, D).
@@ -760,15 +762,17 @@ def _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w):
     return dx, dk_end.reshape(theta.shape)
 
 
-def _prepare(theta, phi, cu_seqlens):
-    """Padded float32 theta, phi and the within-chunk cumulative log-decay b, all (B, Tp, M)."""
-    theta_p = _pad_time(theta.float(), CHUNK).contiguous()
-    phi_p = _pad_time(phi.float(), CHUNK).contiguous()
+def _padded(weights):
+    """theta or phi as float32 (B, Tp, M), zero-padded in time to a multiple of CHUNK (no copy when it is)."""
+    return _pad_time(weights.float(), CHUNK).contiguous()
+
+
+def _log_decays(theta_p, cu_seqlens):
+    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M)."""
     log_decay = _log_decay(theta_p)
     if cu_seqlens is not None:  # a document start forgets the memory
         log_decay[:, cu_seqlens[1:-1].long()] = LOG_DECAY_FLOOR
-    b = _chunk_cumsum(log_decay, CHUNK).view(theta_p.shape)
-    return theta_p, phi_p, log_decay, b
+    return log_decay, _chunk_cumsum(log_decay, CHUNK).view(theta_p.shape)
 
 
 def _reverse_cumsum_time(v):
@@ -776,41 +780,80 @@ def _reverse_cumsum_time(v):
     return v.transpose(1, 2).contiguous().flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
 
 
-class _FMScan(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, xbar, theta, phi, h0, eps, cu_seqlens):
-        x = xbar.contiguous()
-        theta_p, phi_p, log_decay, b = _prepare(theta, phi, cu_seqlens)
-        states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous())
-        y, rms, P = _chunk_out(x, theta_p, phi_p, b, states, eps)
-        ctx.save_for_backward(x, theta_p, phi_p, log_decay, b, states, rms, P, hT)
-        ctx.has_h0, ctx.in_dtypes, ctx.eps = h0 is not None, (theta.dtype, phi.dtype), eps
-        return y, hT
+# The scan is a pair of torch.library custom ops, so torch.compile traces models through it without a graph
+# break (it runs the kernels as they are). The forward returns what the backward reads besides its inputs.
 
-    @staticmethod
-    def backward(ctx, dy, dhT):
-        x, theta, phi, log_decay, b, states, rms, P, hT = ctx.saved_tensors
-        T, D = x.shape[1:]
-        dy = x.new_zeros(x.shape) if dy is None else dy.contiguous()
-        dhT = hT.new_zeros(hT.shape) if dhT is None else dhT.float().contiguous()
-        dq, c, gamma, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, b, states, rms)
-        dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa)  # (B, NC, M, D)
-        dh0 = torch.empty_like(hT)  # (B, M, D)
-        _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
-        dx, dk_end = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, Tp, M)
-        dk = dk + dk_end
-        # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
-        # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
-        q = phi / rms
-        sq_norm = D * (rms * rms - ctx.eps)
-        d_b = q * dq + c * sq_norm - theta * dk  # (B, Tp, M)
-        d_b[:, T - 1] += (dhT * hT).sum(-1)
-        d_log_decay = _reverse_cumsum_time(d_b)
-        dtheta = dk - torch.where(log_decay > LOG_DECAY_FLOOR, d_log_decay / (1 - theta), 0)
-        dphi = dq / rms
-        theta_dtype, phi_dtype = ctx.in_dtypes
-        return (dx, dtheta[:, :T].to(theta_dtype), dphi[:, :T].to(phi_dtype),
-                dh0 if ctx.has_h0 else None, None, None)
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("fm::scan_forward", mutates_args=())
+def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float,
+                  cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """y, hT, then log(1 - theta), b, the chunk-start states, the row rms and P (see _chunk_out)."""
+    x = xbar.contiguous()
+    theta_p, phi_p = _padded(theta), _padded(phi)
+    log_decay, b = _log_decays(theta_p, cu_seqlens)
+    states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous())
+    y, rms, P = _chunk_out(x, theta_p, phi_p, b, states, eps)
+    return y, hT, log_decay, b, states, rms, P
+
+
+@_scan_forward.register_fake
+def _(xbar, theta, phi, h0, eps, cu_seqlens):
+    B, T, D = xbar.shape
+    M, Tp = theta.shape[-1], CHUNK * -(-T // CHUNK)
+    f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
+    return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), f32(B, Tp // CHUNK, M, D),
+            f32(B, Tp, M), f32(B, Tp // CHUNK, CHUNK, CHUNK))
+
+
+@torch.library.custom_op("fm::scan_backward", mutates_args=())
+def _scan_backward(dy: Tensor, dhT: Tensor, xbar: Tensor, theta: Tensor, phi: Tensor, hT: Tensor,
+                   log_decay: Tensor, b: Tensor, states: Tensor, rms: Tensor, P: Tensor,
+                   eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dxbar (B, T, D); dtheta and dphi float32 (B, Tp, M), padded in time; dh0 (B, M, D)."""
+    x, dy, dhT = xbar.contiguous(), dy.contiguous(), dhT.float().contiguous()
+    theta, phi = _padded(theta), _padded(phi)
+    T, D = x.shape[1:]
+    dq, c, gamma, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, b, states, rms)
+    dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa)  # (B, NC, M, D)
+    dh0 = torch.empty_like(hT)  # (B, M, D)
+    _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
+    dx, dk_end = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, Tp, M)
+    dk = dk + dk_end
+    # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
+    # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
+    q = phi / rms
+    sq_norm = D * (rms * rms - eps)
+    d_b = q * dq + c * sq_norm - theta * dk  # (B, Tp, M)
+    d_b[:, T - 1] += (dhT * hT).sum(-1)
+    d_log_decay = _reverse_cumsum_time(d_b)
+    dtheta = dk - torch.where(log_decay > LOG_DECAY_FLOOR, d_log_decay / (1 - theta), 0)
+    return dx, dtheta, dq / rms, dh0
+
+
+@_scan_backward.register_fake
+def _(dy, dhT, xbar, theta, phi, hT, log_decay, b, states, rms, P, eps):
+    return xbar.new_empty(xbar.shape), torch.empty_like(log_decay), torch.empty_like(log_decay), torch.empty_like(hT)
+
+
+def _scan_setup_context(ctx, inputs, output):
+    xbar, theta, phi, h0, eps, cu_seqlens = inputs
+    ctx.save_for_backward(xbar, theta, phi, *output[1:])
+    ctx.eps, ctx.has_h0 = eps, h0 is not None
+
+
+def _scan_grads(ctx, dy, dhT, *unused):
+    xbar, theta, phi, hT, *saved = ctx.saved_tensors
+    T = xbar.shape[1]
+    dy = torch.zeros_like(xbar) if dy is None else dy
+    dhT = torch.zeros_like(hT) if dhT is None else dhT
+    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, phi, hT, *saved, ctx.eps)
+    return (dx, dtheta[:, :T].to(theta.dtype), dphi[:, :T].to(phi.dtype), dh0 if ctx.has_h0 else None,
+            None, None)
+
+
+_scan_forward.register_autograd(_scan_grads, setup_context=_scan_setup_context)
 
 
 def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
@@ -832,13 +875,13 @@ def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
                          f"large for one call; split the batch into calls of fewer tokens")
 
 
-@torch.compiler.disable  # torch.compile runs the kernels as they are, with a graph break around them
 def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
     """Triton FM scan (forward and backward). cu_seqlens (N+1,) int: document boundaries in a
     packed batch of one row; the memory restarts at each (see LOG_DECAY_FLOOR), and hT is the state
     after the last token."""
     _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens)
-    return _FMScan.apply(xbar, theta, phi, h0, eps, cu_seqlens)
+    y, hT, *_ = _scan_forward(xbar, theta, phi, h0, float(eps), cu_seqlens)
+    return y, hT
 
 
 @torch.compiler.disable

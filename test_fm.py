@@ -518,6 +518,27 @@ def test_training_with_triton_scan_matches_torch_scan():
     assert triton_losses == pytest.approx(torch_losses, rel=1e-4)
 
 
+@needs_triton
+def test_fm_scan_compiles_without_graph_break():
+    """fm_scan is a pair of registered custom ops (schema, fake tensors and autograd checked by opcheck), so
+    torch.compile(fullgraph=True) traces the whole FM model through it, with the eager model's loss and grads."""
+    torch.manual_seed(0)
+    x, theta, phi, h0 = (t.float().to(DEVICE).requires_grad_() for t in scan_inputs(2, 70, 24, 8, 3))
+    torch.library.opcheck(fm_kernel._scan_forward, (x, theta, phi, h0, 1e-6, None))
+    model = Model(tiny_config(mixer='fm', top_k=2)).to(DEVICE)
+    idx = torch.randint(0, 64, (2, 33), device=DEVICE)
+    losses, grads = [], []
+    with using_scan(fm_scan):
+        for forward in (torch.compile(model, backend="aot_eager", fullgraph=True), model):
+            model.zero_grad()
+            _, loss = forward(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([p.grad.clone() for p in model.parameters()])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert max(rel_err(a, b) for a, b in zip(*grads)) < 1e-5
+
+
 @pytest.mark.skipif(not CUDA, reason="a few hundred GPU steps")
 def test_training_with_triton_scan_matches_torch_scan_gpu_bf16(tmp_path):
     """300 bf16 steps on text through fm_scan; every 50 steps, at the weights reached, the loss and every
