@@ -247,9 +247,9 @@ def model_from_config_file(path, vocab_size, **overrides):
     return Model(ModelConfig(**{**model_cfg.__dict__, **overrides}))
 
 
-def train_step(model, optimizer, batch):
-    """One AdamW step on batch (B, T + 1) under bf16 autocast."""
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+def train_step(model, optimizer, batch, autocast):
+    """One AdamW step on batch (B, T + 1) under the autocast context."""
+    with autocast:
         _, loss = model(batch[:, :-1], batch[:, 1:])
     loss.backward()
     optimizer.step()
@@ -259,6 +259,8 @@ def train_step(model, optimizer, batch):
 def bench_train(args):
     """Training steps (AdamW, bf16 autocast, optionally compiled) on random tokens of the 1B configs."""
     import time
+    import train
+    _, autocast = train.precision("bfloat16", "cuda")  # as train.py: bf16 autocast, TF32 where float32 remains
     rows = []
     for path in args.configs:
         torch.cuda.empty_cache()
@@ -268,11 +270,11 @@ def bench_train(args):
         step_model = torch.compile(model) if args.compile else model
         tokens = torch.randint(args.vocab_size, (args.steps + 3, args.batch_size, args.block_size + 1), device="cuda")
         for batch in tokens[:3]:  # warm-up: compilation, autotuning, allocator
-            train_step(step_model, optimizer, batch)
+            train_step(step_model, optimizer, batch, autocast)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for batch in tokens[3:]:
-            train_step(step_model, optimizer, batch)
+            train_step(step_model, optimizer, batch, autocast)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.steps
         tokens_per_s = args.batch_size * args.block_size / seconds
