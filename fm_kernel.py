@@ -576,7 +576,9 @@ if triton is not None:
                          T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                          SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
-        program's share of dH_end X^T, on SPLIT columns."""
+        program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and only ever meets
+        weights of that dtype, so its products take single OP operands; dH_end X^T, which reaches dtheta in
+        float32, takes dH_end as hi + lo."""
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
@@ -587,29 +589,27 @@ if triton is not None:
         dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
         h_rows, dh_rows = _state_rows(hs_ptr, chunk, M, D, BM), _state_rows(dh_ptr, chunk, M, D, BM)  # (BM,)
         pw = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
-        w_hi, w_lo = _split(pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0), OP)  # (C, C)
-        pt_hi, pt_lo = _split(tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)), OP)
+        w = (pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0)).to(OP)  # (C, C)
+        pt = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)).to(OP)
         tm = bi * Tp * M + n * C * M
         tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
         b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
         theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        ws_hi, ws_lo = _split(theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b), OP)
+        ws = (theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
         b_end = tl.load(b_ptr + tm + (C - 1) * M + offs_m, mask=m_ok, other=0.0)  # (BM,)
-        we_hi, we_lo = _split(theta * tl.exp(b_end[None, :] - b), OP)  # e^{b_end - b_s} theta_s
+        we = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
         dhx = tl.zeros([BM, C], dtype=tl.float32)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-            h_hi, h_lo = _split(_load_cols(h_rows, m_ok, offs_d, D), OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
             dh_hi, dh_lo = _split(_load_cols(dh_rows, m_ok, offs_d, D), OP)
-            dx = (_mm_split(pt_hi, pt_lo, dy, PRECISION) + _mm_split(w_hi, w_lo, x, PRECISION)
-                  + _mm_split2(ws_hi, ws_lo, h_hi, h_lo, PRECISION) + _mm_split2(we_hi, we_lo, dh_hi, dh_lo, PRECISION))
+            dx = _mm(pt, dy, PRECISION) + _mm(w, x, PRECISION) + _mm(ws, h, PRECISION) + _mm(we, dh_hi, PRECISION)
             tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
             dhx += _mm_split(dh_hi, dh_lo, tl.trans(x), PRECISION)
         tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
-
 
     @triton.jit
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
