@@ -432,14 +432,14 @@ if triton is not None:
         m_ok = offs_m < M
         x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)  # (C,)
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        p_hi, p_lo = _split(_block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C), OP)  # (C, C)
+        p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_hi, q_lo = _split(_start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok), OP)  # (C, BM)
+        q = _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            h_hi, h_lo = _split(_load_cols(h_rows, m_ok, offs_d, D), OP)
-            y = _mm_split(p_hi, p_lo, x, PRECISION) + _mm_split2(q_hi, q_lo, h_hi, h_lo, PRECISION)  # (C, BD)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+            y = _mm(p, x, PRECISION) + _mm(q, h, PRECISION)  # (C, BD)
             tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
 
