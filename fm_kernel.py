@@ -677,7 +677,7 @@ def _chunk_states(x, theta, b, h0):
 def _scan_states(states, b, init, final, reverse):
     """In place: states[n] (a chunk's own contribution) becomes the carry entering chunk n."""
     B, NC, M, D = states.shape
-    BLOCK = 512
+    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs walk the chunks
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
         states, b, init if init is not None else final, final, b.shape[1], D, M, NC,
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
