@@ -167,7 +167,8 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # All tensors the kernels read besides xbar/dy are float32 and padded in time to a multiple of CHUNK:
 # theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M); states (B, NC, M, D).
 # Products with X, dY and the states run on bfloat16 tensor cores for bfloat16 inputs, the float32 factor
-# split into hi + lo bfloat16 halves (_split: 16 bits kept, more than tf32's 11; X and dY are exact); for
+# split into hi + lo bfloat16 halves (_split: 16 bits kept, more than tf32's 11; X and dY are exact), except
+# the products of y and dxbar, which are rounded to bfloat16 anyway and take single bfloat16 operands; for
 # float32 inputs they are exact float32, for float16 tf32. The small per-chunk products use tf32 or float32.
 
 if triton is not None:
@@ -192,16 +193,6 @@ if triton is not None:
             acc = tl.dot(a_hi, b, input_precision=precision)
         else:
             acc = tl.dot(a_hi, b, tl.dot(a_lo, b))
-        return acc
-
-    @triton.jit
-    def _mm_split2(a_hi, a_lo, b_hi, b_lo, precision: tl.constexpr):
-        """(a_hi + a_lo) @ (b_hi + b_lo) less a_lo @ b_lo: three bfloat16 products, or for float32 operands
-        one product at `precision`."""
-        if a_hi.dtype == tl.float32:
-            acc = tl.dot(a_hi, b_hi, input_precision=precision)
-        else:
-            acc = tl.dot(a_hi, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_lo, b_hi)))
         return acc
 
     @triton.jit
