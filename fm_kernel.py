@@ -641,8 +641,9 @@ def _precision(x):
 
 def _operand(x):
     """Operand dtype of the products with X, dY and the states. bfloat16 inputs are exact in bfloat16, and
-    float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11); float16 (whose range
-    is too narrow for such pairs) and float32 inputs take float32 products at _precision."""
+    float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11), but in the products
+    of y and dxbar, which are rounded to bfloat16, as single bfloat16 tiles; float16 (whose range is too
+    narrow for such pairs) and float32 inputs take float32 products at _precision."""
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
 
 
@@ -668,7 +669,7 @@ def _chunk_states(x, theta, b, h0):
 def _scan_states(states, b, init, final, reverse):
     """In place: states[n] (a chunk's own contribution) becomes the carry entering chunk n."""
     B, NC, M, D = states.shape
-    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs walk the chunks
+    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
         states, b, init if init is not None else final, final, b.shape[1], D, M, NC,
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
@@ -832,6 +833,7 @@ def _scan_setup_context(ctx, inputs, output):
     xbar, theta, phi, h0, eps, cu_seqlens = inputs
     ctx.save_for_backward(xbar, theta, phi, *output[1:])
     ctx.eps, ctx.has_h0 = eps, h0 is not None
+    ctx.set_materialize_grads(False)  # no zero gradients for the five outputs only the backward reads
 
 
 def _scan_grads(ctx, dy, dhT, *unused):
