@@ -205,12 +205,6 @@ def check_accuracy(T=16384):
         print(f"  {str(dtype):15s} " + "  ".join(f"{n} {e:.1e}" for n, e in zip(names, errs)))
 
 
-def prepared(theta, phi):
-    """What fm_scan's forward makes of theta and phi first: padded copies, log(1 - theta) and b."""
-    theta_p = fm_kernel._padded(theta)
-    return theta_p, fm_kernel._padded(phi), fm_kernel._log_decays(theta_p, None)
-
-
 def bench_stages():
     """Each kernel of fm_scan alone (bf16 x, k = 8), with the bytes it must move at least."""
     from triton.testing import do_bench_cudagraph
@@ -219,14 +213,14 @@ def bench_stages():
         B = TOKENS // T
         x, theta, phi, h0 = fm_inputs(B, T, K_SPARSE, torch.bfloat16)
         dy = torch.randn_like(x)
-        theta_p, phi_p, (_, b) = prepared(theta, phi)
+        theta_p, phi_p, _, b = fm_kernel._prepare(theta, phi, None)
         states, hT = fm_kernel._chunk_states(x, theta_p, b, h0)
         y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
         dq, c, gamma, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms)
         dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
         states_copy = states.clone()  # the scan works in place
         stages = {
-            "prepare": lambda: prepared(theta, phi),
+            "prepare": lambda: fm_kernel._prepare(theta, phi, None),
             "write+scan": lambda: fm_kernel._chunk_states(x, theta_p, b, h0),
             "scan alone": lambda: fm_kernel._scan_states(states_copy, b, h0, hT, reverse=False),
             "fwd products": lambda: fm_kernel._products(x, states, theta_p),

@@ -767,6 +767,12 @@ def _log_decays(theta_p, cu_seqlens):
     return log_decay, _chunk_cumsum(log_decay, CHUNK).view(theta_p.shape)
 
 
+def _prepare(theta, phi, cu_seqlens):
+    """What the forward makes of theta and phi first: padded theta and phi, log(1 - theta) and b."""
+    theta_p = _padded(theta)
+    return (theta_p, _padded(phi), *_log_decays(theta_p, cu_seqlens))
+
+
 def _reverse_cumsum_time(v):
     """sum_{u >= t} v[:, u] for v (B, T, M), scanning along a contiguous last dim."""
     return v.transpose(1, 2).contiguous().flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
@@ -783,8 +789,7 @@ def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor]
                   cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y, hT, then log(1 - theta), b, the chunk-start states, the row rms and P (see _chunk_out)."""
     x = xbar.contiguous()
-    theta_p, phi_p = _padded(theta), _padded(phi)
-    log_decay, b = _log_decays(theta_p, cu_seqlens)
+    theta_p, phi_p, log_decay, b = _prepare(theta, phi, cu_seqlens)
     states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous())
     y, rms, P = _chunk_out(x, theta_p, phi_p, b, states, eps)
     return y, hT, log_decay, b, states, rms, P
