@@ -269,7 +269,7 @@ def bench_train(args):
         torch.cuda.reset_peak_memory_stats()
         model = model_from_config_file(path, args.vocab_size, block_size=args.block_size).cuda()
         optimizer = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), "cuda")
-        step_model = torch.compile(model) if args.compile else model
+        step_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
         tokens = torch.randint(args.vocab_size, (args.steps + 3, args.batch_size, args.block_size + 1), device="cuda")
         for batch in tokens[:3]:  # warm-up: compilation, autotuning, allocator
             train_step(step_model, optimizer, batch, autocast)
@@ -285,10 +285,53 @@ def bench_train(args):
                      "MFU %": 100 * model.estimate_mfu(tokens_per_s),
                      "peak GB": torch.cuda.max_memory_allocated() / 2**30})
         print(rows[-1], flush=True)
+        if args.profile:
+            profile_step(step_model, optimizer, tokens[0], autocast)
         del model, optimizer, step_model
     print(f"\ntraining, batch {args.batch_size} x {args.block_size} tokens, bf16 autocast, "
-          f"compile={args.compile}, vocab {args.vocab_size}, mean of {args.steps} steps after 3 warm-up")
+          f"compile={args.compile} ({args.compile_mode}), vocab {args.vocab_size}, mean of {args.steps} steps after 3 warm-up")
     print_table(rows)
+
+
+def profile_step(step_model, optimizer, batch, autocast, top=40):
+    """GPU time of one training step by kernel (torch.profiler): totals by kind, then the largest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(step_model, optimizer, batch, autocast)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    kinds = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3
+    total = sum(kinds.values())
+    print(f"  one step: {total:.1f} ms of GPU kernels, {sum(e.count for e in kernels)} launches; "
+          + ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    for e in kernels[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}x  {e.key[:110]}")
+    print_gaps(prof)
+
+
+def print_gaps(prof, top=12):
+    """Where the GPU idles in the profiled step: total idle between kernels, and the longest gaps with their
+    neighbours (kernels that wait on the CPU's launches)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps = [(nxt[0] - cur[1], cur[2], nxt[2]) for cur, nxt in zip(spans, spans[1:]) if nxt[0] > cur[1]]
+    print(f"  GPU idle between kernels: {sum(g[0] for g in gaps) / 1e3:.1f} ms in {len(gaps)} gaps over "
+          f"{(spans[-1][1] - spans[0][0]) / 1e3:.1f} ms; > 50 us: "
+          f"{sum(g[0] for g in gaps if g[0] > 50) / 1e3:.1f} ms; longest:")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap:8.0f} us  after {before[:50]}  before {after[:50]}")
+
+
+def kernel_kind(name):
+    """Coarse kind of a CUDA kernel by its name, for profile_step's totals."""
+    kinds = (("scan", ("_chunk", "_bmm", "_state_passing", "_step_kernel")),  # fm_kernel's and mamba-ssm's
+             ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "wgmma")), ("attention", ("flash", "fmha", "attention")),
+             ("optimizer", ("adam", "foreach")), ("inductor", ("triton_",)))
+    return next((kind for kind, keys in kinds if any(key in name.lower() for key in keys)), "other")
 
 
 def bench_generate(args):
@@ -336,6 +379,8 @@ def main():
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", type=int, default=1)
+    parser.add_argument("--compile_mode", default="default", help="torch.compile mode (train)")
+    parser.add_argument("--profile", action="store_true", help="train: also print one step's GPU time by kernel")
     parser.add_argument("--prompt", type=int, default=16384)
     parser.add_argument("--new_tokens", type=int, default=64)
     args = parser.parse_args()
