@@ -159,10 +159,12 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #           _chunk_dstate_kernel    per (chunk, batch, D split): the chunk's gradient to its start state
 #           _chunk_scan_kernel      reversed: gradient at every chunk end
 #           _chunk_dx_kernel        per (chunk, batch, D split): dxbar, and dH_end X^T for dk's chunk-end term
+#           _decay_grads_kernel     per (chunk, batch): dk's chunk-end term; d loss / d b and its in-chunk reverse sum
+#           _rate_grads_kernel      per (chunk, batch): dtheta (adding the later chunks' sums) and dphi
 # With g_u = q_u dy_u + c_u h_u the gradient reaching h_u directly, the norm's part of the backward reduces to
 # Gamma_s = sum_{u>=s} c_u e^{2(b_u - b_s)}: sum_u L_i[u,s] c_u h_u[i] = omega_s[i] h_s[i] + sum_{s'>s} P_w[s', s] x_s'
 # with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T - diag P_w) X + (omega e^b) H + K_end^T dH_end.
-# The gradient wrt the log-decays follows from an identity (see _scan_backward), in PyTorch.
+# The gradient wrt the log-decays follows from an identity (see _rate_grads).
 #
 # All tensors the kernels read besides xbar/dy are float32 and padded in time to a multiple of CHUNK:
 # theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M); states (B, NC, M, D).
@@ -603,6 +605,61 @@ if triton is not None:
         tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
 
     @triton.jit
+    def _decay_grads_kernel(theta_ptr, phi_ptr, b_ptr, r_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr, end_ptr, db_ptr, tot_ptr,
+                            eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr, BM: tl.constexpr):
+        """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t =
+        q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum within the chunk
+        and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose index 0 is 0."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        m_ok = offs_m < M
+        tm = bi * Tp * M + n * C * M
+        tm_ptr, ok = tm + offs_c[:, None] * M + offs_m[None, :], m_ok[None, :]  # (C, BM)
+        chunk = bi * NC + n
+        dhx = tl.zeros([BM, C], dtype=tl.float32)
+        for split in range(SPLITS):
+            dhx += tl.load(dhx_ptr + ((chunk * SPLITS + split) * BM + offs_m[:, None]) * C + offs_c[None, :])
+        b = tl.load(b_ptr + tm_ptr, mask=ok, other=0.0)
+        b_end = tl.load(b_ptr + tm + (C - 1) * M + offs_m, mask=m_ok, other=0.0)
+        dk = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
+        tl.store(dk_ptr + tm_ptr, dk, mask=ok)
+        rms = tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
+        q_dq = tl.load(phi_ptr + tm_ptr, mask=ok, other=0.0) / rms * tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0)
+        sq_norm = D * (rms * rms - eps)
+        theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
+        d_b = q_dq + tl.load(c_ptr + tm_ptr, mask=ok, other=0.0) * sq_norm - theta * dk
+        end = tl.load(end_ptr + bi * M + offs_m, mask=m_ok, other=0.0)  # (BM,) dhT . hT
+        d_b += tl.where((n * C + offs_c == T - 1)[:, None], end[None, :], 0.0)
+        tl.store(db_ptr + tm_ptr, tl.cumsum(d_b, axis=0, reverse=True), mask=ok)
+        tot_base = tot_ptr + (bi * BM + offs_m) * (NC + 1)
+        tl.store(tot_base + NC - n, tl.sum(d_b, axis=0))
+        if n == NC - 1:
+            tl.store(tot_base, tl.zeros_like(offs_m).to(tl.float32))
+
+    @triton.jit
+    def _rate_grads_kernel(theta_ptr, phi_ptr, ld_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
+                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
+        """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
+        later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        m_ok = offs_m < M
+        t_abs = n * C + offs_c
+        tm_ptr = bi * Tp * M + t_abs[:, None] * M + offs_m[None, :]  # (C, BM)
+        ok = m_ok[None, :]
+        later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
+        d_log_decay = tl.load(db_ptr + tm_ptr, mask=ok, other=0.0) + later[None, :]
+        theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
+        decays = tl.load(ld_ptr + tm_ptr, mask=ok, other=0.0) > LOG_DECAY_FLOOR  # theta < 1, not a document start
+        dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(decays, d_log_decay / (1.0 - theta), 0.0)
+        dphi = tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0) / tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
+        out_ptr, out_ok = bi * T * M + t_abs[:, None] * M + offs_m[None, :], (t_abs < T)[:, None] & ok
+        tl.store(dtheta_ptr + out_ptr, dtheta, mask=out_ok)
+        tl.store(dphi_ptr + out_ptr, dphi, mask=out_ok)
+
+    @triton.jit
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
                      BK: tl.constexpr, BD: tl.constexpr):
         bi = tl.program_id(0)
@@ -741,17 +798,32 @@ def _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa):
 
 
 def _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w):
-    """dxbar (B, T, D) and the chunk-end term of dk, e^{b_end - b_s} dH_end . x_s (B, Tp, M)."""
+    """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     splits, meta = _streaming(x, M)
-    dhx = _scratch(theta, NC, splits, _block_m(M))  # one share of dH_end X^T per column split
+    dhx = _scratch(theta, NC, splits, _block_m(M))
     dx = torch.empty_like(x)
     _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dstates, gamma, P, p_w, dhx, dx,
                                       T, theta.shape[1], D, M, NC, **meta)
-    b_chunks = b.view(B, NC, CHUNK, M)
-    dk_end = (b_chunks[:, :, -1:] - b_chunks).exp() * dhx.sum(2)[:, :, :M].transpose(-1, -2)  # (B, NC, C, M)
-    return dx, dk_end.reshape(theta.shape)
+    return dx, dhx
+
+
+def _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps):
+    """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
+    d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
+    cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
+    first kernel, over the later chunks through the cumulative sum of the chunk totals."""
+    B, Tp, M = theta.shape
+    NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
+    d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
+    meta = dict(C=CHUNK, BM=BM, num_warps=4)
+    _decay_grads_kernel[(NC, B)](theta, phi, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
+                                 splits, **meta)
+    later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
+    dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
+    _rate_grads_kernel[(NC, B)](theta, phi, log_decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
+    return dtheta, dphi
 
 
 def _padded(weights):
@@ -771,11 +843,6 @@ def _prepare(theta, phi, cu_seqlens):
     """What the forward makes of theta and phi first: padded theta and phi, log(1 - theta) and b."""
     theta_p = _padded(theta)
     return (theta_p, _padded(phi), *_log_decays(theta_p, cu_seqlens))
-
-
-def _reverse_cumsum_time(v):
-    """sum_{u >= t} v[:, u] for v (B, T, M), scanning along a contiguous last dim."""
-    return v.transpose(1, 2).contiguous().flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
 
 
 # The scan is a pair of torch.library custom ops, so torch.compile traces models through it without a graph
@@ -808,7 +875,7 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
 def _scan_backward(dy: Tensor, dhT: Tensor, xbar: Tensor, theta: Tensor, phi: Tensor, hT: Tensor,
                    log_decay: Tensor, b: Tensor, states: Tensor, rms: Tensor, P: Tensor,
                    eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dxbar (B, T, D); dtheta and dphi float32 (B, Tp, M), padded in time; dh0 (B, M, D)."""
+    """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D)."""
     x, dy, dhT = xbar.contiguous(), dy.contiguous(), dhT.float().contiguous()
     theta, phi = _padded(theta), _padded(phi)
     T, D = x.shape[1:]
@@ -816,22 +883,15 @@ def _scan_backward(dy: Tensor, dhT: Tensor, xbar: Tensor, theta: Tensor, phi: Te
     dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
     _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
-    dx, dk_end = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, Tp, M)
-    dk = dk + dk_end
-    # d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end);
-    # b is the cumulative log-decay, so d loss / d log(1 - theta_t) = sum_{u >= t} d loss / d b_u.
-    q = phi / rms
-    sq_norm = D * (rms * rms - eps)
-    d_b = q * dq + c * sq_norm - theta * dk  # (B, Tp, M)
-    d_b[:, T - 1] += (dhT * hT).sum(-1)
-    d_log_decay = _reverse_cumsum_time(d_b)
-    dtheta = dk - torch.where(log_decay > LOG_DECAY_FLOOR, d_log_decay / (1 - theta), 0)
-    return dx, dtheta, dq / rms, dh0
+    dx, dhx = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
+    dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, (dhT * hT).sum(-1), eps)
+    return dx, dtheta, dphi, dh0
 
 
 @_scan_backward.register_fake
 def _(dy, dhT, xbar, theta, phi, hT, log_decay, b, states, rms, P, eps):
-    return xbar.new_empty(xbar.shape), torch.empty_like(log_decay), torch.empty_like(log_decay), torch.empty_like(hT)
+    dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
+    return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
 
 
 def _scan_setup_context(ctx, inputs, output):
@@ -843,12 +903,10 @@ def _scan_setup_context(ctx, inputs, output):
 
 def _scan_grads(ctx, dy, dhT, *unused):
     xbar, theta, phi, hT, *saved = ctx.saved_tensors
-    T = xbar.shape[1]
     dy = torch.zeros_like(xbar) if dy is None else dy
     dhT = torch.zeros_like(hT) if dhT is None else dhT
     dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, phi, hT, *saved, ctx.eps)
-    return (dx, dtheta[:, :T].to(theta.dtype), dphi[:, :T].to(phi.dtype), dh0 if ctx.has_h0 else None,
-            None, None)
+    return dx, dtheta.to(theta.dtype), dphi.to(phi.dtype), dh0 if ctx.has_h0 else None, None, None
 
 
 _scan_forward.register_autograd(_scan_grads, setup_context=_scan_setup_context)
