@@ -213,11 +213,13 @@ def bench_stages():
         B = TOKENS // T
         x, theta, phi, h0 = fm_inputs(B, T, K_SPARSE, torch.bfloat16)
         dy = torch.randn_like(x)
-        theta_p, phi_p, _, b = fm_kernel._prepare(theta, phi, None)
+        theta_p, phi_p, log_decay, b = fm_kernel._prepare(theta, phi, None)
         states, hT = fm_kernel._chunk_states(x, theta_p, b, h0)
         y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
         dq, c, gamma, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms)
         dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
+        dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dstates, gamma, P, p_w)[1]
+        end_dot = (hT * torch.randn_like(hT)).sum(-1)
         states_copy = states.clone()  # the scan works in place
         stages = {
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
@@ -229,6 +231,8 @@ def bench_stages():
             "grads (all)": lambda: fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms),
             "dstate": lambda: fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa),
             "dx": lambda: fm_kernel._chunk_dx(x, dy, theta_p, b, states, dstates, gamma, P, p_w),
+            "rate grads": lambda: fm_kernel._rate_grads(T, D, theta_p, phi_p, log_decay, b, rms, dq, c, dk, dhx,
+                                                        end_dot, 1e-6),  # adds to dk each call: harmless here
         }
         row = {"T": T}
         row.update({name: do_bench_cudagraph(fn, return_mode="median") for name, fn in stages.items()})
@@ -293,7 +297,7 @@ def bench_train(args):
     print_table(rows)
 
 
-def profile_step(step_model, optimizer, batch, autocast, top=40):
+def profile_step(step_model, optimizer, batch, autocast, top=60):
     """GPU time of one training step by kernel (torch.profiler): totals by kind, then the largest kernels."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

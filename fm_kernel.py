@@ -639,7 +639,7 @@ if triton is not None:
 
     @triton.jit
     def _rate_grads_kernel(theta_ptr, phi_ptr, ld_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
-                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
+                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr, FLOOR: tl.constexpr):
         """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
         later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -652,7 +652,7 @@ if triton is not None:
         later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
         d_log_decay = tl.load(db_ptr + tm_ptr, mask=ok, other=0.0) + later[None, :]
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
-        decays = tl.load(ld_ptr + tm_ptr, mask=ok, other=0.0) > LOG_DECAY_FLOOR  # theta < 1, not a document start
+        decays = tl.load(ld_ptr + tm_ptr, mask=ok, other=0.0) > FLOOR  # theta < 1, not a document start
         dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(decays, d_log_decay / (1.0 - theta), 0.0)
         dphi = tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0) / tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
         out_ptr, out_ok = bi * T * M + t_abs[:, None] * M + offs_m[None, :], (t_abs < T)[:, None] & ok
@@ -817,12 +817,13 @@ def _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, ep
     B, Tp, M = theta.shape
     NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
     d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
-    meta = dict(C=CHUNK, BM=BM, num_warps=4)
+    meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill
     _decay_grads_kernel[(NC, B)](theta, phi, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
                                  splits, **meta)
     later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
     dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
-    _rate_grads_kernel[(NC, B)](theta, phi, log_decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
+    _rate_grads_kernel[(NC, B)](theta, phi, log_decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC,
+                                FLOOR=LOG_DECAY_FLOOR, **meta)
     return dtheta, dphi
 
 
