@@ -181,13 +181,15 @@ class FactorizationMemory(nn.Module):
         dtype = compute_dtype(x.dtype)
         with torch.autocast(x.device.type, enabled=False):
             weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-            scores = F.linear(x.to(dtype), weight)  # (..., M + 2)
+            weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
+            scores = F.linear(x.to(dtype), weight)  # (..., M + 2 + pad)
             alpha = torch.softmax(scores[..., :self.n_memory] / self.tau, dim=-1)  # (..., M)
             idx = None
             if self.top_k < self.n_memory:
-                alpha, idx = alpha.topk(self.top_k, dim=-1, sorted=False)  # (..., K)
+                alpha, idx = (t[..., :self.top_k] for t in alpha.sort(-1, descending=True))  # (..., K): torch.compile
+                # generates a kernel for a sort of m values; topk stays a slower library call
                 alpha = alpha / alpha.sum(-1, keepdim=True)
-            rates = torch.sigmoid(scores[..., self.n_memory:] + self.rates.bias.to(dtype))  # (..., 2)
+            rates = torch.sigmoid(scores[..., self.n_memory:self.n_memory + 2] + self.rates.bias.to(dtype))  # (..., 2)
         return idx, alpha, rates[..., :1], rates[..., 1:]
 
     def forward(self, x):  # x (B, T, d_model)
