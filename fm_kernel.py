@@ -221,6 +221,25 @@ if triton is not None:
         return q * tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
 
     @triton.jit
+    def _log_decay_kernel(theta_ptr, starts_ptr, ld_ptr, b_ptr, Tp, M, C: tl.constexpr, BM: tl.constexpr,
+                          HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
+        """log(1 - theta) (FLOOR at theta = 1 and at document starts) and its within-chunk cumulative sum b."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t = n * C + tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        ptrs, ok = bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]  # (C, BM)
+        theta = tl.load(theta_ptr + ptrs, mask=ok, other=0.0)
+        kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
+        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
+        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / tl.where(kept == 1.0, -1.0, kept - 1.0)))
+        forget = theta >= 1.0
+        if HAS_STARTS:
+            forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
+        log_decay = tl.where(forget, FLOOR, log_decay)
+        tl.store(ld_ptr + ptrs, log_decay, mask=ok)
+        tl.store(b_ptr + ptrs, tl.cumsum(log_decay, axis=0), mask=ok)
+
+    @triton.jit
     def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC,
                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                             OP: tl.constexpr):
@@ -833,11 +852,16 @@ def _padded(weights):
 
 
 def _log_decays(theta_p, cu_seqlens):
-    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M)."""
-    log_decay = _log_decay(theta_p)
+    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M) (_log_decay and _chunk_cumsum)."""
+    B, Tp, M = theta_p.shape
+    starts = None
     if cu_seqlens is not None:  # a document start forgets the memory
-        log_decay[:, cu_seqlens[1:-1].long()] = LOG_DECAY_FLOOR
-    return log_decay, _chunk_cumsum(log_decay, CHUNK).view(theta_p.shape)
+        starts = torch.zeros(Tp, dtype=torch.int8, device=theta_p.device)
+        starts[cu_seqlens[1:-1].long()] = 1
+    log_decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
+    _log_decay_kernel[(Tp // CHUNK, B)](theta_p, starts, log_decay, b, Tp, M, C=CHUNK, BM=_block_m(M),
+                                        HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
+    return log_decay, b
 
 
 def _prepare(theta, phi, cu_seqlens):
@@ -873,11 +897,12 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
 
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
-def _scan_backward(dy: Tensor, dhT: Tensor, xbar: Tensor, theta: Tensor, phi: Tensor, hT: Tensor,
+def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, phi: Tensor, hT: Tensor,
                    log_decay: Tensor, b: Tensor, states: Tensor, rms: Tensor, P: Tensor,
                    eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D)."""
-    x, dy, dhT = xbar.contiguous(), dy.contiguous(), dhT.float().contiguous()
+    """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
+    x, dy = xbar.contiguous(), dy.contiguous()
+    dhT = None if dhT is None else dhT.float().contiguous()
     theta, phi = _padded(theta), _padded(phi)
     T, D = x.shape[1:]
     dq, c, gamma, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, b, states, rms)
@@ -885,7 +910,8 @@ def _scan_backward(dy: Tensor, dhT: Tensor, xbar: Tensor, theta: Tensor, phi: Te
     dh0 = torch.empty_like(hT)  # (B, M, D)
     _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
-    dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, (dhT * hT).sum(-1), eps)
+    end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
+    dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
     return dx, dtheta, dphi, dh0
 
 
@@ -905,7 +931,6 @@ def _scan_setup_context(ctx, inputs, output):
 def _scan_grads(ctx, dy, dhT, *unused):
     xbar, theta, phi, hT, *saved = ctx.saved_tensors
     dy = torch.zeros_like(xbar) if dy is None else dy
-    dhT = torch.zeros_like(hT) if dhT is None else dhT
     dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, phi, hT, *saved, ctx.eps)
     return dx, dtheta.to(theta.dtype), dphi.to(phi.dtype), dh0 if ctx.has_h0 else None, None, None
 

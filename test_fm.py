@@ -212,6 +212,21 @@ def test_triton_scan_splits_columns_among_programs(split, D, monkeypatch, poison
 
 
 @needs_triton
+def test_triton_log_decays_match_log1p(poisoned_outputs):
+    """The kernel's log(1 - theta) (log1p through Goldberg's correction) and its within-chunk cumulative sum,
+    against float64 torch.log1p, for rates from 1e-9 to 1 (1 itself gives the floor)."""
+    torch.manual_seed(0)
+    theta = 10 ** (-9 * torch.rand(2, 128, 20))  # (B, Tp, M)
+    theta[0, 5, :3] = torch.tensor([0.0, 1.0, 0.5])
+    log_decay, b = fm_kernel._log_decays(theta.to(DEVICE), None)
+    want = torch.log1p(-theta.double()).clamp(min=fm_kernel.LOG_DECAY_FLOOR)
+    assert log_decay[0, 5, 1] == fm_kernel.LOG_DECAY_FLOOR
+    assert ((log_decay.cpu().double() - want).abs() / want.abs().clamp(min=1e-30)).max() < 1e-6
+    want_b = want.view(2, 2, 64, 20).cumsum(2).view_as(want)
+    assert ((b.cpu().double() - want_b).abs() / want_b.abs().clamp(min=1e-30)).max() < 1e-5
+
+
+@needs_triton
 @pytest.mark.parametrize("rate", [1e-4, 1 - 1e-4])
 def test_triton_scan_extreme_rates(rate, poisoned_outputs):
     torch.manual_seed(3)
