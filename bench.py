@@ -293,7 +293,8 @@ def bench_train(args):
             profile_step(step_model, optimizer, tokens[0], autocast)
         del model, optimizer, step_model
     print(f"\ntraining, batch {args.batch_size} x {args.block_size} tokens, bf16 autocast, "
-          f"compile={args.compile} ({args.compile_mode}), vocab {args.vocab_size}, mean of {args.steps} steps after 3 warm-up")
+          f"compile={args.compile} ({args.compile_mode}), vocab {args.vocab_size}, "
+          f"mean of {args.steps} steps after 3 warm-up")
     print_table(rows)
 
 
