@@ -483,8 +483,8 @@ def fm_scan_torch_fp32(xbar, theta, phi, h0=None, eps=1e-6):
 
 
 def scan_gaps(model, idx, scan, reference):
-    """Relative gaps between two scans at the same weights and batch, under bf16 autocast: of the loss,
-    and of each parameter's gradient {name: gap}."""
+    """Relative gaps between two scans at the same weights and batch, under bf16 autocast: of the loss, of the
+    whole gradient (all parameters as one vector), and of each parameter's gradient {name: gap}."""
     results = []
     for fn in (scan, reference):
         model.zero_grad(set_to_none=True)
@@ -494,7 +494,9 @@ def scan_gaps(model, idx, scan, reference):
         results.append((loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
     (loss, grads), (loss_ref, grads_ref) = results
     model.zero_grad(set_to_none=True)
-    return abs(loss - loss_ref) / loss_ref, {name: rel_err(grads[name], grads_ref[name]) for name in grads}
+    flat = [torch.cat([g.flatten() for g in gradients.values()]) for gradients in (grads, grads_ref)]
+    whole = rel_err(*flat)
+    return abs(loss - loss_ref) / loss_ref, whole, {name: rel_err(grads[name], grads_ref[name]) for name in grads}
 
 
 def train_losses(scan, steps, device, dtype, batches=None, probe=None, **overrides):
@@ -560,8 +562,8 @@ def test_fm_scan_compiles_without_graph_break():
 
 @pytest.mark.skipif(not CUDA, reason="a few hundred GPU steps")
 def test_training_with_triton_scan_matches_torch_scan_gpu_bf16(tmp_path):
-    """300 bf16 steps on text through fm_scan; every 50 steps, at the weights reached, the loss and every
-    parameter's gradient agree with float32 fm_scan_torch on the same batch. Two free-running loss curves
+    """300 bf16 steps on text through fm_scan; every 50 steps, at the weights reached, the loss and the
+    gradients agree with float32 fm_scan_torch on the same batch. Two free-running loss curves
     would test nothing here: this training is chaotic (3e-6 relative noise on the router's gradients alone
     moved the step-300 loss by -4% to +6% on an H200), so the scans are compared at shared weights."""
     batches = text_batches(300, 16, 256, tmp_path)
@@ -574,12 +576,16 @@ def test_training_with_triton_scan_matches_torch_scan_gpu_bf16(tmp_path):
 
     losses = train_losses(fm_scan, 301, "cuda", torch.bfloat16, batches, probe=probe, **big)
     assert sum(losses[280:300]) < 0.75 * sum(losses[:20])  # the loss falls (3.3 -> 2.2 to 2.35 on an H200)
-    for loss_gap, grad_gaps in gaps:  # measured on an H200: loss <= 5e-5, median 2e-3 to 1.2e-2, worst 9e-2
-        # (the router's gradient passes a softmax, whose backward subtracts nearly equal numbers)
-        worst = max(grad_gaps, key=grad_gaps.get)
+    # Measured on an H200 over two trajectories (14 probes): loss gap <= 1.1e-4, whole gradient <= 2.4e-2, median
+    # parameter <= 2.2e-2. Single parameters are not bounded after step 0: the router's and the rates' gradients
+    # pass a softmax or sigmoid backward that subtracts nearly equal numbers, and their gaps ranged from 0.02 to
+    # 0.59 with the weights a trajectory reached, the same for this kernel and its predecessor at equal weights.
+    # At step 0 the weights are the seed's, so that bound is deterministic (measured worst 0.027).
+    assert max(gaps[0][2].values()) < 0.1
+    for loss_gap, whole_gap, grad_gaps in gaps:
         assert loss_gap < 5e-4
-        assert sorted(grad_gaps.values())[len(grad_gaps) // 2] < 3e-2, grad_gaps
-        assert grad_gaps[worst] < 0.25, (worst, grad_gaps[worst])
+        assert whole_gap < 5e-2
+        assert sorted(grad_gaps.values())[len(grad_gaps) // 2] < 5e-2, grad_gaps
 
 
 @pytest.mark.parametrize('name', MIXERS)
