@@ -333,9 +333,10 @@ def print_gaps(prof, top=12):
 
 def kernel_kind(name):
     """Coarse kind of a CUDA kernel by its name, for profile_step's totals."""
-    kinds = (("scan", ("_chunk", "_bmm", "_state_passing", "_step_kernel")),  # fm_kernel's and mamba-ssm's
-             ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "wgmma")), ("attention", ("flash", "fmha", "attention")),
-             ("optimizer", ("adam", "foreach")), ("inductor", ("triton_",)))
+    kinds = (("scan", ("_chunk", "_bmm", "_state_passing", "_step_kernel", "_grads_kernel", "_log_decay")),
+             ("attention", ("flash", "fmha", "sdpa", "dot_do_o", "convert_dq")),  # before matmul: cuDNN's use wgmma
+             ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "wgmma")), ("optimizer", ("adam", "foreach")),
+             ("inductor", ("triton_",)))
     return next((kind for kind, keys in kinds if any(key in name.lower() for key in keys)), "other")
 
 
