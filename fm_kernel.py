@@ -654,10 +654,10 @@ if triton is not None:
         tot_base = tot_ptr + (bi * BM + offs_m) * (NC + 1)
         tl.store(tot_base + NC - n, tl.sum(d_b, axis=0))
         if n == NC - 1:
-            tl.store(tot_base, tl.zeros_like(offs_m).to(tl.float32))
+            tl.store(tot_base, tl.zeros([BM], dtype=tl.float32))
 
     @triton.jit
-    def _rate_grads_kernel(theta_ptr, phi_ptr, ld_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
+    def _rate_grads_kernel(theta_ptr, ld_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
                            T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr, FLOOR: tl.constexpr):
         """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
         later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n."""
@@ -672,7 +672,8 @@ if triton is not None:
         d_log_decay = tl.load(db_ptr + tm_ptr, mask=ok, other=0.0) + later[None, :]
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
         decays = tl.load(ld_ptr + tm_ptr, mask=ok, other=0.0) > FLOOR  # theta < 1, not a document start
-        dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(decays, d_log_decay / (1.0 - theta), 0.0)
+        dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(
+            decays, d_log_decay / tl.where(decays, 1.0 - theta, 1.0), 0.0)
         dphi = tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0) / tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
         out_ptr, out_ok = bi * T * M + t_abs[:, None] * M + offs_m[None, :], (t_abs < T)[:, None] & ok
         tl.store(dtheta_ptr + out_ptr, dtheta, mask=out_ok)
@@ -841,7 +842,7 @@ def _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, ep
                                  splits, **meta)
     later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
     dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
-    _rate_grads_kernel[(NC, B)](theta, phi, log_decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC,
+    _rate_grads_kernel[(NC, B)](theta, log_decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC,
                                 FLOOR=LOG_DECAY_FLOOR, **meta)
     return dtheta, dphi
 
@@ -852,7 +853,8 @@ def _padded(weights):
 
 
 def _log_decays(theta_p, cu_seqlens):
-    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M) (_log_decay and _chunk_cumsum)."""
+    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M) (_log_decay and _chunk_cumsum);
+    theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
     starts = None
     if cu_seqlens is not None:  # a document start forgets the memory

@@ -186,8 +186,8 @@ class FactorizationMemory(nn.Module):
             alpha = torch.softmax(scores[..., :self.n_memory] / self.tau, dim=-1)  # (..., M)
             idx = None
             if self.top_k < self.n_memory:
-                alpha, idx = (t[..., :self.top_k] for t in alpha.sort(-1, descending=True))  # (..., K): torch.compile
-                # generates a kernel for a sort of m values; topk stays a slower library call
+                ranked, order = alpha.sort(-1, descending=True)  # torch.compile generates a kernel for a sort of
+                alpha, idx = ranked[..., :self.top_k], order[..., :self.top_k]  # m values; topk is a library call
                 alpha = alpha / alpha.sum(-1, keepdim=True)
             rates = torch.sigmoid(scores[..., self.n_memory:self.n_memory + 2] + self.rates.bias.to(dtype))  # (..., 2)
         return idx, alpha, rates[..., :1], rates[..., 1:]
@@ -460,7 +460,7 @@ class Model(nn.Module):
 
     def forward(self, idx, targets=None):
         """idx (B, T) -> logits (B, T, V) in the head's dtype, and when targets is given the mean cross-entropy
-        over targets != -1, in float32. (A float32 copy of the logits would be 6.6 GB at 16K tokens and a 100K
+        over targets != -1, in at least float32. (A float32 copy of the logits would be 6.6 GB at 16K tokens and a 100K
         vocabulary; compiled, the upcast happens inside the loss kernels.)"""
         logits = self.head(self.hidden(idx)[0])
         loss = None
