@@ -221,13 +221,19 @@ if triton is not None:
         return q * tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
 
     @triton.jit
+    def _chunk_tile(bi, n, Tp, M, C: tl.constexpr, BM: tl.constexpr):
+        """Chunk n of sequence bi in a (B, Tp, M) array: token offsets (C,), row offsets (BM,), the (C, BM) offsets
+        of the tile and its row mask (1, BM)."""
+        offs_t = n * C + tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        return offs_t, offs_m, bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]
+
+    @triton.jit
     def _log_decay_kernel(theta_ptr, starts_ptr, ld_ptr, b_ptr, Tp, M, C: tl.constexpr, BM: tl.constexpr,
                           HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
         """log(1 - theta) (FLOOR at theta = 1 and at document starts) and its within-chunk cumulative sum b."""
         n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t = n * C + tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        ptrs, ok = bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]  # (C, BM)
+        offs_t, offs_m, ptrs, ok = _chunk_tile(bi, n, Tp, M, C, BM)
         theta = tl.load(theta_ptr + ptrs, mask=ok, other=0.0)
         kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
         # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
@@ -608,7 +614,7 @@ if triton is not None:
         b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
         theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
         ws = (theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
-        b_end = tl.load(b_ptr + tm + (C - 1) * M + offs_m, mask=m_ok, other=0.0)  # (BM,)
+        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,)
         we = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
         dhx = tl.zeros([BM, C], dtype=tl.float32)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
@@ -630,17 +636,14 @@ if triton is not None:
         q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum within the chunk
         and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose index 0 is 0."""
         n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, tm_ptr, ok = _chunk_tile(bi, n, Tp, M, C, BM)
         offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        m_ok = offs_m < M
-        tm = bi * Tp * M + n * C * M
-        tm_ptr, ok = tm + offs_c[:, None] * M + offs_m[None, :], m_ok[None, :]  # (C, BM)
         chunk = bi * NC + n
         dhx = tl.zeros([BM, C], dtype=tl.float32)
         for split in range(SPLITS):
             dhx += tl.load(dhx_ptr + ((chunk * SPLITS + split) * BM + offs_m[:, None]) * C + offs_c[None, :])
         b = tl.load(b_ptr + tm_ptr, mask=ok, other=0.0)
-        b_end = tl.load(b_ptr + tm + (C - 1) * M + offs_m, mask=m_ok, other=0.0)
+        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=offs_m < M, other=0.0)
         dk = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
         tl.store(dk_ptr + tm_ptr, dk, mask=ok)
         rms = tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
@@ -648,8 +651,8 @@ if triton is not None:
         sq_norm = D * (rms * rms - eps)
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
         d_b = q_dq + tl.load(c_ptr + tm_ptr, mask=ok, other=0.0) * sq_norm - theta * dk
-        end = tl.load(end_ptr + bi * M + offs_m, mask=m_ok, other=0.0)  # (BM,) dhT . hT
-        d_b += tl.where((n * C + offs_c == T - 1)[:, None], end[None, :], 0.0)
+        end = tl.load(end_ptr + bi * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,) dhT . hT
+        d_b += tl.where((offs_t == T - 1)[:, None], end[None, :], 0.0)
         tl.store(db_ptr + tm_ptr, tl.cumsum(d_b, axis=0, reverse=True), mask=ok)
         tot_base = tot_ptr + (bi * BM + offs_m) * (NC + 1)
         tl.store(tot_base + NC - n, tl.sum(d_b, axis=0))
@@ -662,12 +665,7 @@ if triton is not None:
         """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
         later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n."""
         n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        m_ok = offs_m < M
-        t_abs = n * C + offs_c
-        tm_ptr = bi * Tp * M + t_abs[:, None] * M + offs_m[None, :]  # (C, BM)
-        ok = m_ok[None, :]
+        offs_t, offs_m, tm_ptr, ok = _chunk_tile(bi, n, Tp, M, C, BM)
         later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
         d_log_decay = tl.load(db_ptr + tm_ptr, mask=ok, other=0.0) + later[None, :]
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
@@ -675,7 +673,7 @@ if triton is not None:
         dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(
             decays, d_log_decay / tl.where(decays, 1.0 - theta, 1.0), 0.0)
         dphi = tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0) / tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
-        out_ptr, out_ok = bi * T * M + t_abs[:, None] * M + offs_m[None, :], (t_abs < T)[:, None] & ok
+        out_ptr, out_ok = bi * T * M + offs_t[:, None] * M + offs_m[None, :], (offs_t < T)[:, None] & ok
         tl.store(dtheta_ptr + out_ptr, dtheta, mask=out_ok)
         tl.store(dphi_ptr + out_ptr, dphi, mask=out_ok)
 
