@@ -220,11 +220,11 @@ def bench_stages():
         dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
         dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dstates, gamma, P, p_w)[1]
         end_dot = (hT * torch.randn_like(hT)).sum(-1)
-        states_copy = states.clone()  # the scan works in place
+        own, starts = states.float(), torch.empty_like(states)  # the scan alone: float32 writes in, states out
         stages = {
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
             "write+scan": lambda: fm_kernel._chunk_states(x, theta_p, b, h0),
-            "scan alone": lambda: fm_kernel._scan_states(states_copy, b, h0, hT, reverse=False),
+            "scan alone": lambda: fm_kernel._scan_states(own, starts, b, h0, hT, reverse=False),
             "fwd products": lambda: fm_kernel._products(x, states, theta_p),
             "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
             "bwd products": lambda: fm_kernel._products(x, states, theta_p, dy),
@@ -236,7 +236,7 @@ def bench_stages():
         }
         row = {"T": T}
         row.update({name: do_bench_cudagraph(fn, return_mode="median") for name, fn in stages.items()})
-        row["states MB"] = states.numel() * 4 / 1e6
+        row["states MB"] = states.numel() * states.element_size() / 1e6
         rows.append(row)
     print(f"\nfm_scan stages, ms ({TOKENS} tokens, D={D}, M={M}, k={K_SPARSE}, bf16 x)")
     print_table(rows)

@@ -166,12 +166,14 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T - diag P_w) X + (omega e^b) H + K_end^T dH_end.
 # The gradient wrt the log-decays follows from an identity (see _rate_grads).
 #
-# All tensors the kernels read besides xbar/dy are float32 and padded in time to a multiple of CHUNK:
-# theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M); states (B, NC, M, D).
-# Products with X, dY and the states run on bfloat16 tensor cores for bfloat16 inputs, the float32 factor
-# split into hi + lo bfloat16 halves (_split: 16 bits kept, more than tf32's 11; X and dY are exact), except
-# the products of y and dxbar, which are rounded to bfloat16 anyway and take single bfloat16 operands; for
-# float32 inputs they are exact float32, for float16 tf32. The small per-chunk products use tf32 or float32.
+# All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
+# CHUNK: theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M). The chunk-start states
+# (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs (_start_dtype), else float32; the carry between chunks,
+# hT and the state gradients stay float32. Products with X, dY and the states run on bfloat16 tensor cores for
+# bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves (_split: 16 bits kept, more than tf32's 11;
+# X, dY and bfloat16 states are exact), except the products of y and dxbar, which are rounded to bfloat16 anyway
+# and take single bfloat16 operands; for float32 inputs they are exact float32, for float16 tf32. The small
+# per-chunk products use tf32 or float32.
 
 if triton is not None:
 
@@ -268,10 +270,10 @@ if triton is not None:
         tl.store(s_ptr + ((bi * NC + n) * M + offs_m[:, None]) * D + offs_d[None, :], write, mask=s_mask)
 
     @triton.jit
-    def _chunk_scan_kernel(s_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
+    def _chunk_scan_kernel(s_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
                            C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
                            REVERSE: tl.constexpr):
-        """states[n] <- carry; carry <- e^{b_end[n]} * carry + states[n], over n (in place)."""
+        """out[n] <- carry; carry <- e^{b_end[n]} * carry + s[n], over n (out may be s: in place)."""
         bi, pe = tl.program_id(0), tl.program_id(1)
         offs = pe * BLOCK + tl.arange(0, BLOCK)
         ok = offs < M * D
@@ -289,7 +291,7 @@ if triton is not None:
             n_next = n - 1 + last if REVERSE else n + 1 - last  # prefetch the next chunk
             own_next = tl.load(s_ptr + (bi * NC + n_next) * M * D + offs, mask=ok, other=0.0)
             log_decay_next = tl.load(b_ptr + bi * Tp * M + (n_next * C + C - 1) * M + row, mask=ok, other=0.0)
-            tl.store(s_ptr + (bi * NC + n) * M * D + offs, carry, mask=ok)
+            tl.store(out_ptr + (bi * NC + n) * M * D + offs, carry.to(out_ptr.dtype.element_ty), mask=ok)
             carry = tl.exp(log_decay) * carry + own
             own, log_decay = own_next, log_decay_next
         tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
@@ -378,15 +380,14 @@ if triton is not None:
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D)
-            h_hi, h_lo = _split(h, OP)
             gram += _mm(x, tl.trans(x), PRECISION)
-            hx += _mm_split(h_hi, h_lo, tl.trans(x), PRECISION)
+            hx += _mm(h.to(OP), tl.trans(x), PRECISION)
             if BACKWARD:
                 dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
                 dyx += _mm(dy, tl.trans(x), PRECISION)
-                hdy += _mm_split(h_hi, h_lo, tl.trans(dy), PRECISION)
+                hdy += _mm(h.to(OP), tl.trans(dy), PRECISION)
             else:
-                h_sq += tl.sum(h * h, axis=1)
+                h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
         chunk = bi * NC + n
         square, rows = offs_c[:, None] * C + offs_c[None, :], offs_m[:, None] * C + offs_c[None, :]
         tl.store(g_ptr + chunk * C * C + square, gram)
@@ -585,7 +586,8 @@ if triton is not None:
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D)
-            ds = _mm_split(q_hi, q_lo, dy, PRECISION) + _mm_split(ws_hi, ws_lo, x, PRECISION) + kappa[:, None] * h
+            ds = (_mm_split(q_hi, q_lo, dy, PRECISION) + _mm_split(ws_hi, ws_lo, x, PRECISION)
+                  + kappa[:, None] * h.to(tl.float32))
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
                      mask=m_ok[:, None] & (offs_d < D)[None, :])
 
@@ -715,10 +717,10 @@ def _precision(x):
 
 
 def _operand(x):
-    """Operand dtype of the products with X, dY and the states. bfloat16 inputs are exact in bfloat16, and
-    float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11), but in the products
-    of y and dxbar, which are rounded to bfloat16, as single bfloat16 tiles; float16 (whose range is too
-    narrow for such pairs) and float32 inputs take float32 products at _precision."""
+    """Operand dtype of the products with X, dY and the states. bfloat16 inputs (and their bfloat16 states) are
+    exact in bfloat16, and float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11), but
+    in the products of y and dxbar, which are rounded to bfloat16, as single bfloat16 tiles; float16 (whose range
+    is too narrow for such pairs) and float32 inputs take float32 products at _precision."""
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
 
 
@@ -727,26 +729,34 @@ def _block_m(M):
     return max(32, ROW_BLOCK, triton.next_power_of_2(M))
 
 
+def _start_dtype(x):
+    """Storage dtype of the chunk-start states: bfloat16 for bfloat16 inputs, whose kernels read the states
+    as single bfloat16 operands (half the bytes of the largest tensors of the scan), else float32. The carry
+    between chunks, and so hT, stays float32."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+
+
 def _chunk_states(x, theta, b, h0):
-    """Chunk-start states (B, NC, M, D) float32 and the final state (B, M, D)."""
+    """Chunk-start states (B, NC, M, D) in _start_dtype(x) and the final state (B, M, D) float32."""
     B, Tp, M = theta.shape
     D = x.shape[-1]
     NC = Tp // CHUNK
-    states = x.new_empty(B, NC, M, D, dtype=torch.float32)
+    own = x.new_empty(B, NC, M, D, dtype=torch.float32)  # each chunk's own write to its end state
     BD = 64
-    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, states, x.shape[1], Tp, D, M, NC, C=CHUNK,
+    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, own, x.shape[1], Tp, D, M, NC, C=CHUNK,
                                                      BM=_block_m(M), BD=BD, PRECISION=_precision(x), OP=_operand(x))
+    starts = own if _start_dtype(x) == torch.float32 else torch.empty_like(own, dtype=_start_dtype(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
-    _scan_states(states, b, h0, final, reverse=False)
-    return states, final
+    _scan_states(own, starts, b, h0, final, reverse=False)
+    return starts, final
 
 
-def _scan_states(states, b, init, final, reverse):
-    """In place: states[n] (a chunk's own contribution) becomes the carry entering chunk n."""
-    B, NC, M, D = states.shape
+def _scan_states(own, starts, b, init, final, reverse):
+    """starts[n] <- the carry entering chunk n, from own[n], each chunk's own contribution (starts may be own)."""
+    B, NC, M, D = own.shape
     BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
-        states, b, init if init is not None else final, final, b.shape[1], D, M, NC,
+        own, starts, b, init if init is not None else final, final, b.shape[1], D, M, NC,
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
@@ -808,7 +818,7 @@ def _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa):
     """Each chunk's gradient to its start state (B, NC, M, D)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    dstates = torch.empty_like(states)
+    dstates = torch.empty_like(states, dtype=torch.float32)
     splits, meta = _streaming(x, M)
     _chunk_dstate_kernel[(NC, B, splits)](x, dy, theta, phi, b, states, rms, gamma, kappa, dstates,
                                           T, theta.shape[1], D, M, NC, **meta)
@@ -892,8 +902,9 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
     B, T, D = xbar.shape
     M, Tp = theta.shape[-1], CHUNK * -(-T // CHUNK)
     f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
-    return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), f32(B, Tp // CHUNK, M, D),
-            f32(B, Tp, M), f32(B, Tp // CHUNK, CHUNK, CHUNK))
+    starts = xbar.new_empty(B, Tp // CHUNK, M, D, dtype=_start_dtype(xbar))
+    return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), starts, f32(B, Tp, M),
+            f32(B, Tp // CHUNK, CHUNK, CHUNK))
 
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
@@ -908,7 +919,7 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dq, c, gamma, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, b, states, rms)
     dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
-    _scan_states(dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
+    _scan_states(dstates, dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)

@@ -258,11 +258,13 @@ def test_triton_scan_16bit_inputs(dtype, poisoned_outputs):
 @needs_triton
 @pytest.mark.parametrize("precision", ["ieee", pytest.param("tf32", marks=pytest.mark.skipif(
     not CUDA, reason="the interpreter's tf32 is float32"))])
-def test_triton_scan_bf16_products_keep_float32_accuracy(poisoned_outputs, monkeypatch, precision):
-    """bfloat16 inputs meet float32 tiles as hi + lo bfloat16 pairs: against float64 on the same bfloat16
-    values, the float32 outputs (hT, dtheta, dphi, dh0) keep float32 accuracy with exact per-chunk products
-    (with the hi halves alone hT is off by 3e-3), tf32 accuracy with the production tf32 ones. y and dxbar,
-    rounded to bfloat16, take single bfloat16 operands: within twice the error of their own rounding."""
+def test_triton_scan_bf16_inputs_accuracy(poisoned_outputs, monkeypatch, precision):
+    """bfloat16 inputs, against float64 on the same bfloat16 values. The chunk-start states are stored in
+    bfloat16 (one rounding, 2^-9, of what the other float32 outputs read: dtheta, dphi, dh0 measured 3e-4 to
+    1.1e-3 on the CPU); the carry stays float32 and the writes take float32 factors as hi + lo halves, so hT
+    keeps float32 accuracy (hi halves alone: hT 1.6e-3, dtheta 1.9e-3, dh0 1.7e-3, which the bounds catch).
+    y and dxbar, rounded to bfloat16, take single bfloat16 operands: within twice the error of their own
+    rounding. tf32 per-chunk products add up to 8e-4 (measured on an H200 with float32 states)."""
     monkeypatch.setattr(fm_kernel, "_precision", lambda x: precision)
     torch.manual_seed(14)
     B, T, D, M, k = 2, 150, 72, 16, 4
@@ -272,12 +274,11 @@ def test_triton_scan_bf16_products_keep_float32_accuracy(poisoned_outputs, monke
     want = scan_and_grads(fm_scan_naive, [x, theta, phi, h0], grad_y, grad_h)
     inputs = [x.bfloat16().to(DEVICE), theta.float().to(DEVICE), phi.float().to(DEVICE), h0.float().to(DEVICE)]
     got = [g.cpu() for g in scan_and_grads(fm_scan, inputs, grad_y.to(DEVICE), grad_h.to(DEVICE))]
-    names = ["y", "hT", "dxbar", "dtheta", "dphi", "dh0"]
-    for name, a, b in zip(names, got, want):
-        if a.dtype == torch.bfloat16:  # y, dxbar: measured 1.5x
-            tol = 2 * rel_err(b.bfloat16(), b)
-        else:  # measured on an H200: 2e-6 to 3e-6 (ieee), up to 8e-4 (tf32)
-            tol = 1e-4 if precision == "ieee" or name == "hT" else 1.2e-3
+    float32_tols = {"hT": 1e-4, "dtheta": 1.2e-3, "dphi": 2.5e-3, "dh0": 8e-4}
+    if precision == "tf32":
+        float32_tols.update(dtheta=2e-3, dh0=1.6e-3)
+    for name, a, b in zip(["y", "hT", "dxbar", "dtheta", "dphi", "dh0"], got, want):
+        tol = 2 * rel_err(b.bfloat16(), b) if a.dtype == torch.bfloat16 else float32_tols[name]  # y, dxbar: 1.5x
         assert rel_err(a, b) < tol, f"{name}: relative error {rel_err(a, b):.2e} > {tol:.1e}"
 
 
