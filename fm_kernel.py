@@ -149,7 +149,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #   the sub-chunk's own:   L_i[t, s] from explicit (rows, S, S) tiles of e^{b_t - b_s}
 #   state V before it:     ||V_i||^2 and V_i . x_s through K (X X^T) K^T and H X^T, never V itself
 #
-# Forward:  _chunk_write_kernel     per (chunk, batch, D block): a chunk's own write to its end state
+# Forward:  _chunk_write_kernel     per (chunk, batch, D split): a chunk's own write to its end state
 #           _chunk_scan_kernel      per (batch, state block): sequential over chunks, chunk-start states H
 #           _chunk_products_kernel  per (chunk, batch): X X^T, H X^T, ||H_i||^2 (sums over D)
 #           _chunk_norms_kernel     per (chunk, batch): row rms of every token, and P (C, C)
@@ -248,26 +248,21 @@ if triton is not None:
         tl.store(b_ptr + ptrs, tl.cumsum(log_decay, axis=0), mask=ok)
 
     @triton.jit
-    def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC,
-                            C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                            OP: tl.constexpr):
+    def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr,
+                            BD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """A chunk's own write to its end state, sum_s e^{b_C - b_s} theta_s x_s, on SPLIT columns."""
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_t = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        offs_d = pd * BD + tl.arange(0, BD)
-        t_abs = n * C + offs_t
-        m_ok = offs_m < M
-        tm_ptr = bi * Tp * M + t_abs[:, None] * M + offs_m[None, :]
-        theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
-        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=m_ok, other=0.0)  # (BM,)
-        k_end = theta * tl.exp(b_end[None, :] - b)  # (C, BM): e^{b_C - b_s} theta_s
-        x_mask = (t_abs < T)[:, None] & (offs_d < D)[None, :]
-        x = tl.load(x_ptr + bi * T * D + t_abs[:, None] * D + offs_d[None, :], mask=x_mask, other=0.0)
-        k_hi, k_lo = _split(tl.trans(k_end), OP)
-        write = _mm_split(k_hi, k_lo, x.to(OP), PRECISION)  # (BM, BD)
-        s_mask = m_ok[:, None] & (offs_d < D)[None, :]
-        tl.store(s_ptr + ((bi * NC + n) * M + offs_m[:, None]) * D + offs_d[None, :], write, mask=s_mask)
+        offs_t, offs_m, tm_ptr, ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        t_ok = offs_t < T
+        theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)  # (C, BM)
+        b = tl.load(b_ptr + tm_ptr, mask=ok, other=0.0)
+        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,)
+        k_hi, k_lo = _split(tl.trans(theta * tl.exp(b_end[None, :] - b)), OP)  # (BM, C)
+        x_rows, s_rows = _token_rows(x_ptr, bi, n, T, D, C), _state_rows(s_ptr, bi * NC + n, M, D, BM)
+        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            write = _mm_split(k_hi, k_lo, _load_cols(x_rows, t_ok, offs_d, D).to(OP), PRECISION)  # (BM, BD)
+            tl.store(s_rows[:, None] + offs_d[None, :], write, mask=(offs_m < M)[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _chunk_scan_kernel(s_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
@@ -742,9 +737,8 @@ def _chunk_states(x, theta, b, h0):
     D = x.shape[-1]
     NC = Tp // CHUNK
     own = x.new_empty(B, NC, M, D, dtype=torch.float32)  # each chunk's own write to its end state
-    BD = 64
-    _chunk_write_kernel[(NC, B, triton.cdiv(D, BD))](x, theta, b, own, x.shape[1], Tp, D, M, NC, C=CHUNK,
-                                                     BM=_block_m(M), BD=BD, PRECISION=_precision(x), OP=_operand(x))
+    splits, meta = _streaming(x, M)
+    _chunk_write_kernel[(NC, B, splits)](x, theta, b, own, x.shape[1], Tp, D, M, NC, **meta)
     starts = own if _start_dtype(x) == torch.float32 else torch.empty_like(own, dtype=_start_dtype(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
     _scan_states(own, starts, b, h0, final, reverse=False)
