@@ -265,30 +265,35 @@ if triton is not None:
             tl.store(s_rows[:, None] + offs_d[None, :], write, mask=(offs_m < M)[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
+    def _chunk_at(step, NC, REVERSE: tl.constexpr):
+        """The chunk a scan visits at `step`; steps past the end give the last one (prefetches re-read it)."""
+        step = tl.minimum(step, NC - 1)
+        return NC - 1 - step if REVERSE else step
+
+    @triton.jit
     def _chunk_scan_kernel(s_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
                            C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
                            REVERSE: tl.constexpr):
-        """out[n] <- carry; carry <- e^{b_end[n]} * carry + s[n], over n (out may be s: in place)."""
+        """out[n] <- carry; carry <- e^{b_end[n]} * carry + s[n], over n. Loads run two chunks ahead: at batch 1
+        a program walks 256 chunks, which one ahead left waiting on memory at each."""
         bi, pe = tl.program_id(0), tl.program_id(1)
         offs = pe * BLOCK + tl.arange(0, BLOCK)
         ok = offs < M * D
-        row = offs // D
+        own_ptrs, out_ptrs = s_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs  # chunk 0
+        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D  # b at chunk 0's last token, on each element's row
         if HAS_INIT:
             carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
         else:
             carry = tl.zeros([BLOCK], dtype=tl.float32)
-        n = NC - 1 if REVERSE else 0
-        own = tl.load(s_ptr + (bi * NC + n) * M * D + offs, mask=ok, other=0.0)
-        log_decay = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + row, mask=ok, other=0.0)
+        n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
+        own0, log_decay0 = tl.load(own_ptrs + n0 * M * D, mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
+        own1, log_decay1 = tl.load(own_ptrs + n1 * M * D, mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
         for step in range(NC):
-            n = NC - 1 - step if REVERSE else step
-            last = (step + 1) // NC  # 1 on the last step, which re-reads its own chunk instead
-            n_next = n - 1 + last if REVERSE else n + 1 - last  # prefetch the next chunk
-            own_next = tl.load(s_ptr + (bi * NC + n_next) * M * D + offs, mask=ok, other=0.0)
-            log_decay_next = tl.load(b_ptr + bi * Tp * M + (n_next * C + C - 1) * M + row, mask=ok, other=0.0)
-            tl.store(out_ptr + (bi * NC + n) * M * D + offs, carry.to(out_ptr.dtype.element_ty), mask=ok)
-            carry = tl.exp(log_decay) * carry + own
-            own, log_decay = own_next, log_decay_next
+            n2 = _chunk_at(step + 2, NC, REVERSE)
+            own2, log_decay2 = tl.load(own_ptrs + n2 * M * D, mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
+            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D, carry.to(out_ptr.dtype.element_ty), mask=ok)
+            carry = tl.exp(log_decay0) * carry + own0
+            own0, log_decay0, own1, log_decay1 = own1, log_decay1, own2, log_decay2
         tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
 
     @triton.jit
@@ -739,14 +744,15 @@ def _chunk_states(x, theta, b, h0):
     own = x.new_empty(B, NC, M, D, dtype=torch.float32)  # each chunk's own write to its end state
     splits, meta = _streaming(x, M)
     _chunk_write_kernel[(NC, B, splits)](x, theta, b, own, x.shape[1], Tp, D, M, NC, **meta)
-    starts = own if _start_dtype(x) == torch.float32 else torch.empty_like(own, dtype=_start_dtype(x))
+    starts = torch.empty_like(own, dtype=_start_dtype(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
     _scan_states(own, starts, b, h0, final, reverse=False)
     return starts, final
 
 
 def _scan_states(own, starts, b, init, final, reverse):
-    """starts[n] <- the carry entering chunk n, from own[n], each chunk's own contribution (starts may be own)."""
+    """starts[n] <- the carry entering chunk n, from own[n], each chunk's own contribution. Not in place: in
+    place, the loads ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
     B, NC, M, D = own.shape
     BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
@@ -821,14 +827,14 @@ def _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa):
     return dstates
 
 
-def _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w):
+def _chunk_dx(x, dy, theta, b, states, dends, gamma, P, p_w):
     """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     splits, meta = _streaming(x, M, num_stages=2)
     dhx = _scratch(theta, NC, splits, _block_m(M))
     dx = torch.empty_like(x)
-    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dstates, gamma, P, p_w, dhx, dx,
+    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, gamma, P, p_w, dhx, dx,
                                       T, theta.shape[1], D, M, NC, **meta)
     return dx, dhx
 
@@ -915,8 +921,9 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dq, c, gamma, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, b, states, rms)
     dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
-    _scan_states(dstates, dstates, b, dhT, dh0, reverse=True)  # dstates now holds dL/d(chunk-end state)
-    dx, dhx = _chunk_dx(x, dy, theta, b, states, dstates, gamma, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
+    dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
+    _scan_states(dstates, dends, b, dhT, dh0, reverse=True)
+    dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, gamma, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
     return dx, dtheta, dphi, dh0
