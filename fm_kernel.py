@@ -399,15 +399,16 @@ if triton is not None:
             tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
 
     @triton.jit
-    def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, hsq_ptr, p_ptr, r_ptr, eps, Tp, D, M, NC,
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, vsq_ptr, p_ptr, r_ptr, eps, Tp, D, M, NC,
                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
                             PRECISION: tl.constexpr):
-        """Row rms of every token of a chunk through the Gram expansion, and P[t, s] = sum_i q_t[i] L_i[t, s]."""
+        """Row rms of every token of a chunk through the Gram expansion, and P[t, s] = sum_i q_t[i] L_i[t, s].
+        vsq_ptr holds ||H_i||^2 (BM,) of each chunk on entry, then ||V_i||^2 of the state V before the current
+        sub-chunk: the squared norm of the previous sub-chunk's last token."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
         chunk = bi * NC + n
         g_base, hx_base, p_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, p_ptr + chunk * C * C
-        gram = _block(g_base, offs_c, offs_c, C)  # (C, C) X X^T
         tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
         for j in range(C // S):  # sub-chunk j: tokens start .. start + S - 1 of the chunk
             start = j * S
@@ -419,20 +420,19 @@ if triton is not None:
             for i0 in range(0, M, RB):  # a block of memory rows
                 offs_m = i0 + tl.arange(0, RB)
                 m_ok = offs_m < M
-                hx = _block(hx_base, offs_m, offs_c, C)  # (RB, C) H X^T
                 r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # (RB,) reference point
                 keys = _past_keys(_tile(theta_ptr, tm, offs_m, m_ok, offs_c, M),
                                   _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r, offs_c, start)  # (RB, C)
-                e_r = tl.exp(r)  # V = e^r H + keys X is the state before the sub-chunk
-                v_sq = (e_r * e_r * tl.load(hsq_ptr + chunk * BM + offs_m) + 2.0 * e_r * tl.sum(keys * hx, axis=1)
-                        + tl.sum(_mm(keys, gram, PRECISION) * keys, axis=1))  # (RB,) ||V||^2
+                v_sq = tl.load(vsq_ptr + chunk * BM + offs_m)  # (RB,) ||V||^2, V = e^r H + keys X
                 vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)  # (RB, S)
                 b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
                 l = _local_decays(b_sub, S) * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]  # (RB, S, S)
                 quad = tl.sum(_local_gram(l, g_loc, RB, S, PRECISION) * l, axis=2)
                 e = tl.exp(b_sub - r[:, None])  # (RB, S): decay since the reference point
-                sq_norm = e * e * v_sq[:, None] + 2.0 * e * tl.sum(l * vx[:, None, :], axis=2) + quad
-                rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
+                sq_norm = tl.maximum(e * e * v_sq[:, None] + 2.0 * e * tl.sum(l * vx[:, None, :], axis=2) + quad, 0.0)
+                last = tl.sum(tl.where(offs_s == start + S - 1, sq_norm, 0.0), axis=1)  # (RB,) the next sub-chunk's V
+                tl.store(vsq_ptr + chunk * BM + offs_m, last)  # read after _store_p_rows' barrier
+                rms = tl.sqrt(sq_norm / D + eps)
                 _store_tile(r_ptr, tm, offs_m, m_ok, offs_s, M, rms)
                 q = _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / rms  # (RB, S)
                 p_past += _mm(tl.trans(q * e), keys, PRECISION)
@@ -798,7 +798,7 @@ def _chunk_out(x, theta, phi, b, states, eps):
     gram, hx, h_sq = _products(x, states, theta)
     P, rms, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(x)
     _chunk_norms_kernel[(NC, B)](theta, phi, b, gram, hx, h_sq, P, rms, eps, theta.shape[1], D, M, NC, S=SUB,
-                                 RB=ROW_BLOCK, **_meta(x, M, num_warps=4))
+                                 RB=ROW_BLOCK, **_meta(x, M, num_warps=4))  # h_sq becomes its scratch
     splits, meta = _streaming(x, M)
     _chunk_y_kernel[(NC, B, splits)](x, phi, b, states, rms, P, y, T, theta.shape[1], D, M, NC, **meta)
     return y, rms, P
