@@ -51,7 +51,6 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e
 CHUNK = 64  # tokens per chunk in the Triton scan
 SUB = 16  # tokens per sub-chunk: the unit of the within-chunk products that batch all rows
 ROW_BLOCK = 16  # memory rows at a time in the per-chunk kernels (their (rows, S, S) tiles stay in registers)
-SPLIT = 512  # columns of D per program in the kernels that stream X and the states
 
 
 # ----------------------------------------------------------------------------- references
@@ -765,11 +764,21 @@ def _meta(x, M, num_warps, num_stages=1):
     return dict(C=CHUNK, BM=_block_m(M), PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
 
 
+def _columns_per_program(x):
+    """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up, a few
+    (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs. On an
+    H200 at 256 chunks of D = 2048: dstate 0.124 / 0.110 / 0.104 ms and dx 0.154 / 0.140 / 0.132 ms with 512 /
+    1024 / 2048 columns a program."""
+    chunks = x.shape[0] * triton.cdiv(x.shape[1], CHUNK)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    return triton.cdiv(x.shape[-1], triton.cdiv(sms, chunks))
+
+
 def _streaming(x, M, num_stages=3):
     """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time
     (num_stages: tiles in flight; measured best on an H200: 2 for dx, whose four tiles a step fill the shared
     memory, 4 for dstate, 3 for the others)."""
-    split = 64 * triton.cdiv(min(SPLIT, x.shape[-1]), 64)  # whole steps of BD = 64 columns
+    split = 64 * triton.cdiv(_columns_per_program(x), 64)  # whole steps of BD = 64 columns
     return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
                                                  **_meta(x, M, num_warps=4, num_stages=num_stages))
 
@@ -965,7 +974,7 @@ def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
     if cu_seqlens is not None and (B != 1 or h0 is not None):
         raise ValueError("cu_seqlens packs documents into one row: use batch size 1 and h0=None")
     Tp = CHUNK * -(-T // CHUNK)
-    widest = max(D, CHUNK, _block_m(M) * -(-D // SPLIT))  # per token: x and y, the (C, C) work, dH X^T shares
+    widest = max(D, CHUNK, _block_m(M) * -(-D // 64))  # per token: x and y, the (C, C) work, dH X^T shares
     if B * Tp * widest >= 2**31 or B * (Tp // CHUNK) * M * D >= 2**31:
         raise ValueError(f"fm_scan indexes with 32-bit offsets: B*T*D = {B * T * D:,} and the chunk states are too "
                          f"large for one call; split the batch into calls of fewer tokens")

@@ -201,8 +201,9 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
 @needs_triton
 @pytest.mark.parametrize("split, D", [(64, 96), (96, 200)])  # 96 rounds up to 128 columns: no overlap
 def test_triton_scan_splits_columns_among_programs(split, D, monkeypatch, poisoned_outputs):
-    """The streaming kernels give each program SPLIT columns of D; the last split is partly masked."""
-    monkeypatch.setattr(fm_kernel, "SPLIT", split)
+    """The streaming kernels share D out among programs when the chunks are few; the last split is partly
+    masked."""
+    monkeypatch.setattr(fm_kernel, "_columns_per_program", lambda x: split)
     torch.manual_seed(6)
     inputs = scan_inputs(1, 70, D, 12, 3)
     grad_y, grad_h = torch.randn(1, 70, D, dtype=torch.float64), torch.randn(1, 12, D, dtype=torch.float64)
