@@ -218,7 +218,9 @@ def bench_stages():
         y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
         dq, c, gamma, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms)
         dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
-        dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dstates, gamma, P, p_w)[1]
+        dends, dh0 = torch.empty_like(dstates), torch.empty_like(hT)
+        fm_kernel._scan_states(dstates, dends, b, None, dh0, reverse=True)
+        dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, gamma, P, p_w)[1]
         end_dot = (hT * torch.randn_like(hT)).sum(-1)
         own, starts = states.float(), torch.empty_like(states)  # the scan alone: float32 writes in, states out
         stages = {
@@ -230,7 +232,8 @@ def bench_stages():
             "bwd products": lambda: fm_kernel._products(x, states, theta_p, dy),
             "grads (all)": lambda: fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms),
             "dstate": lambda: fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa),
-            "dx": lambda: fm_kernel._chunk_dx(x, dy, theta_p, b, states, dstates, gamma, P, p_w),
+            "bwd scan": lambda: fm_kernel._scan_states(dstates, dends, b, None, dh0, reverse=True),
+            "dx": lambda: fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, gamma, P, p_w),
             "rate grads": lambda: fm_kernel._rate_grads(T, D, theta_p, phi_p, log_decay, b, rms, dq, c, dk, dhx,
                                                         end_dot, 1e-6),  # adds to dk each call: harmless here
         }

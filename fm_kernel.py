@@ -146,7 +146,8 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # r = b before the sub-chunk; every exponent below is <= 0, so nothing overflows however fast a row decays:
 #   earlier tokens s:      L_i[t, s] = e^{b_t - r} K[i, s],   K[i, s] = e^{r - b_s} theta_s   (one matmul for all rows)
 #   the sub-chunk's own:   L_i[t, s] from explicit (rows, S, S) tiles of e^{b_t - b_s}
-#   state V before it:     ||V_i||^2 and V_i . x_s through K (X X^T) K^T and H X^T, never V itself
+#   state V before it:     ||V_i||^2 = ||H_i||^2, then the previous sub-chunk's last token's squared norm;
+#                          V_i . x_s through K (X X^T) and H X^T, never V itself
 #
 # Forward:  _chunk_write_kernel     per (chunk, batch, D split): a chunk's own write to its end state
 #           _chunk_scan_kernel      per (batch, state block): sequential over chunks, chunk-start states H
@@ -398,12 +399,13 @@ if triton is not None:
             tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
 
     @triton.jit
-    def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, vsq_ptr, p_ptr, r_ptr, eps, Tp, D, M, NC,
-                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, hsq_ptr, vsq_ptr, p_ptr, r_ptr, eps,
+                            Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
                             PRECISION: tl.constexpr):
         """Row rms of every token of a chunk through the Gram expansion, and P[t, s] = sum_i q_t[i] L_i[t, s].
-        vsq_ptr holds ||H_i||^2 (BM,) of each chunk on entry, then ||V_i||^2 of the state V before the current
-        sub-chunk: the squared norm of the previous sub-chunk's last token."""
+        ||V_i||^2 of the state V before each sub-chunk is ||H_i||^2 (hsq_ptr, (BM,) a chunk) for the first,
+        then the squared norm of the previous sub-chunk's last token, passed on through two (BM,) slots a chunk
+        at vsq_ptr that sub-chunks use in turn (a sub-chunk's stores never meet its own loads)."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
         chunk = bi * NC + n
@@ -422,7 +424,7 @@ if triton is not None:
                 r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # (RB,) reference point
                 keys = _past_keys(_tile(theta_ptr, tm, offs_m, m_ok, offs_c, M),
                                   _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r, offs_c, start)  # (RB, C)
-                v_sq = tl.load(vsq_ptr + chunk * BM + offs_m)  # (RB,) ||V||^2, V = e^r H + keys X
+                v_sq = tl.load(tl.where(j == 0, hsq_ptr + chunk * BM, vsq_ptr + (chunk * 2 + j % 2) * BM) + offs_m)
                 vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)  # (RB, S)
                 b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
                 l = _local_decays(b_sub, S) * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]  # (RB, S, S)
@@ -430,13 +432,14 @@ if triton is not None:
                 e = tl.exp(b_sub - r[:, None])  # (RB, S): decay since the reference point
                 sq_norm = tl.maximum(e * e * v_sq[:, None] + 2.0 * e * tl.sum(l * vx[:, None, :], axis=2) + quad, 0.0)
                 last = tl.sum(tl.where(offs_s == start + S - 1, sq_norm, 0.0), axis=1)  # (RB,) the next sub-chunk's V
-                tl.store(vsq_ptr + chunk * BM + offs_m, last)  # read after _store_p_rows' barrier
+                tl.store(vsq_ptr + (chunk * 2 + (j + 1) % 2) * BM + offs_m, last)
                 rms = tl.sqrt(sq_norm / D + eps)
                 _store_tile(r_ptr, tm, offs_m, m_ok, offs_s, M, rms)
                 q = _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / rms  # (RB, S)
                 p_past += _mm(tl.trans(q * e), keys, PRECISION)
                 p_own += tl.sum(q[:, :, None] * l, axis=0)
-            _store_p_rows(p_base, offs_s, offs_c, C, p_past, p_own)
+            _store_p_rows(p_base, offs_s, offs_c, C, p_past, p_own)  # its barrier orders the vsq stores before
+            # the next sub-chunk's loads
 
     @triton.jit
     def _chunk_y_kernel(x_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
@@ -749,13 +752,14 @@ def _chunk_states(x, theta, b, h0):
     return starts, final
 
 
-def _scan_states(own, starts, b, init, final, reverse):
-    """starts[n] <- the carry entering chunk n, from own[n], each chunk's own contribution. Not in place: in
-    place, the loads ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
+def _scan_states(own, carries, b, init, final, reverse):
+    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from own[n], each chunk's own
+    contribution: the chunk-start states, or the gradients at the chunk ends. Not in place: in place, the loads
+    ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
     B, NC, M, D = own.shape
     BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
-        own, starts, b, init if init is not None else final, final, b.shape[1], D, M, NC,
+        own, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
         C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
@@ -806,8 +810,9 @@ def _chunk_out(x, theta, phi, b, states, eps):
     NC, M = states.shape[1], theta.shape[-1]
     gram, hx, h_sq = _products(x, states, theta)
     P, rms, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(x)
-    _chunk_norms_kernel[(NC, B)](theta, phi, b, gram, hx, h_sq, P, rms, eps, theta.shape[1], D, M, NC, S=SUB,
-                                 RB=ROW_BLOCK, **_meta(x, M, num_warps=4))  # h_sq becomes its scratch
+    v_sq = theta.new_empty(B, NC, 2, _block_m(M))  # ||V||^2 handed from one sub-chunk to the next
+    _chunk_norms_kernel[(NC, B)](theta, phi, b, gram, hx, h_sq, v_sq, P, rms, eps, theta.shape[1], D, M, NC, S=SUB,
+                                 RB=ROW_BLOCK, **_meta(x, M, num_warps=4))
     splits, meta = _streaming(x, M)
     _chunk_y_kernel[(NC, B, splits)](x, phi, b, states, rms, P, y, T, theta.shape[1], D, M, NC, **meta)
     return y, rms, P
@@ -932,6 +937,7 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dh0 = torch.empty_like(hT)  # (B, M, D)
     dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
     _scan_states(dstates, dends, b, dhT, dh0, reverse=True)
+    del dstates
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, gamma, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
