@@ -256,7 +256,7 @@ if triton is not None:
         t_ok = offs_t < T
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)  # (C, BM)
         b = tl.load(b_ptr + tm_ptr, mask=ok, other=0.0)
-        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,)
+        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
         k_hi, k_lo = _split(tl.trans(theta * tl.exp(b_end[None, :] - b)), OP)  # (BM, C)
         x_rows, s_rows = _token_rows(x_ptr, bi, n, T, D, C), _state_rows(s_ptr, bi * NC + n, M, D, BM)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
@@ -379,13 +379,13 @@ if triton is not None:
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)  # the states' own dtype (_start_dtype)
             gram += _mm(x, tl.trans(x), PRECISION)
-            hx += _mm(h.to(OP), tl.trans(x), PRECISION)
+            hx += _mm(h, tl.trans(x), PRECISION)
             if BACKWARD:
                 dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
                 dyx += _mm(dy, tl.trans(x), PRECISION)
-                hdy += _mm(h.to(OP), tl.trans(dy), PRECISION)
+                hdy += _mm(h, tl.trans(dy), PRECISION)
             else:
                 h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
         chunk = bi * NC + n
@@ -618,7 +618,7 @@ if triton is not None:
         b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
         theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
         ws = (theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
-        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,)
+        b_end = _boundary(b_ptr, tm, offs_m, m_ok, C - 1, M)  # (BM,)
         we = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
         dhx = tl.zeros([BM, C], dtype=tl.float32)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
@@ -647,7 +647,7 @@ if triton is not None:
         for split in range(SPLITS):
             dhx += tl.load(dhx_ptr + ((chunk * SPLITS + split) * BM + offs_m[:, None]) * C + offs_c[None, :])
         b = tl.load(b_ptr + tm_ptr, mask=ok, other=0.0)
-        b_end = tl.load(b_ptr + bi * Tp * M + (n * C + C - 1) * M + offs_m, mask=offs_m < M, other=0.0)
+        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
         dk = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
         tl.store(dk_ptr + tm_ptr, dk, mask=ok)
         rms = tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
