@@ -213,8 +213,8 @@ def bench_stages():
         B = TOKENS // T
         x, theta, phi, h0 = fm_inputs(B, T, K_SPARSE, torch.bfloat16)
         dy = torch.randn_like(x)
-        theta_p, phi_p, log_decay, b = fm_kernel._prepare(theta, phi, None)
-        states, hT = fm_kernel._chunk_states(x, theta_p, b, h0)
+        theta_p, phi_p, log_decay, b, keys = fm_kernel._prepare(theta, phi, None)
+        states, hT = fm_kernel._chunk_states(x, keys, b, h0)
         y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
         dq, c, gamma, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms)
         dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
@@ -222,11 +222,9 @@ def bench_stages():
         fm_kernel._scan_states(dstates, dends, b, None, dh0, reverse=True)
         dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, gamma, P, p_w)[1]
         end_dot = (hT * torch.randn_like(hT)).sum(-1)
-        own, starts = states.float(), torch.empty_like(states)  # the scan alone: float32 writes in, states out
         stages = {
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
-            "write+scan": lambda: fm_kernel._chunk_states(x, theta_p, b, h0),
-            "scan alone": lambda: fm_kernel._scan_states(own, starts, b, h0, hT, reverse=False),
+            "states": lambda: fm_kernel._chunk_states(x, keys, b, h0),
             "fwd products": lambda: fm_kernel._products(x, states, theta_p),
             "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
             "bwd products": lambda: fm_kernel._products(x, states, theta_p, dy),

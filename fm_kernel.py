@@ -149,15 +149,16 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #   state V before it:     ||V_i||^2 = ||H_i||^2, then the previous sub-chunk's last token's squared norm;
 #                          V_i . x_s through K (X X^T) and H X^T, never V itself
 #
-# Forward:  _chunk_write_kernel     per (chunk, batch, D split): a chunk's own write to its end state
-#           _chunk_scan_kernel      per (batch, state block): sequential over chunks, chunk-start states H
+# Forward:  _chunk_states_kernel    per (batch, group of chunks, columns): sequential over the group's chunks,
+#                                   chunk-start states H; with several groups, first each group's own end state,
+#                                   then _chunk_scan_kernel over the groups, then the states from the group starts
 #           _chunk_products_kernel  per (chunk, batch): X X^T, H X^T, ||H_i||^2 (sums over D)
 #           _chunk_norms_kernel     per (chunk, batch): row rms of every token, and P (C, C)
 #           _chunk_y_kernel         per (chunk, batch, D split): y = P X + (q e^b) H
 # Backward: _chunk_products_kernel  X X^T, H X^T, dY X^T, H dY^T
 #           _chunk_grads_kernel     per (chunk, batch): dq, c, Gamma, kappa, dk (less its chunk-end term), P_w
 #           _chunk_dstate_kernel    per (chunk, batch, D split): the chunk's gradient to its start state
-#           _chunk_scan_kernel      reversed: gradient at every chunk end
+#           _chunk_scan_kernel      per (batch, state block), reversed: gradient at every chunk end
 #           _chunk_dx_kernel        per (chunk, batch, D split): dxbar, and dH_end X^T for dk's chunk-end term
 #           _decay_grads_kernel     per (chunk, batch): dk's chunk-end term; d loss / d b and its in-chunk reverse sum
 #           _rate_grads_kernel      per (chunk, batch): dtheta (adding the later chunks' sums) and dphi
@@ -231,9 +232,10 @@ if triton is not None:
         return offs_t, offs_m, bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]
 
     @triton.jit
-    def _log_decay_kernel(theta_ptr, starts_ptr, ld_ptr, b_ptr, Tp, M, C: tl.constexpr, BM: tl.constexpr,
+    def _log_decay_kernel(theta_ptr, starts_ptr, ld_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr, BM: tl.constexpr,
                           HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
-        """log(1 - theta) (FLOOR at theta = 1 and at document starts) and its within-chunk cumulative sum b."""
+        """log(1 - theta) (FLOOR at theta = 1 and at document starts), its within-chunk cumulative sum b, and the
+        chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s, (BM, C) a chunk (0 on padded rows)."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t, offs_m, ptrs, ok = _chunk_tile(bi, n, Tp, M, C, BM)
         theta = tl.load(theta_ptr + ptrs, mask=ok, other=0.0)
@@ -245,24 +247,52 @@ if triton is not None:
             forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
         log_decay = tl.where(forget, FLOOR, log_decay)
         tl.store(ld_ptr + ptrs, log_decay, mask=ok)
-        tl.store(b_ptr + ptrs, tl.cumsum(log_decay, axis=0), mask=ok)
+        b = tl.cumsum(log_decay, axis=0)  # (C, BM)
+        tl.store(b_ptr + ptrs, b, mask=ok)
+        b_end = tl.sum(tl.where((offs_t % C == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
+        keys = theta * tl.exp(b_end[None, :] - b)
+        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + (offs_t % C)[:, None], keys)
 
     @triton.jit
-    def _chunk_write_kernel(x_ptr, theta_ptr, b_ptr, s_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr,
-                            BD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """A chunk's own write to its end state, sum_s e^{b_C - b_s} theta_s x_s, on SPLIT columns."""
-        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_t, offs_m, tm_ptr, ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        t_ok = offs_t < T
-        theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)  # (C, BM)
-        b = tl.load(b_ptr + tm_ptr, mask=ok, other=0.0)
-        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-        k_hi, k_lo = _split(tl.trans(theta * tl.exp(b_end[None, :] - b)), OP)  # (BM, C)
-        x_rows, s_rows = _token_rows(x_ptr, bi, n, T, D, C), _state_rows(s_ptr, bi * NC + n, M, D, BM)
-        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            write = _mm_split(k_hi, k_lo, _load_cols(x_rows, t_ok, offs_d, D).to(OP), PRECISION)  # (BM, BD)
-            tl.store(s_rows[:, None] + offs_d[None, :], write, mask=(offs_m < M)[:, None] & (offs_d < D)[None, :])
+    def _state_inputs(x_ptr, keys_ptr, b_ptr, bi, n, T, Tp, D, M, NC, offs_d, C: tl.constexpr, BM: tl.constexpr):
+        """What the state kernel reads of chunk n: its keys (BM, C), log-decay b_C (BM,) and X (C, BD)."""
+        offs_m = tl.arange(0, BM)
+        keys = tl.load(keys_ptr + (bi * NC + n) * BM * C + offs_m[:, None] * C + tl.arange(0, C)[None, :])
+        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)
+        x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)
+        return keys, b_end, x
+
+    @triton.jit
+    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, starts_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
+                             HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """The state over chunks GROUP * g .. GROUP * (g + 1) - 1 of sequence bi, on BD columns: carry <- e^{b_C} carry
+        + K X, reading each chunk one ahead. The final pass starts from init (group g's start state, or h0 for one
+        group), stores the carry entering each chunk and, from the last group, hT; the first (several groups) starts
+        from zero and stores only the group's end carry, its own contribution to the next group's start."""
+        bi, g, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m, offs_d = tl.arange(0, BM), pd * BD + tl.arange(0, BD)
+        state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
+        state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
+        if HAS_INIT:
+            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + state, mask=state_ok, other=0.0)
+        else:
+            carry = tl.zeros([BM, BD], dtype=tl.float32)
+        first, last = g * GROUP, tl.minimum(g * GROUP + GROUP, NC) - 1
+        keys, b_end, x = _state_inputs(x_ptr, keys_ptr, b_ptr, bi, first, T, Tp, D, M, NC, offs_d, C, BM)
+        for n in range(first, last + 1):
+            keys_next, b_end_next, x_next = _state_inputs(x_ptr, keys_ptr, b_ptr, bi, tl.minimum(n + 1, last), T, Tp,
+                                                          D, M, NC, offs_d, C, BM)
+            if FINAL:
+                tl.store(starts_ptr + (bi * NC + n) * M * D + state, carry.to(starts_ptr.dtype.element_ty),
+                         mask=state_ok)
+            k_hi, k_lo = _split(keys, OP)
+            carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
+            keys, b_end, x = keys_next, b_end_next, x_next
+        if not FINAL:
+            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + state, carry, mask=state_ok)
+        elif g == tl.num_programs(1) - 1:
+            tl.store(end_ptr + bi * M * D + state, carry, mask=state_ok)
 
     @triton.jit
     def _chunk_at(step, NC, REVERSE: tl.constexpr):
@@ -337,9 +367,9 @@ if triton is not None:
         return _masked_decay(b_sub[:, None, :], b_sub[:, :, None], causal)
 
     @triton.jit
-    def _local_gram(l, g_loc, RB: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
-        """sum_s' l[i, t, s'] G[s', s] for every row i: one (RB*S, S) x (S, S) product.  (RB, S, S)"""
-        return tl.reshape(_mm(tl.reshape(l, (RB * S, S)), g_loc, PRECISION), (RB, S, S))
+    def _diagonal(g_loc, offs_s):
+        """x_s . x_s of the sub-chunk's tokens from its (S, S) block of X X^T.  (S,)"""
+        return tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], g_loc, 0.0), axis=0)
 
     @triton.jit
     def _past_keys(theta_all, b_all, r, offs_c, start):
@@ -350,6 +380,11 @@ if triton is not None:
     def _state_dot_x(hx_sub, keys, g_cols, r, PRECISION: tl.constexpr):
         """V_i . x_s for the sub-chunk's tokens s, V = e^r H + keys X being the state before it.  (rows, S)"""
         return tl.exp(r)[:, None] * hx_sub + _mm(keys, g_cols, PRECISION)
+
+    @triton.jit
+    def _own_dot_x(e, vx, l, g_loc):
+        """h_s . x_s for the sub-chunk's tokens: e^{b_s - r} V . x_s plus the sub-chunk's own writes.  (rows, S)"""
+        return e * vx + tl.sum(l * g_loc[None, :, :], axis=2)
 
     @triton.jit
     def _store_p_rows(p_base, offs_s, offs_c, C: tl.constexpr, past, own):
@@ -416,6 +451,7 @@ if triton is not None:
             offs_s = start + tl.arange(0, S)
             g_cols = _block(g_base, offs_c, offs_s, C)  # (C, S)
             g_loc = _block(g_base, offs_s, offs_s, C)  # (S, S)
+            diag = _diagonal(g_loc, offs_s)
             p_past = tl.zeros([S, C], dtype=tl.float32)  # rows of P for the sub-chunk's tokens: earlier tokens
             p_own = tl.zeros([S, S], dtype=tl.float32)  # and the sub-chunk's own
             for i0 in range(0, M, RB):  # a block of memory rows
@@ -427,10 +463,13 @@ if triton is not None:
                 v_sq = tl.load(tl.where(j == 0, hsq_ptr + chunk * BM, vsq_ptr + (chunk * 2 + j % 2) * BM) + offs_m)
                 vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)  # (RB, S)
                 b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
-                l = _local_decays(b_sub, S) * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]  # (RB, S, S)
-                quad = tl.sum(_local_gram(l, g_loc, RB, S, PRECISION) * l, axis=2)
+                theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
+                E = _local_decays(b_sub, S)  # (RB, S, S)
+                l = E * theta_sub[:, None, :]
                 e = tl.exp(b_sub - r[:, None])  # (RB, S): decay since the reference point
-                sq_norm = tl.maximum(e * e * v_sq[:, None] + 2.0 * e * tl.sum(l * vx[:, None, :], axis=2) + quad, 0.0)
+                # ||h_t||^2 - a_t^2 ||h_{t-1}||^2 = 2 theta_t h_t . x_t - theta_t^2 x_t . x_t  (a_t = e^{b_t - b_{t-1}})
+                growth = theta_sub * (2.0 * _own_dot_x(e, vx, l, g_loc) - theta_sub * diag[None, :])
+                sq_norm = tl.maximum(e * e * v_sq[:, None] + tl.sum(E * E * growth[:, None, :], axis=2), 0.0)
                 last = tl.sum(tl.where(offs_s == start + S - 1, sq_norm, 0.0), axis=1)  # (RB,) the next sub-chunk's V
                 tl.store(vsq_ptr + (chunk * 2 + (j + 1) % 2) * BM + offs_m, last)
                 rms = tl.sqrt(sq_norm / D + eps)
@@ -522,11 +561,10 @@ if triton is not None:
         # sum_{u >= s} e^{b_u - b_s} (q_u dy_u . x_s + omega_u x_u . x_s), later sub-chunks then this one
         reads = tl.exp(b_last[:, None] - b_sub) * (_mm(q_fut, dyx_cols, PRECISION) + _mm(w_fut, g_cols, PRECISION))
         reads += tl.sum(E * (q_sub[:, :, None] * dyx_loc[None, :, :] + w_sub[:, :, None] * g_loc[None, :, :]), axis=1)
-        diag = tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], g_loc, 0.0), axis=0)  # (S,) x_s . x_s
         e = tl.exp(b_sub - r[:, None])
         vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)
-        hx_own = e * vx + tl.sum(l * g_loc[None, :, :], axis=2)  # (RB, S): h_s . x_s
-        _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, reads - w_sub * diag[None, :] + gamma * hx_own)
+        dk = reads - w_sub * _diagonal(g_loc, offs_s)[None, :] + gamma * _own_dot_x(e, vx, l, g_loc)
+        _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, dk)
         return _mm(tl.trans(w_sub * e), keys, PRECISION), tl.sum(w_sub[:, :, None] * l, axis=0)
 
     @triton.jit
@@ -738,29 +776,56 @@ def _start_dtype(x):
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-def _chunk_states(x, theta, b, h0):
+def _state_layout(x, NC):
+    """(columns a program, groups of chunks) of the state kernel. A program carries 128 columns through all of a
+    sequence's chunks while that makes a program an SM, else 64. With fewer sequences still (long T), the chunks
+    go in groups walked in parallel, about two programs an SM: first each group's own end state, then a scan over
+    groups, then the states from the group starts. On an H200 at D = 2048 (ms, 128 columns unless said): B = 16:
+    0.050 (64 columns: 0.061); B = 8, 64 columns: 0.056 (128 in 2 groups: 0.094); B = 2: 0.22 / 0.12 / 0.092 /
+    0.104 with 1 / 4 / 8 / 16 groups; B = 1: 0.43 / 0.12 / 0.092 / 0.103 with 1 / 8 / 16 / 32 groups."""
+    sms = _sm_count(x)
+    blocks = lambda columns: x.shape[0] * triton.cdiv(x.shape[-1], columns)  # programs of one group
+    if blocks(128) >= sms or blocks(64) < sms:
+        return 128, min(NC, triton.cdiv(2 * sms, blocks(128)) if blocks(128) < sms else 1)
+    return 64, 1
+
+
+def _chunk_states(x, keys, b, h0):
     """Chunk-start states (B, NC, M, D) in _start_dtype(x) and the final state (B, M, D) float32."""
-    B, Tp, M = theta.shape
+    B, Tp, M = b.shape
     D = x.shape[-1]
     NC = Tp // CHUNK
-    own = x.new_empty(B, NC, M, D, dtype=torch.float32)  # each chunk's own write to its end state
-    splits, meta = _streaming(x, M)
-    _chunk_write_kernel[(NC, B, splits)](x, theta, b, own, x.shape[1], Tp, D, M, NC, **meta)
-    starts = torch.empty_like(own, dtype=_start_dtype(x))
+    columns, groups = _state_layout(x, NC)
+    group = triton.cdiv(NC, groups)  # chunks a group
+    groups = triton.cdiv(NC, group)
+    starts = x.new_empty(B, NC, M, D, dtype=_start_dtype(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
-    _scan_states(own, starts, b, h0, final, reverse=False)
+    grid = (B, groups, triton.cdiv(D, columns))
+    meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4))
+    init = h0
+    if groups > 1:
+        own = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero
+        _chunk_states_kernel[grid](x, keys, b, x, x, own, x.shape[1], Tp, D, M, NC, group, FINAL=False,
+                                   HAS_INIT=False, **meta)
+        chunk_decays = F.pad(b[:, CHUNK - 1::CHUNK], (0, 0, 0, groups * group - NC))  # (B, groups * group, M)
+        group_decays = chunk_decays.view(B, groups, group, M).sum(2)  # (B, groups, M) log-decay over each group
+        init = torch.empty_like(own)
+        _scan_states(own, init, group_decays, h0, final, reverse=False)
+    _chunk_states_kernel[grid](x, keys, b, x if init is None else init, starts, final, x.shape[1], Tp, D, M, NC,
+                               group, FINAL=True, HAS_INIT=init is not None, **meta)
     return starts, final
 
 
 def _scan_states(own, carries, b, init, final, reverse):
     """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from own[n], each chunk's own
-    contribution: the chunk-start states, or the gradients at the chunk ends. Not in place: in place, the loads
-    ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
+    contribution, and b (B, n * C, M), whose every C-th entry is chunk n's log-decay: the gradients at the chunk
+    ends, or the start states of groups of chunks (C = 1). Not in place: in place, the loads ahead wait on the
+    stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
     B, NC, M, D = own.shape
     BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
         own, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
-        C=CHUNK, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
+        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
 def _meta(x, M, num_warps, num_stages=1):
@@ -774,8 +839,12 @@ def _columns_per_program(x):
     H200 at 256 chunks of D = 2048: dstate 0.124 / 0.110 / 0.104 ms and dx 0.154 / 0.140 / 0.132 ms with 512 /
     1024 / 2048 columns a program."""
     chunks = x.shape[0] * triton.cdiv(x.shape[1], CHUNK)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    return triton.cdiv(x.shape[-1], triton.cdiv(sms, chunks))
+    return triton.cdiv(x.shape[-1], triton.cdiv(_sm_count(x), chunks))
+
+
+def _sm_count(x):
+    """Streaming multiprocessors of x's GPU (1 off the GPU)."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
 
 
 def _streaming(x, M, num_stages=3):
@@ -877,21 +946,23 @@ def _padded(weights):
 
 
 def _log_decays(theta_p, cu_seqlens):
-    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M) (_log_decay and _chunk_cumsum);
-    theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
+    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M) (_log_decay and _chunk_cumsum), and
+    each chunk's keys to its end state (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple
+    of CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
     starts = None
     if cu_seqlens is not None:  # a document start forgets the memory
         starts = torch.zeros(Tp, dtype=torch.int8, device=theta_p.device)
         starts[cu_seqlens[1:-1].long()] = 1
     log_decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
-    _log_decay_kernel[(Tp // CHUNK, B)](theta_p, starts, log_decay, b, Tp, M, C=CHUNK, BM=_block_m(M),
+    keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
+    _log_decay_kernel[(Tp // CHUNK, B)](theta_p, starts, log_decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
                                         HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
-    return log_decay, b
+    return log_decay, b, keys
 
 
 def _prepare(theta, phi, cu_seqlens):
-    """What the forward makes of theta and phi first: padded theta and phi, log(1 - theta) and b."""
+    """What the forward makes of theta and phi first: padded theta and phi, log(1 - theta), b and the keys."""
     theta_p = _padded(theta)
     return (theta_p, _padded(phi), *_log_decays(theta_p, cu_seqlens))
 
@@ -907,8 +978,8 @@ def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor]
                   cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y, hT, then log(1 - theta), b, the chunk-start states, the row rms and P (see _chunk_out)."""
     x = xbar.contiguous()
-    theta_p, phi_p, log_decay, b = _prepare(theta, phi, cu_seqlens)
-    states, hT = _chunk_states(x, theta_p, b, None if h0 is None else h0.float().contiguous())
+    theta_p, phi_p, log_decay, b, keys = _prepare(theta, phi, cu_seqlens)
+    states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
     y, rms, P = _chunk_out(x, theta_p, phi_p, b, states, eps)
     return y, hT, log_decay, b, states, rms, P
 

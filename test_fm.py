@@ -199,6 +199,19 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
 
 
 @needs_triton
+@pytest.mark.parametrize("groups", [2, 5])  # 5 chunks: groups of 3 and 2, and of 1
+def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, monkeypatch, poisoned_outputs):
+    """With few sequences the state kernel splits the chunks into groups and joins them by a scan over groups."""
+    monkeypatch.setattr(fm_kernel, "_state_layout", lambda x, NC: (64, groups))  # D = 80: two column blocks
+    torch.manual_seed(8)
+    inputs = scan_inputs(2, 300, 80, 12, 3)
+    grad_y, grad_h = torch.randn(2, 300, 80, dtype=torch.float64), torch.randn(2, 12, 80, dtype=torch.float64)
+    want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
+    got = scan_and_grads(fm_scan, [t.float().to(DEVICE) for t in inputs], grad_y.to(DEVICE), grad_h.to(DEVICE))
+    assert_close_all([g.cpu() for g in got], want, 2e-5)
+
+
+@needs_triton
 @pytest.mark.parametrize("split, D", [(64, 96), (96, 200)])  # 96 rounds up to 128 columns: no overlap
 def test_triton_scan_splits_columns_among_programs(split, D, monkeypatch, poisoned_outputs):
     """The streaming kernels share D out among programs when the chunks are few; the last split is partly
@@ -219,7 +232,7 @@ def test_triton_log_decays_match_log1p(poisoned_outputs):
     torch.manual_seed(0)
     theta = 10 ** (-9 * torch.rand(2, 128, 20))  # (B, Tp, M)
     theta[0, 5, :3] = torch.tensor([0.0, 1.0, 0.5])
-    log_decay, b = fm_kernel._log_decays(theta.to(DEVICE), None)
+    log_decay, b, _ = fm_kernel._log_decays(theta.to(DEVICE), None)
     want = torch.log1p(-theta.double()).clamp(min=fm_kernel.LOG_DECAY_FLOOR)
     assert log_decay[0, 5, 1] == fm_kernel.LOG_DECAY_FLOOR
     assert ((log_decay.cpu().double() - want).abs() / want.abs().clamp(min=1e-30)).max() < 1e-6
