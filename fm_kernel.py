@@ -785,9 +785,11 @@ def _state_layout(x, NC):
     0.104 with 1 / 4 / 8 / 16 groups; B = 1: 0.43 / 0.12 / 0.092 / 0.103 with 1 / 8 / 16 / 32 groups."""
     sms = _sm_count(x)
     blocks = lambda columns: x.shape[0] * triton.cdiv(x.shape[-1], columns)  # programs of one group
-    if blocks(128) >= sms or blocks(64) < sms:
-        return 128, min(NC, triton.cdiv(2 * sms, blocks(128)) if blocks(128) < sms else 1)
-    return 64, 1
+    if blocks(128) >= sms:
+        return 128, 1
+    if blocks(64) >= sms:
+        return 64, 1
+    return 128, min(NC, triton.cdiv(2 * sms, blocks(128)))
 
 
 def _chunk_states(x, keys, b, h0):
