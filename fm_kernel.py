@@ -51,6 +51,7 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e
 CHUNK = 64  # tokens per chunk in the Triton scan
 SUB = 16  # tokens per sub-chunk: the unit of the within-chunk products that batch all rows
 ROW_BLOCK = 16  # memory rows at a time in the per-chunk kernels (their (rows, S, S) tiles stay in registers)
+STATE_COLUMNS = 128  # columns of D that a program of the state kernel carries through its chunks
 
 
 # ----------------------------------------------------------------------------- references
@@ -254,41 +255,30 @@ if triton is not None:
         tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + (offs_t % C)[:, None], keys)
 
     @triton.jit
-    def _state_inputs(x_ptr, keys_ptr, b_ptr, bi, n, T, Tp, D, M, NC, offs_d, C: tl.constexpr, BM: tl.constexpr):
-        """What the state kernel reads of chunk n: its keys (BM, C), log-decay b_C (BM,) and X (C, BD)."""
-        offs_m = tl.arange(0, BM)
-        keys = tl.load(keys_ptr + (bi * NC + n) * BM * C + offs_m[:, None] * C + tl.arange(0, C)[None, :])
-        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)
-        x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)
-        return keys, b_end, x
-
-    @triton.jit
     def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, starts_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
                              C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
                              HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """The state over chunks GROUP * g .. GROUP * (g + 1) - 1 of sequence bi, on BD columns: carry <- e^{b_C} carry
-        + K X, reading each chunk one ahead. The final pass starts from init (group g's start state, or h0 for one
-        group), stores the carry entering each chunk and, from the last group, hT; the first (several groups) starts
-        from zero and stores only the group's end carry, its own contribution to the next group's start."""
+        + K X. The final pass starts from init (group g's start state, or h0 for one group), stores the carry
+        entering each chunk and, from the last group, hT; the first (several groups) starts from zero and stores
+        only the group's end carry, its own contribution to the next group's start."""
         bi, g, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m, offs_d = tl.arange(0, BM), pd * BD + tl.arange(0, BD)
         state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
         state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
+        keys_at = offs_m[:, None] * C + tl.arange(0, C)[None, :]  # (BM, C) offsets in one chunk's keys
         if HAS_INIT:
             carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + state, mask=state_ok, other=0.0)
         else:
             carry = tl.zeros([BM, BD], dtype=tl.float32)
-        first, last = g * GROUP, tl.minimum(g * GROUP + GROUP, NC) - 1
-        keys, b_end, x = _state_inputs(x_ptr, keys_ptr, b_ptr, bi, first, T, Tp, D, M, NC, offs_d, C, BM)
-        for n in range(first, last + 1):
-            keys_next, b_end_next, x_next = _state_inputs(x_ptr, keys_ptr, b_ptr, bi, tl.minimum(n + 1, last), T, Tp,
-                                                          D, M, NC, offs_d, C, BM)
+        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):  # loads pipelined num_stages deep
+            k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + keys_at), OP)
+            b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
+            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)  # (C, BD)
             if FINAL:
                 tl.store(starts_ptr + (bi * NC + n) * M * D + state, carry.to(starts_ptr.dtype.element_ty),
                          mask=state_ok)
-            k_hi, k_lo = _split(keys, OP)
             carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
-            keys, b_end, x = keys_next, b_end_next, x_next
         if not FINAL:
             tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + state, carry, mask=state_ok)
         elif g == tl.num_programs(1) - 1:
@@ -776,20 +766,15 @@ def _start_dtype(x):
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-def _state_layout(x, NC):
-    """(columns a program, groups of chunks) of the state kernel. A program carries 128 columns through all of a
-    sequence's chunks while that makes a program an SM, else 64. With fewer sequences still (long T), the chunks
-    go in groups walked in parallel, about two programs an SM: first each group's own end state, then a scan over
-    groups, then the states from the group starts. On an H200 at D = 2048 (ms, 128 columns unless said): B = 16:
-    0.050 (64 columns: 0.061); B = 8, 64 columns: 0.056 (128 in 2 groups: 0.094); B = 2: 0.22 / 0.12 / 0.092 /
-    0.104 with 1 / 4 / 8 / 16 groups; B = 1: 0.43 / 0.12 / 0.092 / 0.103 with 1 / 8 / 16 / 32 groups."""
-    sms = _sm_count(x)
-    blocks = lambda columns: x.shape[0] * triton.cdiv(x.shape[-1], columns)  # programs of one group
-    if blocks(128) >= sms:
-        return 128, 1
-    if blocks(64) >= sms:
-        return 64, 1
-    return 128, min(NC, triton.cdiv(2 * sms, blocks(128)))
+def _state_groups(x, NC):
+    """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
+    least half a program an SM; with fewer sequences (long T), about two programs an SM: first each group's own
+    end state, then a scan over groups, then the states from the group starts. On an H200 at D = 2048, 16K tokens
+    (ms): B = 8: 0.057 / 0.086 with 1 / 2 groups; B = 4: 0.092 / 0.085 / 0.097 with 1 / 4 / 8; B = 2: 0.170 / 0.104 /
+    0.084 / 0.096 with 1 / 4 / 8 / 16; B = 1: 0.352 / 0.103 / 0.083 / 0.095 with 1 / 8 / 16 / 32. 64 columns a
+    program instead of 128: slower at every B (B = 16: 0.075 vs 0.046)."""
+    programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], STATE_COLUMNS), _sm_count(x)
+    return 1 if 2 * programs >= sms else min(NC, triton.cdiv(2 * sms, programs))
 
 
 def _chunk_states(x, keys, b, h0):
@@ -797,13 +782,12 @@ def _chunk_states(x, keys, b, h0):
     B, Tp, M = b.shape
     D = x.shape[-1]
     NC = Tp // CHUNK
-    columns, groups = _state_layout(x, NC)
-    group = triton.cdiv(NC, groups)  # chunks a group
+    group = triton.cdiv(NC, _state_groups(x, NC))  # chunks a group
     groups = triton.cdiv(NC, group)
     starts = x.new_empty(B, NC, M, D, dtype=_start_dtype(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
-    grid = (B, groups, triton.cdiv(D, columns))
-    meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4))
+    grid = (B, groups, triton.cdiv(D, STATE_COLUMNS))
+    meta = dict(BD=STATE_COLUMNS, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
     init = h0
     if groups > 1:
         own = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero

@@ -202,7 +202,8 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
 @pytest.mark.parametrize("groups", [2, 5])  # 5 chunks: groups of 3 and 2, and of 1
 def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, monkeypatch, poisoned_outputs):
     """With few sequences the state kernel splits the chunks into groups and joins them by a scan over groups."""
-    monkeypatch.setattr(fm_kernel, "_state_layout", lambda x, NC: (64, groups))  # D = 80: two column blocks
+    monkeypatch.setattr(fm_kernel, "_state_groups", lambda x, NC: groups)
+    monkeypatch.setattr(fm_kernel, "STATE_COLUMNS", 64)  # D = 80: two column blocks, the second partly masked
     torch.manual_seed(8)
     inputs = scan_inputs(2, 300, 80, 12, 3)
     grad_y, grad_h = torch.randn(2, 300, 80, dtype=torch.float64), torch.randn(2, 12, 80, dtype=torch.float64)
