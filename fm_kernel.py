@@ -258,10 +258,10 @@ if triton is not None:
     def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, starts_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
                              C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
                              HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """The state over chunks GROUP * g .. GROUP * (g + 1) - 1 of sequence bi, on BD columns: carry <- e^{b_C} carry
-        + K X. The final pass starts from init (group g's start state, or h0 for one group), stores the carry
-        entering each chunk and, from the last group, hT; the first (several groups) starts from zero and stores
-        only the group's end carry, its own contribution to the next group's start."""
+        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD columns:
+        carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start state, or h0 for one
+        group), stores the carry entering each chunk and, from the last group, hT; the first (several groups)
+        starts from zero and stores only the group's end carry, its own contribution to the next group's start."""
         bi, g, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m, offs_d = tl.arange(0, BM), pd * BD + tl.arange(0, BD)
         state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
@@ -427,8 +427,10 @@ if triton is not None:
     def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, hsq_ptr, vsq_ptr, p_ptr, r_ptr, eps,
                             Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
                             PRECISION: tl.constexpr):
-        """Row rms of every token of a chunk through the Gram expansion, and P[t, s] = sum_i q_t[i] L_i[t, s].
-        ||V_i||^2 of the state V before each sub-chunk is ||H_i||^2 (hsq_ptr, (BM,) a chunk) for the first,
+        """Row rms of every token of a chunk, and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms follow
+        ||h_t||^2 = e^{2(b_t - b_{t-1})} ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t from the state V
+        before each sub-chunk, with h_t . x_t from V . x_t and the sub-chunk's own writes (_own_dot_x).
+        ||V_i||^2 is ||H_i||^2 (hsq_ptr, (BM,) a chunk) for the first sub-chunk,
         then the squared norm of the previous sub-chunk's last token, passed on through two (BM,) slots a chunk
         at vsq_ptr that sub-chunks use in turn (a sub-chunk's stores never meet its own loads)."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -804,9 +806,9 @@ def _chunk_states(x, keys, b, h0):
 
 def _scan_states(own, carries, b, init, final, reverse):
     """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from own[n], each chunk's own
-    contribution, and b (B, n * C, M), whose every C-th entry is chunk n's log-decay: the gradients at the chunk
-    ends, or the start states of groups of chunks (C = 1). Not in place: in place, the loads ahead wait on the
-    stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
+    contribution, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the gradients at the
+    chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in place: in place,
+    the loads ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
     B, NC, M, D = own.shape
     BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](

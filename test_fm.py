@@ -199,16 +199,17 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
 
 
 @needs_triton
-@pytest.mark.parametrize("groups", [2, 5])  # 5 chunks: groups of 3 and 2, and of 1
-def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, monkeypatch, poisoned_outputs):
+@pytest.mark.parametrize("groups, h0", [(2, True), (5, False)])  # 5 chunks: groups of 3 and 2, and of 1
+def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, h0, monkeypatch, poisoned_outputs):
     """With few sequences the state kernel splits the chunks into groups and joins them by a scan over groups."""
     monkeypatch.setattr(fm_kernel, "_state_groups", lambda x, NC: groups)
     monkeypatch.setattr(fm_kernel, "STATE_COLUMNS", 64)  # D = 80: two column blocks, the second partly masked
     torch.manual_seed(8)
-    inputs = scan_inputs(2, 300, 80, 12, 3)
+    inputs = scan_inputs(2, 300, 80, 12, 3, h0=h0)
     grad_y, grad_h = torch.randn(2, 300, 80, dtype=torch.float64), torch.randn(2, 12, 80, dtype=torch.float64)
     want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
-    got = scan_and_grads(fm_scan, [t.float().to(DEVICE) for t in inputs], grad_y.to(DEVICE), grad_h.to(DEVICE))
+    got = scan_and_grads(fm_scan, [t.float().to(DEVICE) if t is not None else None for t in inputs], grad_y.to(DEVICE),
+                         grad_h.to(DEVICE))
     assert_close_all([g.cpu() for g in got], want, 2e-5)
 
 
@@ -228,12 +229,16 @@ def test_triton_scan_splits_columns_among_programs(split, D, monkeypatch, poison
 
 @needs_triton
 def test_triton_log_decays_match_log1p(poisoned_outputs):
-    """The kernel's log(1 - theta) (log1p through Goldberg's correction) and its within-chunk cumulative sum,
-    against float64 torch.log1p, for rates from 1e-9 to 1 (1 itself gives the floor)."""
+    """The kernel's log(1 - theta) (log1p through Goldberg's correction), its within-chunk cumulative sum and the
+    chunks' keys, against float64 torch.log1p, for rates from 1e-9 to 1 (1 itself gives the floor)."""
     torch.manual_seed(0)
     theta = 10 ** (-9 * torch.rand(2, 128, 20))  # (B, Tp, M)
     theta[0, 5, :3] = torch.tensor([0.0, 1.0, 0.5])
-    log_decay, b, _ = fm_kernel._log_decays(theta.to(DEVICE), None)
+    log_decay, b, keys = fm_kernel._log_decays(theta.to(DEVICE), None)
+    b_chunks = b.cpu().double().view(2, 2, 64, 20)
+    want_keys = (theta.double().view(2, 2, 64, 20) * (b_chunks[:, :, -1:] - b_chunks).exp()).transpose(-1, -2)
+    torch.testing.assert_close(keys.cpu().double()[:, :, :20], want_keys, rtol=1e-5, atol=1e-30)  # float32 range
+    assert (keys[:, :, 20:] == 0).all()  # padded rows
     want = torch.log1p(-theta.double()).clamp(min=fm_kernel.LOG_DECAY_FLOOR)
     assert log_decay[0, 5, 1] == fm_kernel.LOG_DECAY_FLOOR
     assert ((log_decay.cpu().double() - want).abs() / want.abs().clamp(min=1e-30)).max() < 1e-6
