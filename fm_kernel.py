@@ -250,9 +250,10 @@ if triton is not None:
         tl.store(ld_ptr + ptrs, log_decay, mask=ok)
         b = tl.cumsum(log_decay, axis=0)  # (C, BM)
         tl.store(b_ptr + ptrs, b, mask=ok)
-        b_end = tl.sum(tl.where((offs_t % C == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
-        keys = theta * tl.exp(b_end[None, :] - b)
-        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + (offs_t % C)[:, None], keys)
+        offs_c = tl.arange(0, C)
+        b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
+        keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
+        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None], keys)
 
     @triton.jit
     def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, starts_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
