@@ -771,13 +771,14 @@ def _start_dtype(x):
 
 def _state_groups(x, NC):
     """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
-    least half a program an SM; with fewer sequences (long T), about two programs an SM: first each group's own
-    end state, then a scan over groups, then the states from the group starts. On an H200 at D = 2048, 16K tokens
-    (ms): B = 8: 0.057 / 0.086 with 1 / 2 groups; B = 4: 0.092 / 0.085 / 0.097 with 1 / 4 / 8; B = 2: 0.170 / 0.104 /
-    0.084 / 0.096 with 1 / 4 / 8 / 16; B = 1: 0.352 / 0.103 / 0.083 / 0.095 with 1 / 8 / 16 / 32. 64 columns a
-    program instead of 128: slower at every B (B = 16: 0.075 vs 0.046)."""
+    least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
+    first each group's own end state, then a scan over groups, then the states from the group starts. On an H200
+    at D = 2048, 16K tokens (ms): B = 8: 0.057 / 0.086 with 1 / 2 groups; B = 4: 0.092 / 0.085 / 0.107 / 0.097
+    with 1 / 4 / 5 / 8; B = 2: 0.170 / 0.104 / 0.084 / 0.102 / 0.096 with 1 / 4 / 8 / 9 / 16 (9: 288 programs, a
+    second wave); B = 1: 0.352 / 0.103 / 0.083 / 0.095 with 1 / 8 / 16 / 32. 64 columns a program instead of 128:
+    slower at every B (B = 16: 0.075 vs 0.046)."""
     programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], STATE_COLUMNS), _sm_count(x)
-    return 1 if 2 * programs >= sms else min(NC, triton.cdiv(2 * sms, programs))
+    return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
 
 
 def _chunk_states(x, keys, b, h0):
