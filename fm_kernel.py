@@ -51,7 +51,7 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e
 CHUNK = 64  # tokens per chunk in the Triton scan
 SUB = 16  # tokens per sub-chunk: the unit of the within-chunk products that batch all rows
 ROW_BLOCK = 16  # memory rows at a time in the per-chunk kernels (their (rows, S, S) tiles stay in registers)
-STATE_COLUMNS = 128  # columns of D that a program of the state kernel carries through its chunks
+MAX_ROWS = 128  # memory rows fm_scan takes: the state tiles of m = 256 overflow shared memory (an H200, 227 KB)
 
 
 # ----------------------------------------------------------------------------- references
@@ -769,7 +769,7 @@ def _start_dtype(x):
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-def _state_groups(x, NC):
+def _state_groups(x, NC, columns):
     """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
     least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
     first each group's own end state, then a scan over groups, then the states from the group starts. On an H200
@@ -777,8 +777,15 @@ def _state_groups(x, NC):
     with 1 / 4 / 5 / 8; B = 2: 0.170 / 0.104 / 0.084 / 0.102 / 0.096 with 1 / 4 / 8 / 9 / 16 (9: 288 programs, a
     second wave); B = 1: 0.352 / 0.103 / 0.083 / 0.095 with 1 / 8 / 16 / 32. 64 columns a program instead of 128:
     slower at every B (B = 16: 0.075 vs 0.046)."""
-    programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], STATE_COLUMNS), _sm_count(x)
+    programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], columns), _sm_count(x)
     return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
+
+
+def _state_columns(M):
+    """Columns of D that a program of the state kernel carries through its chunks: 128, fewer above 64 rows so
+    that its float32 carry stays 8K elements (on an H200 at m = 128: 0.288 / 0.140 / 0.144 ms with 128 / 64 / 32
+    columns)."""
+    return max(16, 128 * 64 // max(64, _block_m(M)))
 
 
 def _chunk_states(x, keys, b, h0):
@@ -786,12 +793,13 @@ def _chunk_states(x, keys, b, h0):
     B, Tp, M = b.shape
     D = x.shape[-1]
     NC = Tp // CHUNK
-    group = triton.cdiv(NC, _state_groups(x, NC))  # chunks a group
+    columns = _state_columns(M)
+    group = triton.cdiv(NC, _state_groups(x, NC, columns))  # chunks a group
     groups = triton.cdiv(NC, group)
     starts = x.new_empty(B, NC, M, D, dtype=_start_dtype(x))
     final = x.new_empty(B, M, D, dtype=torch.float32)
-    grid = (B, groups, triton.cdiv(D, STATE_COLUMNS))
-    meta = dict(BD=STATE_COLUMNS, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
+    grid = (B, groups, triton.cdiv(D, columns))
+    meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
     init = h0
     if groups > 1:
         own = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero
@@ -1038,6 +1046,8 @@ def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
                          f"with (B, T) = {(B, T)} from xbar")
     if h0 is not None and h0.shape != (B, theta.shape[-1], D):
         raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
+    if M > MAX_ROWS:
+        raise ValueError(f"fm_scan's kernels take at most {MAX_ROWS} memory rows, got M = {M}: use fm_scan_torch")
     if cu_seqlens is not None and (B != 1 or h0 is not None):
         raise ValueError("cu_seqlens packs documents into one row: use batch size 1 and h0=None")
     Tp = CHUNK * -(-T // CHUNK)

@@ -150,8 +150,9 @@ class SwiGLU(nn.Module):
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def memory_scan(xbar, theta, phi, eps, chunk_size):
-    """Parallel FM recurrence from a zero state -> (y, hT): Triton on CUDA, chunked PyTorch elsewhere."""
-    if xbar.is_cuda and xbar.dtype != torch.float64:
+    """Parallel FM recurrence from a zero state -> (y, hT): Triton on CUDA (up to fm_kernel.MAX_ROWS memory rows),
+    chunked PyTorch elsewhere."""
+    if xbar.is_cuda and xbar.dtype != torch.float64 and theta.shape[-1] <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_scan(xbar, theta, phi, None, eps)
     return fm_kernel.fm_scan_torch(xbar, theta, phi, None, eps, chunk_size)
 

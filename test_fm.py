@@ -202,8 +202,8 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
 @pytest.mark.parametrize("groups, h0", [(2, True), (5, False)])  # 5 chunks: groups of 3 and 2, and of 1
 def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, h0, monkeypatch, poisoned_outputs):
     """With few sequences the state kernel splits the chunks into groups and joins them by a scan over groups."""
-    monkeypatch.setattr(fm_kernel, "_state_groups", lambda x, NC: groups)
-    monkeypatch.setattr(fm_kernel, "STATE_COLUMNS", 64)  # D = 80: two column blocks, the second partly masked
+    monkeypatch.setattr(fm_kernel, "_state_groups", lambda x, NC, columns: groups)
+    monkeypatch.setattr(fm_kernel, "_state_columns", lambda M: 64)  # D = 80: two column blocks, the second masked
     torch.manual_seed(8)
     inputs = scan_inputs(2, 300, 80, 12, 3, h0=h0)
     grad_y, grad_h = torch.randn(2, 300, 80, dtype=torch.float64), torch.randn(2, 12, 80, dtype=torch.float64)
@@ -353,6 +353,8 @@ def test_scan_rejects_bad_shapes():
         fm_scan(x, torch.rand(1, 4, 4), torch.rand(1, 4, 4), h0=torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match="eps"):
         fm_scan(x, torch.rand(1, 4, 4), torch.rand(1, 4, 4), eps=0.0)
+    with pytest.raises(ValueError, match="fm_scan_torch"):
+        fm_scan(x, torch.rand(1, 4, 129), torch.rand(1, 4, 129))
     huge = torch.empty(1, 2**21, 1024, device="meta")  # 2^31 elements: past 32-bit offsets
     with pytest.raises(ValueError, match="split the batch"):
         fm_scan(huge, torch.empty(1, 2**21, 4, device="meta"), torch.empty(1, 2**21, 4, device="meta"))
