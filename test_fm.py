@@ -185,17 +185,22 @@ KERNEL_CASES = [  # B, T, D, M, k, h0
 ]
 
 
+def triton_and_loop(inputs):
+    """fm_scan on float32 copies of float64 inputs and the float64 loop, with the same random upstream gradients
+    of y and hT: (got, on the CPU; want)."""
+    (B, T, D), M = inputs[0].shape, inputs[1].shape[-1]
+    grad_y, grad_h = torch.randn(B, T, D, dtype=torch.float64), torch.randn(B, M, D, dtype=torch.float64)
+    want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
+    f32 = [t.float().to(DEVICE) if t is not None else None for t in inputs]
+    return [g.cpu() for g in scan_and_grads(fm_scan, f32, grad_y.to(DEVICE), grad_h.to(DEVICE))], want
+
+
 @needs_triton
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_triton_scan_matches_loop(case, poisoned_outputs):
     B, T, D, M, k, with_h0 = case
     torch.manual_seed(T + M)
-    inputs = scan_inputs(B, T, D, M, k, h0=with_h0)
-    grad_y, grad_h = torch.randn(B, T, D, dtype=torch.float64), torch.randn(B, M, D, dtype=torch.float64)
-    want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
-    f32 = [t.float().to(DEVICE) if t is not None else None for t in inputs]
-    got = scan_and_grads(fm_scan, f32, grad_y.to(DEVICE), grad_h.to(DEVICE))
-    assert_close_all([g.cpu() for g in got], want, 2e-5)
+    assert_close_all(*triton_and_loop(scan_inputs(B, T, D, M, k, h0=with_h0)), 2e-5)
 
 
 @needs_triton
@@ -205,12 +210,7 @@ def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, h0, monkeypatch,
     monkeypatch.setattr(fm_kernel, "_state_groups", lambda x, NC, columns: groups)
     monkeypatch.setattr(fm_kernel, "_state_columns", lambda M: 64)  # D = 80: two column blocks, the second masked
     torch.manual_seed(8)
-    inputs = scan_inputs(2, 300, 80, 12, 3, h0=h0)
-    grad_y, grad_h = torch.randn(2, 300, 80, dtype=torch.float64), torch.randn(2, 12, 80, dtype=torch.float64)
-    want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
-    got = scan_and_grads(fm_scan, [t.float().to(DEVICE) if t is not None else None for t in inputs], grad_y.to(DEVICE),
-                         grad_h.to(DEVICE))
-    assert_close_all([g.cpu() for g in got], want, 2e-5)
+    assert_close_all(*triton_and_loop(scan_inputs(2, 300, 80, 12, 3, h0=h0)), 2e-5)
 
 
 @needs_triton
@@ -220,11 +220,7 @@ def test_triton_scan_splits_columns_among_programs(split, D, monkeypatch, poison
     masked."""
     monkeypatch.setattr(fm_kernel, "_columns_per_program", lambda x: split)
     torch.manual_seed(6)
-    inputs = scan_inputs(1, 70, D, 12, 3)
-    grad_y, grad_h = torch.randn(1, 70, D, dtype=torch.float64), torch.randn(1, 12, D, dtype=torch.float64)
-    want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
-    got = scan_and_grads(fm_scan, [t.float().to(DEVICE) for t in inputs], grad_y.to(DEVICE), grad_h.to(DEVICE))
-    assert_close_all([g.cpu() for g in got], want, 2e-5)
+    assert_close_all(*triton_and_loop(scan_inputs(1, 70, D, 12, 3)), 2e-5)
 
 
 @needs_triton
@@ -250,11 +246,7 @@ def test_triton_log_decays_match_log1p(poisoned_outputs):
 @pytest.mark.parametrize("rate", [1e-4, 1 - 1e-4])
 def test_triton_scan_extreme_rates(rate, poisoned_outputs):
     torch.manual_seed(3)
-    inputs = scan_inputs(1, 40, 32, 8, 2, rate=rate)
-    grad_y, grad_h = torch.randn(1, 40, 32, dtype=torch.float64), torch.randn(1, 8, 32, dtype=torch.float64)
-    want = scan_and_grads(fm_scan_naive, inputs, grad_y, grad_h)
-    got = scan_and_grads(fm_scan, [t.float().to(DEVICE) for t in inputs], grad_y.to(DEVICE), grad_h.to(DEVICE))
-    got = [g.cpu() for g in got]
+    got, want = triton_and_loop(scan_inputs(1, 40, 32, 8, 2, rate=rate))
     # dtheta = dk - dlog(1-theta) / (1 - theta): float32 rounding grows like 1 / (1 - theta) there
     assert rel_err(got[3], want[3]) < max(2e-5, 1e-6 / (1 - rate))
     got[3] = want[3] = torch.ones(1)
