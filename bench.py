@@ -61,11 +61,10 @@ def fm_inputs(B, T, k, dtype, device="cuda", h0=True):
     return [x, theta, phi, h]
 
 
-def scan_flops_per_token(C=fm_kernel.CHUNK, S=fm_kernel.SUB):
-    """Matmul FLOPs of the chunked scan per token: forward, backward (the products of the kernels)."""
-    fwd = 4 * C * D + 6 * M * D + 2 * M * C * C // S + 4 * M * C + 2 * M * S * S
-    bwd = 8 * C * D + 14 * M * D + 10 * M * C
-    return fwd, bwd
+def scan_flops_per_token(C=fm_kernel.CHUNK):
+    """Matmul FLOPs of the chunked scan per token: forward, backward (the products over D; the per-chunk walks
+    of the middle kernels are not counted)."""
+    return 4 * C * D + 6 * M * D, 8 * C * D + 14 * M * D
 
 
 def time_fwd(fn, inputs):
@@ -215,23 +214,23 @@ def bench_stages():
         dy = torch.randn_like(x)
         theta_p, phi_p, log_decay, b, keys = fm_kernel._prepare(theta, phi, None)
         states, hT = fm_kernel._chunk_states(x, keys, b, h0)
-        y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6)
-        dq, c, gamma, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms)
-        dstates = fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa)
+        y, rms, P = fm_kernel._chunk_out(x, theta_p, phi_p, log_decay, b, states, 1e-6)
+        dq, c, omega, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, phi_p, log_decay, states, rms)
+        dstates = fm_kernel._chunk_dstate(x, dy, phi_p, b, states, rms, omega, kappa)
         dends, dh0 = torch.empty_like(dstates), torch.empty_like(hT)
         fm_kernel._scan_states(dstates, dends, b, None, dh0, reverse=True)
-        dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, gamma, P, p_w)[1]
+        dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, omega, P, p_w)[1]
         end_dot = (hT * torch.randn_like(hT)).sum(-1)
         stages = {
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
             "states": lambda: fm_kernel._chunk_states(x, keys, b, h0),
             "fwd products": lambda: fm_kernel._products(x, states, theta_p),
-            "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, b, states, 1e-6),
+            "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, log_decay, b, states, 1e-6),
             "bwd products": lambda: fm_kernel._products(x, states, theta_p, dy),
-            "grads (all)": lambda: fm_kernel._chunk_grads(x, dy, theta_p, phi_p, b, states, rms),
-            "dstate": lambda: fm_kernel._chunk_dstate(x, dy, theta_p, phi_p, b, states, rms, gamma, kappa),
+            "grads (all)": lambda: fm_kernel._chunk_grads(x, dy, theta_p, phi_p, log_decay, states, rms),
+            "dstate": lambda: fm_kernel._chunk_dstate(x, dy, phi_p, b, states, rms, omega, kappa),
             "bwd scan": lambda: fm_kernel._scan_states(dstates, dends, b, None, dh0, reverse=True),
-            "dx": lambda: fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, gamma, P, p_w),
+            "dx": lambda: fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, omega, P, p_w),
             "rate grads": lambda: fm_kernel._rate_grads(T, D, theta_p, phi_p, log_decay, b, rms, dq, c, dk, dhx,
                                                         end_dot, 1e-6),  # adds to dk each call: harmless here
         }

@@ -49,8 +49,6 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e
 # measurable, but every document start in a chunk adds -80 to its cumulative log-decay, which costs float32
 # precision in the relative decays (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
 CHUNK = 64  # tokens per chunk in the Triton scan
-SUB = 16  # tokens per sub-chunk: the unit of the within-chunk products that batch all rows
-ROW_BLOCK = 16  # memory rows at a time in the per-chunk kernels (their (rows, S, S) tiles stay in registers)
 MAX_ROWS = 128  # memory rows fm_scan takes: the state tiles of m = 256 overflow shared memory (an H200, 227 KB)
 
 
@@ -143,21 +141,24 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 
 # ----------------------------------------------------------------------------- Triton kernels
 #
-# The kernels batch all memory rows. Inside a chunk, tokens go in sub-chunks of S = 16 with reference point
-# r = b before the sub-chunk; every exponent below is <= 0, so nothing overflows however fast a row decays:
-#   earlier tokens s:      L_i[t, s] = e^{b_t - r} K[i, s],   K[i, s] = e^{r - b_s} theta_s   (one matmul for all rows)
-#   the sub-chunk's own:   L_i[t, s] from explicit (rows, S, S) tiles of e^{b_t - b_s}
-#   state V before it:     ||V_i||^2 = ||H_i||^2, then the previous sub-chunk's last token's squared norm;
-#                          V_i . x_s through K (X X^T) and H X^T, never V itself
+# The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
+# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at document starts) as
+# plain factors: no exponent of a difference of log-decays, so nothing overflows however fast a row decays. Two
+# kinds of walk:
+#   _walk_dots:    D[i, t] = h_s[i] . v_t for all t, from H_i . v_t, as s goes: D <- a_s D + theta_s (x_s . v_t);
+#                  kept where s = t, it gives h_t[i] . x_t (for the norms) and h_t[i] . dy_t (for dq)
+#   _store_reads:  W[i, s] = e^{b_t - b_s} theta_s as t goes (W <- a_t W, column t set to theta_t), and row t of a
+#                  read matrix sum_i query_t[i] W[i, :]: P with q = phi / rms, P_w with omega
+# plus one scan over the tokens for the squared norms (forward) and one for Gamma (backward).
 #
 # Forward:  _chunk_states_kernel    per (batch, group of chunks, columns): sequential over the group's chunks,
 #                                   chunk-start states H; with several groups, first each group's own end state,
 #                                   then _chunk_scan_kernel over the groups, then the states from the group starts
 #           _chunk_products_kernel  per (chunk, batch): X X^T, H X^T, ||H_i||^2 (sums over D)
-#           _chunk_norms_kernel     per (chunk, batch): row rms of every token, and P (C, C)
+#           _chunk_norms_kernel     per (chunk, batch): row rms and q of every token, and P (C, C)
 #           _chunk_y_kernel         per (chunk, batch, D split): y = P X + (q e^b) H
 # Backward: _chunk_products_kernel  X X^T, H X^T, dY X^T, H dY^T
-#           _chunk_grads_kernel     per (chunk, batch): dq, c, Gamma, kappa, dk (less its chunk-end term), P_w
+#           _chunk_grads_kernel     per (chunk, batch): dq, c, omega, kappa, dk (less its chunk-end term), P_w
 #           _chunk_dstate_kernel    per (chunk, batch, D split): the chunk's gradient to its start state
 #           _chunk_scan_kernel      per (batch, state block), reversed: gradient at every chunk end
 #           _chunk_dx_kernel        per (chunk, batch, D split): dxbar, and dH_end X^T for dk's chunk-end term
@@ -169,13 +170,13 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # The gradient wrt the log-decays follows from an identity (see _rate_grads).
 #
 # All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
-# CHUNK: theta, phi, b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M). The chunk-start states
-# (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs (_start_dtype), else float32; the carry between chunks,
-# hT and the state gradients stay float32. Products with X, dY and the states run on bfloat16 tensor cores for
-# bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves (_split: 16 bits kept, more than tf32's 11;
-# X, dY and bfloat16 states are exact), except the products of y and dxbar, which are rounded to bfloat16 anyway
-# and take single bfloat16 operands; for float32 inputs they are exact float32, for float16 tf32. The small
-# per-chunk products use tf32 or float32.
+# CHUNK: theta, phi, log(1 - theta), b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M). The
+# chunk-start states (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs (_start_dtype), else float32; the
+# carry between chunks, hT and the state gradients stay float32. Products with X, dY and the states run on
+# bfloat16 tensor cores for bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves (_split: 16 bits
+# kept, more than tf32's 11; X, dY and bfloat16 states are exact), except the products of y and dxbar, which are
+# rounded to bfloat16 anyway and take single bfloat16 operands; for float32 inputs they are exact float32, for
+# float16 tf32. The walks run in float32 on CUDA cores.
 
 if triton is not None:
 
@@ -328,11 +329,14 @@ if triton is not None:
         tl.store(ptr + base + offs_t[None, :] * M + offs_m[:, None], value, mask=m_ok[:, None])
 
     @triton.jit
-    def _query(phi_ptr, r_ptr, base, offs_m, m_ok, offs_t, M):
-        """q = phi / rms as a (rows, tokens) tile, 0 on padded rows."""
-        ptrs = base + offs_t[None, :] * M + offs_m[:, None]
-        rms = tl.load(r_ptr + ptrs, mask=m_ok[:, None], other=1.0)
-        return tl.load(phi_ptr + ptrs, mask=m_ok[:, None], other=0.0) / rms
+    def _linear(decay_a, value_a, decay_b, value_b):
+        """Combine of a scan over v_t = decay_t v_{t-1} + value_t: a then b."""
+        return decay_a * decay_b, decay_b * value_a + value_b
+
+    @triton.jit
+    def _at(ptr, base, t, offs_m, m_ok, M):
+        """Token t's entries (BM,) of a (B, Tp, M) float32 array, 0 on padded rows."""
+        return tl.load(ptr + base + t * M + offs_m, mask=m_ok, other=0.0)
 
     @triton.jit
     def _block(ptr, offs_r, offs_c, width):
@@ -346,43 +350,48 @@ if triton is not None:
         return tl.where(t >= 0, b_t, 0.0)
 
     @triton.jit
-    def _masked_decay(b_from, b_to, keep):
-        """e^{b_to - b_from} where keep, else 0 (the exponent is <= 0 wherever keep holds)."""
-        return tl.where(keep, tl.exp(tl.minimum(b_to - b_from, 0.0)), 0.0)
+    def _rows_first(ptr, offs_m, offs_c, BM: tl.constexpr):
+        """(BM, C) tile of a chunk's (C, BM) float32 array (stored tokens first). Unmasked and contiguous along the
+        rows, the load gives the walks their layout: rows along a warp's lanes, so that a row vector (BM,) costs a
+        thread a few registers, and the sums over rows of _store_reads stay inside a warp."""
+        return tl.load(ptr + offs_c[None, :] * BM + offs_m[:, None])
 
     @triton.jit
-    def _local_decays(b_sub, S: tl.constexpr):
-        """E[i, t, s] = e^{b_t[i] - b_s[i]} for s <= t inside one sub-chunk, else 0.  (rows, S, S)"""
-        offs = tl.arange(0, S)
-        causal = (offs[:, None] >= offs[None, :])[None, :, :]
-        return _masked_decay(b_sub[:, None, :], b_sub[:, :, None], causal)
+    def _walk_dots(dots, ld_ptr, theta_ptr, dot_ptr, dot_step, dot_stride, tm, offs_m, m_ok, M,
+                   C: tl.constexpr, S: tl.constexpr):
+        """dots[i, t] = H_i . v_t at the chunk start (BM, C), for vectors v_t (x_t or dy_t), walked through the
+        chunk's writes: h_s[i] . v_t = a_s h_{s-1}[i] . v_t + theta_s x_s . v_t, where x_s . v_t is at
+        dot_ptr + s * dot_step + t * dot_stride. Returns h_t[i] . v_t, each row at its own token."""
+        offs_c = tl.arange(0, C)
+        own = tl.zeros_like(dots)
+        for s0 in range(0, C, S):  # S steps unrolled: their loads do not wait on the walk
+            for ds in tl.static_range(S):
+                s = s0 + ds
+                decay = tl.exp(_at(ld_ptr, tm, s, offs_m, m_ok, M))  # (BM,) a_s
+                write = _at(theta_ptr, tm, s, offs_m, m_ok, M)
+                dot_x = tl.load(dot_ptr + s * dot_step + offs_c * dot_stride)  # (C,) x_s . v_t
+                dots = decay[:, None] * dots + write[:, None] * dot_x[None, :]
+                own = tl.where(offs_c[None, :] == s, dots, own)
+        return own
 
     @triton.jit
-    def _diagonal(g_loc, offs_s):
-        """x_s . x_s of the sub-chunk's tokens from its (S, S) block of X X^T.  (S,)"""
-        return tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], g_loc, 0.0), axis=0)
-
-    @triton.jit
-    def _past_keys(theta_all, b_all, r, offs_c, start):
-        """K[i, s] = e^{r_i - b_s[i]} theta_s[i] for the chunk's tokens s before `start`, else 0.  (rows, C)"""
-        return theta_all * _masked_decay(b_all, r[:, None], offs_c[None, :] < start)
-
-    @triton.jit
-    def _state_dot_x(hx_sub, keys, g_cols, r, PRECISION: tl.constexpr):
-        """V_i . x_s for the sub-chunk's tokens s, V = e^r H + keys X being the state before it.  (rows, S)"""
-        return tl.exp(r)[:, None] * hx_sub + _mm(keys, g_cols, PRECISION)
-
-    @triton.jit
-    def _own_dot_x(e, vx, l, g_loc):
-        """h_s . x_s for the sub-chunk's tokens: e^{b_s - r} V . x_s plus the sub-chunk's own writes.  (rows, S)"""
-        return e * vx + tl.sum(l * g_loc[None, :, :], axis=2)
-
-    @triton.jit
-    def _store_p_rows(p_base, offs_s, offs_c, C: tl.constexpr, past, own):
-        """Rows offs_s of a (C, C) read matrix: `past` (S, C) for earlier tokens, then the diagonal block `own`."""
-        tl.store(p_base + offs_s[:, None] * C + offs_c[None, :], past)
-        tl.debug_barrier()  # the diagonal block overwrites zeros of the rows just stored
-        tl.store(p_base + offs_s[:, None] * C + offs_s[None, :], own)
+    def _store_reads(p_base, query_ptr, ld_ptr, theta_ptr, weights, tm, offs_m, m_ok, M, C: tl.constexpr,
+                     S: tl.constexpr):
+        """A chunk's read matrix (C, C), P[t, s] = sum_i query_t[i] L_i[t, s], row by row: the write weights
+        L_i[t, s] = e^{b_t - b_s} theta_s of every earlier token s into row i (`weights`, zeros (BM, C) in the walks'
+        layout) walk with t. The rows collect in registers and go out in one store (a store a row: norms 0.047 ms
+        instead of 0.039 on an H200)."""
+        offs_c = tl.arange(0, C)
+        reads = tl.zeros([C, C], dtype=tl.float32)
+        for t0 in range(0, C, S):
+            for dt in tl.static_range(S):
+                t = t0 + dt
+                decay = tl.exp(_at(ld_ptr, tm, t, offs_m, m_ok, M))
+                write = _at(theta_ptr, tm, t, offs_m, m_ok, M)
+                weights = tl.where(offs_c[None, :] == t, write[:, None], decay[:, None] * weights)
+                query = _at(query_ptr, tm, t, offs_m, m_ok, M)
+                reads = tl.where(offs_c[:, None] == t, tl.sum(query[:, None] * weights, axis=0)[None, :], reads)
+        tl.store(p_base + offs_c[:, None] * C + offs_c[None, :], reads)
 
     @triton.jit
     def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hx_ptr, hsq_ptr, dyx_ptr, hdy_ptr, T, D, M, NC,
@@ -415,7 +424,7 @@ if triton is not None:
             else:
                 h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
         chunk = bi * NC + n
-        square, rows = offs_c[:, None] * C + offs_c[None, :], offs_m[:, None] * C + offs_c[None, :]
+        square, rows = offs_c[:, None] * C + offs_c[None, :], offs_c[None, :] * BM + offs_m[:, None]  # rows: [t, i]
         tl.store(g_ptr + chunk * C * C + square, gram)
         tl.store(hx_ptr + chunk * BM * C + rows, hx)
         if BACKWARD:
@@ -425,53 +434,29 @@ if triton is not None:
             tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
 
     @triton.jit
-    def _chunk_norms_kernel(theta_ptr, phi_ptr, b_ptr, g_ptr, hx_ptr, hsq_ptr, vsq_ptr, p_ptr, r_ptr, eps,
-                            Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
-                            PRECISION: tl.constexpr):
-        """Row rms of every token of a chunk, and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms follow
-        ||h_t||^2 = e^{2(b_t - b_{t-1})} ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t from the state V
-        before each sub-chunk, with h_t . x_t from V . x_t and the sub-chunk's own writes (_own_dot_x).
-        ||V_i||^2 is ||H_i||^2 (hsq_ptr, (BM,) a chunk) for the first sub-chunk,
-        then the squared norm of the previous sub-chunk's last token, passed on through two (BM,) slots a chunk
-        at vsq_ptr that sub-chunks use in turn (a sub-chunk's stores never meet its own loads)."""
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, ld_ptr, g_ptr, hx_ptr, hsq_ptr, q_ptr, p_ptr, r_ptr, eps,
+                            Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
+        """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms
+        follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t (a scan over the chunk
+        from ||H_i||^2), with h_t . x_t from the walk of H . x_t through the chunk's writes (_walk_dots)."""
         n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c = tl.arange(0, C)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
         chunk = bi * NC + n
-        g_base, hx_base, p_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, p_ptr + chunk * C * C
+        g_base = g_ptr + chunk * C * C
         tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
-        for j in range(C // S):  # sub-chunk j: tokens start .. start + S - 1 of the chunk
-            start = j * S
-            offs_s = start + tl.arange(0, S)
-            g_cols = _block(g_base, offs_c, offs_s, C)  # (C, S)
-            g_loc = _block(g_base, offs_s, offs_s, C)  # (S, S)
-            diag = _diagonal(g_loc, offs_s)
-            p_past = tl.zeros([S, C], dtype=tl.float32)  # rows of P for the sub-chunk's tokens: earlier tokens
-            p_own = tl.zeros([S, S], dtype=tl.float32)  # and the sub-chunk's own
-            for i0 in range(0, M, RB):  # a block of memory rows
-                offs_m = i0 + tl.arange(0, RB)
-                m_ok = offs_m < M
-                r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # (RB,) reference point
-                keys = _past_keys(_tile(theta_ptr, tm, offs_m, m_ok, offs_c, M),
-                                  _tile(b_ptr, tm, offs_m, m_ok, offs_c, M), r, offs_c, start)  # (RB, C)
-                v_sq = tl.load(tl.where(j == 0, hsq_ptr + chunk * BM, vsq_ptr + (chunk * 2 + j % 2) * BM) + offs_m)
-                vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)  # (RB, S)
-                b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
-                theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
-                E = _local_decays(b_sub, S)  # (RB, S, S)
-                l = E * theta_sub[:, None, :]
-                e = tl.exp(b_sub - r[:, None])  # (RB, S): decay since the reference point
-                # ||h_t||^2 - a_t^2 ||h_{t-1}||^2 = 2 theta_t h_t . x_t - theta_t^2 x_t . x_t  (a_t = e^{b_t - b_{t-1}})
-                growth = theta_sub * (2.0 * _own_dot_x(e, vx, l, g_loc) - theta_sub * diag[None, :])
-                sq_norm = tl.maximum(e * e * v_sq[:, None] + tl.sum(E * E * growth[:, None, :], axis=2), 0.0)
-                last = tl.sum(tl.where(offs_s == start + S - 1, sq_norm, 0.0), axis=1)  # (RB,) the next sub-chunk's V
-                tl.store(vsq_ptr + (chunk * 2 + (j + 1) % 2) * BM + offs_m, last)
-                rms = tl.sqrt(sq_norm / D + eps)
-                _store_tile(r_ptr, tm, offs_m, m_ok, offs_s, M, rms)
-                q = _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / rms  # (RB, S)
-                p_past += _mm(tl.trans(q * e), keys, PRECISION)
-                p_own += tl.sum(q[:, :, None] * l, axis=0)
-            _store_p_rows(p_base, offs_s, offs_c, C, p_past, p_own)  # its barrier orders the vsq stores before
-            # the next sub-chunk's loads
+        hx = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) H_i . x_t
+        own = _walk_dots(hx, ld_ptr, theta_ptr, g_base, C, 1, tm, offs_m, m_ok, M, C, S)  # h_t . x_t
+        theta = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
+        decay2 = tl.exp(2.0 * _tile(ld_ptr, tm, offs_m, m_ok, offs_c, M))  # a_t^2
+        growth = theta * (2.0 * own - theta * tl.load(g_base + offs_c * (C + 1))[None, :])
+        growth += tl.where(offs_c[None, :] == 0, decay2 * tl.load(hsq_ptr + chunk * BM + offs_m)[:, None], 0.0)
+        _, sq_norm = tl.associative_scan((decay2, growth), 1, _linear)
+        rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
+        _store_tile(r_ptr, tm, offs_m, m_ok, offs_c, M, rms)
+        _store_tile(q_ptr, tm, offs_m, m_ok, offs_c, M, _tile(phi_ptr, tm, offs_m, m_ok, offs_c, M) / rms)
+        tl.debug_barrier()  # the rows of P read q token by token
+        _store_reads(p_ptr + chunk * C * C, q_ptr, ld_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
 
     @triton.jit
     def _chunk_y_kernel(x_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
@@ -497,106 +482,57 @@ if triton is not None:
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
-    def _row_norm_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, dyx_base, hdy_base, dq_ptr, c_ptr, gam_ptr, tm, offs_m,
-                        D, M, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
-        """For a block of rows and every token: dq = dy . h, c (the norm's gradient factor) and
-        Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}, stored; returns kappa = sum_u c_u e^{2 b_u} (rows,)."""
-        offs_c = tl.arange(0, C)
-        m_ok = offs_m < M
-        b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
-        theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
-        carry = tl.zeros_like(offs_m).to(tl.float32)  # sum over later tokens u of c_u e^{2(b_u - b_end of sub-chunk)}
-        for jj in range(C // S):  # sub-chunks last to first, for the reverse sum Gamma
-            start = (C // S - 1 - jj) * S
-            offs_s = start + tl.arange(0, S)
-            r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)
-            keys = _past_keys(theta_all, b_all, r, offs_c, start)  # (RB, C)
-            b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
-            E = _local_decays(b_sub, S)  # (RB, S, S)
-            l = E * _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)[:, None, :]
-            e = tl.exp(b_sub - r[:, None])
-            dq = (e * (tl.exp(r)[:, None] * _block(hdy_base, offs_m, offs_s, C)
-                       + _mm(keys, tl.trans(_block(dyx_base, offs_s, offs_c, C)), PRECISION))
-                  + tl.sum(l * _block(dyx_base, offs_s, offs_s, C)[None, :, :], axis=2))  # (RB, S)
-            rms = tl.load(r_ptr + tm + offs_s[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
-            c = -dq * _tile(phi_ptr, tm, offs_m, m_ok, offs_s, M) / (D * rms * rms * rms)
-            _store_tile(dq_ptr, tm, offs_m, m_ok, offs_s, M, dq)
-            _store_tile(c_ptr, tm, offs_m, m_ok, offs_s, M, c)
-            b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)
-            gamma = tl.sum(E * E * c[:, :, None], axis=1) + tl.exp(2.0 * (b_last[:, None] - b_sub)) * carry[:, None]
-            _store_tile(gam_ptr, tm, offs_m, m_ok, offs_s, M, gamma)
-            carry = tl.sum(e * e * c, axis=1) + tl.exp(2.0 * (b_last - r)) * carry
-        return carry
-
-    @triton.jit
-    def _row_key_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, gam_ptr, hx_base, dk_ptr, g_cols, dyx_cols, g_loc, dyx_loc,
-                       tm, offs_m, start, M, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
-        """For a block of rows and the sub-chunk from `start`: dk = dh . x less its chunk-end term (stored);
-        returns this block's share of the sub-chunk's rows of P_w, (S, C) for earlier tokens and (S, S)."""
-        offs_c = tl.arange(0, C)
-        offs_s = start + tl.arange(0, S)
-        m_ok = offs_m < M
-        r = _boundary(b_ptr, tm, offs_m, m_ok, start - 1, M)  # before the sub-chunk
-        b_last = _boundary(b_ptr, tm, offs_m, m_ok, start + S - 1, M)  # its last token
-        b_all = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (RB, C)
-        theta_all = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
-        keys = _past_keys(theta_all, b_all, r, offs_c, start)  # (RB, C)
-        future = _masked_decay(b_last[:, None], b_all, offs_c[None, :] >= start + S)  # e^{b_u - b_last}
-        q_fut = future * _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_c, M)
-        w_fut = future * theta_all * _tile(gam_ptr, tm, offs_m, m_ok, offs_c, M)
-        b_sub = _tile(b_ptr, tm, offs_m, m_ok, offs_s, M)  # (RB, S)
-        theta_sub = _tile(theta_ptr, tm, offs_m, m_ok, offs_s, M)
-        q_sub = _query(phi_ptr, r_ptr, tm, offs_m, m_ok, offs_s, M)
-        gamma = _tile(gam_ptr, tm, offs_m, m_ok, offs_s, M)
-        w_sub = theta_sub * gamma  # omega
-        E = _local_decays(b_sub, S)  # (RB, S, S) [i, u, s]
-        l = E * theta_sub[:, None, :]
-        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u . x_s + omega_u x_u . x_s), later sub-chunks then this one
-        reads = tl.exp(b_last[:, None] - b_sub) * (_mm(q_fut, dyx_cols, PRECISION) + _mm(w_fut, g_cols, PRECISION))
-        reads += tl.sum(E * (q_sub[:, :, None] * dyx_loc[None, :, :] + w_sub[:, :, None] * g_loc[None, :, :]), axis=1)
-        e = tl.exp(b_sub - r[:, None])
-        vx = _state_dot_x(_block(hx_base, offs_m, offs_s, C), keys, g_cols, r, PRECISION)
-        dk = reads - w_sub * _diagonal(g_loc, offs_s)[None, :] + gamma * _own_dot_x(e, vx, l, g_loc)
-        _store_tile(dk_ptr, tm, offs_m, m_ok, offs_s, M, dk)
-        return _mm(tl.trans(w_sub * e), keys, PRECISION), tl.sum(w_sub[:, :, None] * l, axis=0)
-
-    @triton.jit
-    def _chunk_grads_kernel(theta_ptr, phi_ptr, b_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
-                            dq_ptr, c_ptr, gam_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
-                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
-                            PRECISION: tl.constexpr):
-        """The backward's per-token factors of a chunk (_row_norm_grads, then _row_key_grads), kappa and P_w,
-        which is P with omega = theta Gamma as the query."""
+    def _chunk_grads_kernel(theta_ptr, phi_ptr, ld_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
+                            dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
+                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
+        """The backward's per-token factors of a chunk: dq = dy . h, the norm's factor c, omega = theta Gamma with
+        Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u}, and
+        P_w, the read matrix with omega as the query."""
         n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c = tl.arange(0, C)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
         chunk = bi * NC + n
-        g_base, hx_base, pw_base = g_ptr + chunk * C * C, hx_ptr + chunk * BM * C, pw_ptr + chunk * C * C
-        dyx_base, hdy_base = dyx_ptr + chunk * C * C, hdy_ptr + chunk * BM * C
+        g_base, dyx_base = g_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
         tm = bi * Tp * M + n * C * M
-        for i0 in range(0, M, RB):
-            offs_m = i0 + tl.arange(0, RB)
-            kappa = _row_norm_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, dyx_base, hdy_base, dq_ptr, c_ptr, gam_ptr,
-                                    tm, offs_m, D, M, C, S, PRECISION)
-            tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
-        tl.debug_barrier()  # Gamma of every token of the chunk is needed below
-
+        own = _walk_dots(_rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM), ld_ptr, theta_ptr, g_base, C, 1,
+                         tm, offs_m, m_ok, M, C, S)  # (BM, C) h_t . x_t
+        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), ld_ptr, theta_ptr, dyx_base, 1,
+                        C, tm, offs_m, m_ok, M, C, S)  # h_t . dy_t
+        rms = tl.load(r_ptr + tm + offs_c[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
+        query = _tile(phi_ptr, tm, offs_m, m_ok, offs_c, M) / rms  # (BM, C)
+        c = -dq * query / (D * rms * rms)
+        _store_tile(dq_ptr, tm, offs_m, m_ok, offs_c, M, dq)
+        _store_tile(c_ptr, tm, offs_m, m_ok, offs_c, M, c)
+        # Gamma_s = c_s + a_{s+1}^2 Gamma_{s+1}
+        next_ld = tl.load(ld_ptr + tm + (offs_c[None, :] + 1) * M + offs_m[:, None],
+                          mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=0.0)
+        _, gamma = tl.associative_scan((tl.exp(2.0 * next_ld), c), 1, _linear, reverse=True)
+        first_decay2 = tl.exp(2.0 * _at(ld_ptr, tm, 0, offs_m, m_ok, M))  # a_0^2
+        kappa = first_decay2 * tl.sum(tl.where(offs_c[None, :] == 0, gamma, 0.0), axis=1)
+        tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
+        theta = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
+        _store_tile(omega_ptr, tm, offs_m, m_ok, offs_c, M, theta * gamma)
+        tl.debug_barrier()  # the walks below read q and omega token by token
+        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end; kept at u = s
+        later = own * 0.0  # zeros in the walks' layout (_rows_first); tl.zeros would take a layout of 32 rows a thread
+        reads = own * 0.0
         for j in range(C // S):
-            start = j * S
-            offs_s = start + tl.arange(0, S)
-            g_cols, dyx_cols = _block(g_base, offs_c, offs_s, C), _block(dyx_base, offs_c, offs_s, C)  # (C, S)
-            g_loc, dyx_loc = _block(g_base, offs_s, offs_s, C), _block(dyx_base, offs_s, offs_s, C)  # (S, S)
-            pw_past = tl.zeros([S, C], dtype=tl.float32)
-            pw_own = tl.zeros([S, S], dtype=tl.float32)
-            for i0 in range(0, M, RB):
-                past, own = _row_key_grads(theta_ptr, phi_ptr, b_ptr, r_ptr, gam_ptr, hx_base, dk_ptr, g_cols,
-                                           dyx_cols, g_loc, dyx_loc, tm, i0 + tl.arange(0, RB), start, M, C, S,
-                                           PRECISION)
-                pw_past += past
-                pw_own += own
-            _store_p_rows(pw_base, offs_s, offs_c, C, pw_past, pw_own)
+            for du in tl.static_range(S):
+                u = C - 1 - j * S - du
+                next_decay = tl.exp(_at(ld_ptr, tm, (u + 1) % C, offs_m, m_ok, M))  # a_{u+1} (at u = C - 1: unused)
+                q_u = _at(phi_ptr, tm, u, offs_m, m_ok, M) / tl.load(r_ptr + tm + u * M + offs_m, mask=m_ok,
+                                                                     other=1.0)
+                omega_u = _at(omega_ptr, tm, u, offs_m, m_ok, M)
+                later = (next_decay[:, None] * later + q_u[:, None] * tl.load(dyx_base + u * C + offs_c)[None, :]
+                         + omega_u[:, None] * tl.load(g_base + u * C + offs_c)[None, :])
+                reads = tl.where(offs_c[None, :] == u, later, reads)
+        diag = tl.load(g_base + offs_c * (C + 1))  # x_t . x_t
+        dk = reads - theta * gamma * diag[None, :] + gamma * own
+        _store_tile(dk_ptr, tm, offs_m, m_ok, offs_c, M, dk)
+        _store_reads(pw_ptr + chunk * C * C, omega_ptr, ld_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
 
     @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, theta_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, gam_ptr, kappa_ptr, ds_ptr,
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, omega_ptr, kappa_ptr, ds_ptr,
                              T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                              SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, on SPLIT columns."""
@@ -609,8 +545,7 @@ if triton is not None:
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
         q_hi, q_lo = _split(tl.trans(_start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C)
-        w_state = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.load(
-            gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
+        w_state = tl.load(omega_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
             tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # omega e^b
         ws_hi, ws_lo = _split(tl.trans(w_state), OP)  # (BM, C)
         kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
@@ -625,7 +560,7 @@ if triton is not None:
                      mask=m_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
-    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, hs_ptr, dh_ptr, gam_ptr, p_ptr, pw_ptr, dhx_ptr, dx_ptr,
+    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, hs_ptr, dh_ptr, omega_ptr, p_ptr, pw_ptr, dhx_ptr, dx_ptr,
                          T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                          SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
@@ -648,7 +583,7 @@ if triton is not None:
         tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
         b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
         theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        ws = (theta * tl.load(gam_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
+        ws = (tl.load(omega_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
         b_end = _boundary(b_ptr, tm, offs_m, m_ok, C - 1, M)  # (BM,)
         we = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
         dhx = tl.zeros([BM, C], dtype=tl.float32)
@@ -758,8 +693,8 @@ def _operand(x):
 
 
 def _block_m(M):
-    """Padded row count, a multiple of ROW_BLOCK: at least 32 (Triton 3.6 once faulted on 16-row products)."""
-    return max(32, ROW_BLOCK, triton.next_power_of_2(M))
+    """Padded row count: a power of two, at least 32 (Triton 3.6 once faulted on 16-row products)."""
+    return max(32, triton.next_power_of_2(M))
 
 
 def _start_dtype(x):
@@ -831,6 +766,14 @@ def _meta(x, M, num_warps, num_stages=1):
     return dict(C=CHUNK, BM=_block_m(M), PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
 
 
+def _walk_meta(x, M, unroll, warps):
+    """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
+    `warps` at m = 64, scaled with the padded rows (_block_m). On an H200 at T = 1024 (one sweep, a store per row
+    of P): norms 0.045 ms with 16 steps and 4 warps, 0.049 to 0.068 with 2 to 8 steps or 8 warps; gradient factors
+    0.123 ms with 8 steps and 8 warps, 0.130 to 0.166 with the others."""
+    return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
+
+
 def _columns_per_program(x):
     """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up, a few
     (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs. On an
@@ -871,51 +814,50 @@ def _products(x, states, theta, dy=None):
     return (gram, hx, h_sq) if dy is None else (gram, hx, dyx, hdy)
 
 
-def _chunk_out(x, theta, phi, b, states, eps):
+def _chunk_out(x, theta, phi, log_decay, b, states, eps):
     """Forward output y (B, T, D), the row rms (B, Tp, M) and P (B, NC, C, C), the within-chunk reads."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hx, h_sq = _products(x, states, theta)
-    P, rms, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(x)
-    v_sq = theta.new_empty(B, NC, 2, _block_m(M))  # ||V||^2 handed from one sub-chunk to the next
-    _chunk_norms_kernel[(NC, B)](theta, phi, b, gram, hx, h_sq, v_sq, P, rms, eps, theta.shape[1], D, M, NC, S=SUB,
-                                 RB=ROW_BLOCK, **_meta(x, M, num_warps=4))
+    P, rms, q, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
+    _chunk_norms_kernel[(NC, B)](theta, phi, log_decay, gram, hx, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
+                                 **_walk_meta(x, M, unroll=16, warps=4))
     splits, meta = _streaming(x, M)
     _chunk_y_kernel[(NC, B, splits)](x, phi, b, states, rms, P, y, T, theta.shape[1], D, M, NC, **meta)
     return y, rms, P
 
 
-def _chunk_grads(x, dy, theta, phi, b, states, rms):
-    """dq, c, Gamma and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
+def _chunk_grads(x, dy, theta, phi, log_decay, states, rms):
+    """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
     B, _, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hx, dyx, hdy = _products(x, states, theta, dy)
-    dq, c, gamma, dk = (torch.empty_like(theta) for _ in range(4))
+    dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
     kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
-    _chunk_grads_kernel[(NC, B)](theta, phi, b, rms, gram, hx, dyx, hdy, dq, c, gamma, kappa, dk, p_w,
-                                 theta.shape[1], D, M, NC, S=SUB, RB=ROW_BLOCK, **_meta(x, M, num_warps=4))
-    return dq, c, gamma, kappa, dk, p_w
+    _chunk_grads_kernel[(NC, B)](theta, phi, log_decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
+                                 theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=8, warps=8))
+    return dq, c, omega, kappa, dk, p_w
 
 
-def _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa):
+def _chunk_dstate(x, dy, phi, b, states, rms, omega, kappa):
     """Each chunk's gradient to its start state (B, NC, M, D)."""
     B, T, D = x.shape
-    NC, M = states.shape[1], theta.shape[-1]
+    NC, M = states.shape[1], phi.shape[-1]
     dstates = torch.empty_like(states, dtype=torch.float32)
     splits, meta = _streaming(x, M, num_stages=4)
-    _chunk_dstate_kernel[(NC, B, splits)](x, dy, theta, phi, b, states, rms, gamma, kappa, dstates,
-                                          T, theta.shape[1], D, M, NC, **meta)
+    _chunk_dstate_kernel[(NC, B, splits)](x, dy, phi, b, states, rms, omega, kappa, dstates,
+                                          T, phi.shape[1], D, M, NC, **meta)
     return dstates
 
 
-def _chunk_dx(x, dy, theta, b, states, dends, gamma, P, p_w):
+def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     splits, meta = _streaming(x, M, num_stages=2)
     dhx = _scratch(theta, NC, splits, _block_m(M))
     dx = torch.empty_like(x)
-    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, gamma, P, p_w, dhx, dx,
+    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, omega, P, p_w, dhx, dx,
                                       T, theta.shape[1], D, M, NC, **meta)
     return dx, dhx
 
@@ -978,7 +920,7 @@ def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor]
     x = xbar.contiguous()
     theta_p, phi_p, log_decay, b, keys = _prepare(theta, phi, cu_seqlens)
     states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
-    y, rms, P = _chunk_out(x, theta_p, phi_p, b, states, eps)
+    y, rms, P = _chunk_out(x, theta_p, phi_p, log_decay, b, states, eps)
     return y, hT, log_decay, b, states, rms, P
 
 
@@ -1001,13 +943,13 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dhT = None if dhT is None else dhT.float().contiguous()
     theta, phi = _padded(theta), _padded(phi)
     T, D = x.shape[1:]
-    dq, c, gamma, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, b, states, rms)
-    dstates = _chunk_dstate(x, dy, theta, phi, b, states, rms, gamma, kappa)  # (B, NC, M, D)
+    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, log_decay, states, rms)
+    dstates = _chunk_dstate(x, dy, phi, b, states, rms, omega, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
     dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
     _scan_states(dstates, dends, b, dhT, dh0, reverse=True)
     del dstates
-    dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, gamma, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
+    dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
     return dx, dtheta, dphi, dh0
