@@ -142,8 +142,8 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # ----------------------------------------------------------------------------- Triton kernels
 #
 # The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
-# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at document starts) as
-# plain factors: no exponent of a difference of log-decays, so nothing overflows however fast a row decays. Two
+# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (e^-80 at document starts
+# and theta = 1) as plain factors: no exponent of a difference of log-decays, so nothing overflows however fast a row decays. Two
 # kinds of walk:
 #   _walk_dots:    D[i, t] = h_s[i] . v_t for all t, from H_i . v_t, as s goes: D <- a_s D + theta_s (x_s . v_t);
 #                  kept where s = t, it gives h_t[i] . x_t (for the norms) and h_t[i] . dy_t (for dq)
@@ -512,7 +512,7 @@ if triton is not None:
         tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
         theta = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
         _store_tile(omega_ptr, tm, offs_m, m_ok, offs_c, M, theta * gamma)
-        tl.debug_barrier()  # the walks below read q and omega token by token
+        tl.debug_barrier()  # the walks below read omega token by token
         # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end; kept at u = s
         later = own * 0.0  # zeros in the walks' layout (_rows_first); tl.zeros would take a layout of 32 rows a thread
         reads = own * 0.0
@@ -806,8 +806,9 @@ def _products(x, states, theta, dy=None):
     """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H X^T, dY X^T, H dY^T)."""
     B, NC, M, D = states.shape
     BM = _block_m(M)
-    gram, hx, h_sq = _scratch(theta, NC, CHUNK), _scratch(theta, NC, BM), theta.new_empty(B, NC, BM)
-    dyx, hdy = (gram, hx) if dy is None else (_scratch(theta, NC, CHUNK), _scratch(theta, NC, BM))  # unused if None
+    tokens_first = lambda: theta.new_empty(B, NC, CHUNK, BM)  # H X^T and H dY^T as [t, i] (_rows_first)
+    gram, hx, h_sq = _scratch(theta, NC, CHUNK), tokens_first(), theta.new_empty(B, NC, BM)
+    dyx, hdy = (gram, hx) if dy is None else (_scratch(theta, NC, CHUNK), tokens_first())  # unused if None
     _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hx, h_sq, dyx, hdy, x.shape[1], D, M,
                                     NC, BD=64, OP=_operand(x), BACKWARD=dy is not None,
                                     **_meta(x, M, num_warps=4, num_stages=3))
