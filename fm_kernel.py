@@ -510,8 +510,8 @@ if triton is not None:
         first_decay2 = tl.exp(2.0 * _at(ld_ptr, tm, 0, offs_m, m_ok, M))  # a_0^2
         kappa = first_decay2 * tl.sum(tl.where(offs_c[None, :] == 0, gamma, 0.0), axis=1)
         tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
-        theta = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)
-        _store_tile(omega_ptr, tm, offs_m, m_ok, offs_c, M, theta * gamma)
+        omega = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * gamma
+        _store_tile(omega_ptr, tm, offs_m, m_ok, offs_c, M, omega)
         tl.debug_barrier()  # the walks below read omega token by token
         # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end; kept at u = s
         later = own * 0.0  # zeros in the walks' layout (_rows_first); tl.zeros would take a layout of 32 rows a thread
@@ -527,7 +527,7 @@ if triton is not None:
                          + omega_u[:, None] * tl.load(g_base + u * C + offs_c)[None, :])
                 reads = tl.where(offs_c[None, :] == u, later, reads)
         diag = tl.load(g_base + offs_c * (C + 1))  # x_t . x_t
-        dk = reads - theta * gamma * diag[None, :] + gamma * own
+        dk = reads - omega * diag[None, :] + gamma * own
         _store_tile(dk_ptr, tm, offs_m, m_ok, offs_c, M, dk)
         _store_reads(pw_ptr + chunk * C * C, omega_ptr, ld_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
 

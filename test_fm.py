@@ -181,7 +181,7 @@ KERNEL_CASES = [  # B, T, D, M, k, h0
     (2, 1, 24, 16, 16, True),
     (1, 70, 40, 20, 5, True),  # T not a multiple of the chunk, M and D not powers of two
     (2, 130, 64, 16, 1, False),
-    (1, 64, 96, 40, 8, True),  # 64 padded rows
+    (1, 64, 96, 40, 8, True),  # 40 rows padded to 64 (_block_m)
 ]
 
 
