@@ -143,8 +143,8 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #
 # The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
 # chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (e^-80 at document starts
-# and theta = 1) as plain factors: no exponent of a difference of log-decays, so nothing overflows however fast a row decays. Two
-# kinds of walk:
+# and theta = 1) as plain factors: no exponent of a difference of log-decays, so nothing overflows however fast a
+# row decays. Two kinds of walk:
 #   _walk_dots:    D[i, t] = h_s[i] . v_t for all t, from H_i . v_t, as s goes: D <- a_s D + theta_s (x_s . v_t);
 #                  kept where s = t, it gives h_t[i] . x_t (for the norms) and h_t[i] . dy_t (for dq)
 #   _store_reads:  W[i, s] = e^{b_t - b_s} theta_s as t goes (W <- a_t W, column t set to theta_t), and row t of a
