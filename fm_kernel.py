@@ -171,8 +171,8 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #
 # All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
 # CHUNK: theta, phi, log(1 - theta), b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M). The
-# chunk-start states (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs (_start_dtype), else float32; the
-# carry between chunks, hT and the state gradients stay float32. Products with X, dY and the states run on
+# chunk-start states and their gradients (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs (_start_dtype),
+# else float32; the carries between chunks, hT and dh0 stay float32. Products with X, dY and the states run on
 # bfloat16 tensor cores for bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves (_split: 16 bits
 # kept, more than tf32's 11; X, dY and bfloat16 states are exact), except the products of y and dxbar, which are
 # rounded to bfloat16 anyway and take single bfloat16 operands; for float32 inputs they are exact float32, for
@@ -556,8 +556,8 @@ if triton is not None:
             h = _load_cols(h_rows, m_ok, offs_d, D)
             ds = (_mm_split(q_hi, q_lo, dy, PRECISION) + _mm_split(ws_hi, ws_lo, x, PRECISION)
                   + kappa[:, None] * h.to(tl.float32))
-            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :], ds,
-                     mask=m_ok[:, None] & (offs_d < D)[None, :])
+            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
+                     ds.to(ds_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
     def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, hs_ptr, dh_ptr, omega_ptr, p_ptr, pw_ptr, dhx_ptr, dx_ptr,
@@ -565,8 +565,8 @@ if triton is not None:
                          SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
         program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and only ever meets
-        weights of that dtype, so its products take single OP operands; dH_end X^T, which reaches dtheta in
-        float32, takes dH_end as hi + lo."""
+        weights of that dtype, so its products take single OP operands; dH_end is stored in the states' dtype
+        (_start_dtype), exact in OP."""
         n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
@@ -592,11 +592,11 @@ if triton is not None:
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
-            dh_hi, dh_lo = _split(_load_cols(dh_rows, m_ok, offs_d, D), OP)
-            dx = _mm(pt, dy, PRECISION) + _mm(w, x, PRECISION) + _mm(ws, h, PRECISION) + _mm(we, dh_hi, PRECISION)
+            dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
+            dx = _mm(pt, dy, PRECISION) + _mm(w, x, PRECISION) + _mm(ws, h, PRECISION) + _mm(we, dh, PRECISION)
             tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
-            dhx += _mm_split(dh_hi, dh_lo, tl.trans(x), PRECISION)
+            dhx += _mm(dh, tl.trans(x), PRECISION)
         tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
 
     @triton.jit
@@ -698,9 +698,10 @@ def _block_m(M):
 
 
 def _start_dtype(x):
-    """Storage dtype of the chunk-start states: bfloat16 for bfloat16 inputs, whose kernels read the states
-    as single bfloat16 operands (half the bytes of the largest tensors of the scan), else float32. The carry
-    between chunks, and so hT, stays float32."""
+    """Storage dtype of the chunk-start states and of the gradients at the chunk ends: bfloat16 for bfloat16
+    inputs, whose kernels read them as single bfloat16 operands (half the bytes of the largest tensors of the
+    scan), else float32. The carries between chunks, and so hT and dh0, stay float32. Gradients in bfloat16:
+    forward+backward 0.74 -> 0.67 ms, dtheta 4.5e-3 -> 6.9e-3 from float64 at T = 16384 (bench.py kernels)."""
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
@@ -790,8 +791,8 @@ def _sm_count(x):
 
 def _streaming(x, M, num_stages=3):
     """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time
-    (num_stages: tiles in flight; measured best on an H200: 2 for dx, whose four tiles a step fill the shared
-    memory, 4 for dstate, 3 for the others)."""
+    (num_stages: tiles in flight; on an H200 at T = 1024, 2 / 3 / 4 / 5 stages: dstate 0.105 / 0.088 / 0.090 /
+    0.109 ms, dx 0.105 / 0.104 / 0.101 / 0.101)."""
     split = 64 * triton.cdiv(_columns_per_program(x), 64)  # whole steps of BD = 64 columns
     return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
                                                  **_meta(x, M, num_warps=4, num_stages=num_stages))
@@ -844,8 +845,8 @@ def _chunk_dstate(x, dy, phi, b, states, rms, omega, kappa):
     """Each chunk's gradient to its start state (B, NC, M, D)."""
     B, T, D = x.shape
     NC, M = states.shape[1], phi.shape[-1]
-    dstates = torch.empty_like(states, dtype=torch.float32)
-    splits, meta = _streaming(x, M, num_stages=4)
+    dstates = torch.empty_like(states)  # in the states' dtype (_start_dtype)
+    splits, meta = _streaming(x, M)
     _chunk_dstate_kernel[(NC, B, splits)](x, dy, phi, b, states, rms, omega, kappa, dstates,
                                           T, phi.shape[1], D, M, NC, **meta)
     return dstates
@@ -855,7 +856,8 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    splits, meta = _streaming(x, M, num_stages=2)
+    deep = states.element_size() == 2  # bfloat16 states: four tiles of 8 KB a step; float32 fits two stages
+    splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
     dhx = _scratch(theta, NC, splits, _block_m(M))
     dx = torch.empty_like(x)
     _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, omega, P, p_w, dhx, dx,

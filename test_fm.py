@@ -274,12 +274,13 @@ def test_triton_scan_16bit_inputs(dtype, poisoned_outputs):
 
 @needs_triton
 def test_triton_scan_bf16_inputs_accuracy(poisoned_outputs):
-    """bfloat16 inputs, against float64 on the same bfloat16 values. The chunk-start states are stored in
-    bfloat16 (one rounding, 2^-9, of what the other float32 outputs read: dtheta, dphi, dh0 measured 3e-4 to
-    1.1e-3 on the CPU); the carry stays float32 and the writes take float32 factors as hi + lo halves, so hT
-    keeps float32 accuracy (hi halves alone: hT 1.6e-3, dtheta 1.9e-3, dh0 1.7e-3, which the bounds catch).
-    y and dxbar, rounded to bfloat16, take single bfloat16 operands: within twice the error of their own
-    rounding. Every product meets bfloat16 operands (or hi + lo pairs), so no tf32 enters."""
+    """bfloat16 inputs, against float64 on the same bfloat16 values. The chunk-start states and the gradients at
+    the chunk ends are stored in bfloat16 (one rounding, 2^-9, of what the float32 outputs read: dtheta, dphi, dh0
+    measured 1.1e-3 to 1.7e-3 on the CPU); the carries stay float32 and the products take float32 factors as hi +
+    lo halves, so hT keeps float32 accuracy (hi halves alone in the writes: hT 1.6e-3; in the state gradients'
+    products: dtheta 2.0e-3, dh0 2.35e-3; the bounds catch both). y and dxbar, rounded to bfloat16, take single
+    bfloat16 operands: within twice the error of their own rounding. Every product meets bfloat16 operands (or
+    hi + lo pairs), so no tf32 enters."""
     torch.manual_seed(14)
     B, T, D, M, k = 2, 150, 72, 16, 4
     x, theta, phi, h0 = scan_inputs(B, T, D, M, k)
@@ -288,7 +289,7 @@ def test_triton_scan_bf16_inputs_accuracy(poisoned_outputs):
     want = scan_and_grads(fm_scan_naive, [x, theta, phi, h0], grad_y, grad_h)
     inputs = [x.bfloat16().to(DEVICE), theta.float().to(DEVICE), phi.float().to(DEVICE), h0.float().to(DEVICE)]
     got = [g.cpu() for g in scan_and_grads(fm_scan, inputs, grad_y.to(DEVICE), grad_h.to(DEVICE))]
-    float32_tols = {"hT": 1e-4, "dtheta": 1.2e-3, "dphi": 2.5e-3, "dh0": 8e-4}
+    float32_tols = {"hT": 1e-4, "dtheta": 1.85e-3, "dphi": 2.5e-3, "dh0": 2e-3}
     for name, a, b in zip(["y", "hT", "dxbar", "dtheta", "dphi", "dh0"], got, want):
         tol = 2 * rel_err(b.bfloat16(), b) if a.dtype == torch.bfloat16 else float32_tols[name]  # y, dxbar: 1.5x
         assert rel_err(a, b) < tol, f"{name}: relative error {rel_err(a, b):.2e} > {tol:.1e}"
