@@ -155,10 +155,11 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #                                   chunk-start states H; with several groups, first each group's own end state,
 #                                   then _chunk_scan_kernel over the groups, then the states from the group starts
 #           _chunk_products_kernel  per (chunk, batch): X X^T, H X^T, ||H_i||^2 (sums over D)
-#           _chunk_norms_kernel     per (chunk, batch): row rms and q of every token, and P (C, C)
+#           _chunk_norms_kernel     per (chunk, batch): row rms and q of every token, P (C, C), and h_t . x_t
 #           _chunk_y_kernel         per (chunk, batch, D split): y = P X + (q e^b) H
-# Backward: _chunk_products_kernel  X X^T, H X^T, dY X^T, H dY^T
-#           _chunk_grads_kernel     per (chunk, batch): dq, c, omega, kappa, dk (less its chunk-end term), P_w
+# Backward: _chunk_products_kernel  X X^T, dY X^T, H dY^T
+#           _chunk_grads_kernel     per (chunk, batch): dq, c, omega, kappa, dk (less its chunk-end term), P_w,
+#                                   from the forward's h_t . x_t
 #           _chunk_dstate_kernel    per (chunk, batch, D split): the chunk's gradient to its start state
 #           _chunk_scan_kernel      per (batch, state block), reversed: gradient at every chunk end
 #           _chunk_dx_kernel        per (chunk, batch, D split): dxbar, and dH_end X^T for dk's chunk-end term
@@ -394,11 +395,11 @@ if triton is not None:
         tl.store(p_base + offs_c[:, None] * C + offs_c[None, :], reads)
 
     @triton.jit
-    def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hx_ptr, hsq_ptr, dyx_ptr, hdy_ptr, T, D, M, NC,
+    def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hv_ptr, hsq_ptr, dyx_ptr, T, D, M, NC,
                                C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
                                OP: tl.constexpr, BACKWARD: tl.constexpr):
-        """A chunk's inner products over D: X X^T, H X^T and ||H_i||^2, or for the backward X X^T, H X^T,
-        dY X^T and H dY^T (H the chunk-start state)."""
+        """A chunk's inner products over D, H its start state: X X^T, H X^T and ||H_i||^2, or for the backward
+        X X^T, H dY^T and dY X^T."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
@@ -407,29 +408,27 @@ if triton is not None:
         x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         gram = tl.zeros([C, C], dtype=tl.float32)
-        hx = tl.zeros([BM, C], dtype=tl.float32)
+        hv = tl.zeros([BM, C], dtype=tl.float32)  # H X^T, or H dY^T
         h_sq = tl.zeros([BM], dtype=tl.float32)
         dyx = tl.zeros([C, C], dtype=tl.float32)
-        hdy = tl.zeros([BM, C], dtype=tl.float32)
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)  # the states' own dtype (_start_dtype)
             gram += _mm(x, tl.trans(x), PRECISION)
-            hx += _mm(h, tl.trans(x), PRECISION)
             if BACKWARD:
                 dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
                 dyx += _mm(dy, tl.trans(x), PRECISION)
-                hdy += _mm(h, tl.trans(dy), PRECISION)
+                hv += _mm(h, tl.trans(dy), PRECISION)
             else:
+                hv += _mm(h, tl.trans(x), PRECISION)
                 h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
         chunk = bi * NC + n
         square, rows = offs_c[:, None] * C + offs_c[None, :], offs_c[None, :] * BM + offs_m[:, None]  # rows: [t, i]
         tl.store(g_ptr + chunk * C * C + square, gram)
-        tl.store(hx_ptr + chunk * BM * C + rows, hx)
+        tl.store(hv_ptr + chunk * BM * C + rows, hv)
         if BACKWARD:
             tl.store(dyx_ptr + chunk * C * C + square, dyx)
-            tl.store(hdy_ptr + chunk * BM * C + rows, hdy)
         else:
             tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
 
@@ -438,7 +437,8 @@ if triton is not None:
                             Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
         """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms
         follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t (a scan over the chunk
-        from ||H_i||^2), with h_t . x_t from the walk of H . x_t through the chunk's writes (_walk_dots)."""
+        from ||H_i||^2), with h_t . x_t from the walk of H . x_t through the chunk's writes (_walk_dots); h_t . x_t
+        replaces H . x_t in place, for the backward (_chunk_grads_kernel)."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
         m_ok = offs_m < M
@@ -447,6 +447,7 @@ if triton is not None:
         tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
         hx = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) H_i . x_t
         own = _walk_dots(hx, ld_ptr, theta_ptr, g_base, C, 1, tm, offs_m, m_ok, M, C, S)  # h_t . x_t
+        tl.store(hx_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], own)  # tokens first
         theta = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
         decay2 = tl.exp(2.0 * _tile(ld_ptr, tm, offs_m, m_ok, offs_c, M))  # a_t^2
         growth = theta * (2.0 * own - theta * tl.load(g_base + offs_c * (C + 1))[None, :])
@@ -485,7 +486,8 @@ if triton is not None:
     def _chunk_grads_kernel(theta_ptr, phi_ptr, ld_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
                             dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
-        """The backward's per-token factors of a chunk: dq = dy . h, the norm's factor c, omega = theta Gamma with
+        """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the chunk's products
+        with dy: dq = dy . h, the norm's factor c, omega = theta Gamma with
         Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u}, and
         P_w, the read matrix with omega as the query."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -494,8 +496,7 @@ if triton is not None:
         chunk = bi * NC + n
         g_base, dyx_base = g_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
         tm = bi * Tp * M + n * C * M
-        own = _walk_dots(_rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM), ld_ptr, theta_ptr, g_base, C, 1,
-                         tm, offs_m, m_ok, M, C, S)  # (BM, C) h_t . x_t
+        own = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) h_t . x_t (_chunk_norms_kernel)
         dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), ld_ptr, theta_ptr, dyx_base, 1,
                         C, tm, offs_m, m_ok, M, C, S)  # h_t . dy_t
         rms = tl.load(r_ptr + tm + offs_c[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
@@ -804,20 +805,20 @@ def _scratch(theta, NC, *rows):
 
 
 def _products(x, states, theta, dy=None):
-    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H X^T, dY X^T, H dY^T)."""
+    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H dY^T, dY X^T)."""
     B, NC, M, D = states.shape
     BM = _block_m(M)
-    tokens_first = lambda: theta.new_empty(B, NC, CHUNK, BM)  # H X^T and H dY^T as [t, i] (_rows_first)
-    gram, hx, h_sq = _scratch(theta, NC, CHUNK), tokens_first(), theta.new_empty(B, NC, BM)
-    dyx, hdy = (gram, hx) if dy is None else (_scratch(theta, NC, CHUNK), tokens_first())  # unused if None
-    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hx, h_sq, dyx, hdy, x.shape[1], D, M,
-                                    NC, BD=64, OP=_operand(x), BACKWARD=dy is not None,
+    gram, hv = _scratch(theta, NC, CHUNK), theta.new_empty(B, NC, CHUNK, BM)  # H X^T or H dY^T as [t, i] (_rows_first)
+    h_sq, dyx = theta.new_empty(B, NC, BM), _scratch(theta, NC, CHUNK)
+    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hv, h_sq, dyx, x.shape[1], D, M, NC,
+                                    BD=64, OP=_operand(x), BACKWARD=dy is not None,
                                     **_meta(x, M, num_warps=4, num_stages=3))
-    return (gram, hx, h_sq) if dy is None else (gram, hx, dyx, hdy)
+    return (gram, hv, h_sq) if dy is None else (gram, hv, dyx)
 
 
 def _chunk_out(x, theta, phi, log_decay, b, states, eps):
-    """Forward output y (B, T, D), the row rms (B, Tp, M) and P (B, NC, C, C), the within-chunk reads."""
+    """Forward output y (B, T, D), the row rms (B, Tp, M), P (B, NC, C, C), the within-chunk reads, and h_t . x_t
+    (B, NC, C, BM), tokens first."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hx, h_sq = _products(x, states, theta)
@@ -826,14 +827,14 @@ def _chunk_out(x, theta, phi, log_decay, b, states, eps):
                                  **_walk_meta(x, M, unroll=16, warps=4))
     splits, meta = _streaming(x, M)
     _chunk_y_kernel[(NC, B, splits)](x, phi, b, states, rms, P, y, T, theta.shape[1], D, M, NC, **meta)
-    return y, rms, P
+    return y, rms, P, hx
 
 
-def _chunk_grads(x, dy, theta, phi, log_decay, states, rms):
+def _chunk_grads(x, dy, theta, phi, log_decay, states, rms, hx):
     """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
     B, _, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    gram, hx, dyx, hdy = _products(x, states, theta, dy)
+    gram, hdy, dyx = _products(x, states, theta, dy)
     dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
     kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
     _chunk_grads_kernel[(NC, B)](theta, phi, log_decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
@@ -918,13 +919,14 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("fm::scan_forward", mutates_args=())
 def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float,
-                  cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """y, hT, then log(1 - theta), b, the chunk-start states, the row rms and P (see _chunk_out)."""
+                  cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                         Tensor]:
+    """y, hT, then log(1 - theta), b, the chunk-start states, the row rms, P and h_t . x_t (see _chunk_out)."""
     x = xbar.contiguous()
     theta_p, phi_p, log_decay, b, keys = _prepare(theta, phi, cu_seqlens)
     states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
-    y, rms, P = _chunk_out(x, theta_p, phi_p, log_decay, b, states, eps)
-    return y, hT, log_decay, b, states, rms, P
+    y, rms, P, hx = _chunk_out(x, theta_p, phi_p, log_decay, b, states, eps)
+    return y, hT, log_decay, b, states, rms, P, hx
 
 
 @_scan_forward.register_fake
@@ -934,19 +936,19 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
     f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
     starts = xbar.new_empty(B, Tp // CHUNK, M, D, dtype=_start_dtype(xbar))
     return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), starts, f32(B, Tp, M),
-            f32(B, Tp // CHUNK, CHUNK, CHUNK))
+            f32(B, Tp // CHUNK, CHUNK, CHUNK), f32(B, Tp // CHUNK, CHUNK, _block_m(M)))
 
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
 def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, phi: Tensor, hT: Tensor,
-                   log_decay: Tensor, b: Tensor, states: Tensor, rms: Tensor, P: Tensor,
+                   log_decay: Tensor, b: Tensor, states: Tensor, rms: Tensor, P: Tensor, hx: Tensor,
                    eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
     x, dy = xbar.contiguous(), dy.contiguous()
     dhT = None if dhT is None else dhT.float().contiguous()
     theta, phi = _padded(theta), _padded(phi)
     T, D = x.shape[1:]
-    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, log_decay, states, rms)
+    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, log_decay, states, rms, hx)
     dstates = _chunk_dstate(x, dy, phi, b, states, rms, omega, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
     dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
@@ -959,7 +961,7 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
 
 
 @_scan_backward.register_fake
-def _(dy, dhT, xbar, theta, phi, hT, log_decay, b, states, rms, P, eps):
+def _(dy, dhT, xbar, theta, phi, hT, log_decay, b, states, rms, P, hx, eps):
     dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
     return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
 
@@ -968,7 +970,7 @@ def _scan_setup_context(ctx, inputs, output):
     xbar, theta, phi, h0, eps, cu_seqlens = inputs
     ctx.save_for_backward(xbar, theta, phi, *output[1:])
     ctx.eps, ctx.has_h0 = eps, h0 is not None
-    ctx.set_materialize_grads(False)  # no zero gradients for the five outputs only the backward reads
+    ctx.set_materialize_grads(False)  # no zero gradients for the six outputs only the backward reads
 
 
 def _scan_grads(ctx, dy, dhT, *unused):
