@@ -699,10 +699,11 @@ def _block_m(M):
 
 
 def _start_dtype(x):
-    """Storage dtype of the chunk-start states and of the gradients at the chunk ends: bfloat16 for bfloat16
-    inputs, whose kernels read them as single bfloat16 operands (half the bytes of the largest tensors of the
-    scan), else float32. The carries between chunks, and so hT and dh0, stay float32. Gradients in bfloat16:
-    forward+backward 0.74 -> 0.67 ms, dtheta 4.5e-3 -> 6.9e-3 from float64 at T = 16384 (bench.py kernels)."""
+    """Storage dtype of the chunk-start states and of the state gradients (each chunk's own and those at the
+    chunk ends): bfloat16 for bfloat16 inputs, else float32 (half the bytes of the largest tensors of the scan;
+    the products take them as single bfloat16 operands, the scans add them into float32 carries, and hT and dh0
+    stay float32). Gradients in bfloat16: forward+backward 0.74 -> 0.67 ms, dtheta 4.5e-3 -> 6.9e-3 from float64
+    at T = 16384 (bench.py kernels)."""
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
@@ -809,11 +810,11 @@ def _products(x, states, theta, dy=None):
     B, NC, M, D = states.shape
     BM = _block_m(M)
     gram, hv = _scratch(theta, NC, CHUNK), theta.new_empty(B, NC, CHUNK, BM)  # H X^T or H dY^T as [t, i] (_rows_first)
-    h_sq, dyx = theta.new_empty(B, NC, BM), _scratch(theta, NC, CHUNK)
-    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hv, h_sq, dyx, x.shape[1], D, M, NC,
+    third = theta.new_empty(B, NC, BM) if dy is None else _scratch(theta, NC, CHUNK)  # ||H||^2 or dY X^T
+    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hv, third, third, x.shape[1], D, M, NC,
                                     BD=64, OP=_operand(x), BACKWARD=dy is not None,
                                     **_meta(x, M, num_warps=4, num_stages=3))
-    return (gram, hv, h_sq) if dy is None else (gram, hv, dyx)
+    return gram, hv, third
 
 
 def _chunk_out(x, theta, phi, log_decay, b, states, eps):
@@ -857,7 +858,9 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    deep = states.element_size() == 2  # bfloat16 states: four tiles of 8 KB a step; float32 fits two stages
+    # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory only for bfloat16
+    # states of at most 64 rows (128 rows: 254 KB, measured)
+    deep = states.element_size() == 2 and _block_m(M) <= 64
     splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
     dhx = _scratch(theta, NC, splits, _block_m(M))
     dx = torch.empty_like(x)
