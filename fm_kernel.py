@@ -320,9 +320,9 @@ if triton is not None:
         tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
 
     @triton.jit
-    def _tile(ptr, base, offs_m, m_ok, offs_t, M):
-        """(rows, tokens) tile of a (B, Tp, M) float32 array: [i, t] at base + t * M + i, 0 on padded rows."""
-        return tl.load(ptr + base + offs_t[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=0.0)
+    def _tile(ptr, base, offs_m, m_ok, offs_t, M, other=0.0):
+        """(rows, tokens) tile of a (B, Tp, M) float32 array: [i, t] at base + t * M + i, `other` on padded rows."""
+        return tl.load(ptr + base + offs_t[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=other)
 
     @triton.jit
     def _store_tile(ptr, base, offs_m, m_ok, offs_t, M, value):
@@ -335,9 +335,9 @@ if triton is not None:
         return decay_a * decay_b, decay_b * value_a + value_b
 
     @triton.jit
-    def _at(ptr, base, t, offs_m, m_ok, M):
-        """Token t's entries (BM,) of a (B, Tp, M) float32 array, 0 on padded rows."""
-        return tl.load(ptr + base + t * M + offs_m, mask=m_ok, other=0.0)
+    def _at(ptr, base, t, offs_m, m_ok, M, other=0.0):
+        """Token t's entries (BM,) of a (B, Tp, M) float32 array, `other` on padded rows."""
+        return tl.load(ptr + base + t * M + offs_m, mask=m_ok, other=other)
 
     @triton.jit
     def _block(ptr, offs_r, offs_c, width):
@@ -499,7 +499,7 @@ if triton is not None:
         own = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) h_t . x_t (_chunk_norms_kernel)
         dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), ld_ptr, theta_ptr, dyx_base, 1,
                         C, tm, offs_m, m_ok, M, C, S)  # h_t . dy_t
-        rms = tl.load(r_ptr + tm + offs_c[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=1.0)
+        rms = _tile(r_ptr, tm, offs_m, m_ok, offs_c, M, 1.0)  # 1 on padded rows, where phi is 0
         query = _tile(phi_ptr, tm, offs_m, m_ok, offs_c, M) / rms  # (BM, C)
         c = -dq * query / (D * rms * rms)
         _store_tile(dq_ptr, tm, offs_m, m_ok, offs_c, M, dq)
@@ -521,8 +521,7 @@ if triton is not None:
             for du in tl.static_range(S):
                 u = C - 1 - j * S - du
                 next_decay = tl.exp(_at(ld_ptr, tm, (u + 1) % C, offs_m, m_ok, M))  # a_{u+1} (at u = C - 1: unused)
-                q_u = _at(phi_ptr, tm, u, offs_m, m_ok, M) / tl.load(r_ptr + tm + u * M + offs_m, mask=m_ok,
-                                                                     other=1.0)
+                q_u = _at(phi_ptr, tm, u, offs_m, m_ok, M) / _at(r_ptr, tm, u, offs_m, m_ok, M, 1.0)
                 omega_u = _at(omega_ptr, tm, u, offs_m, m_ok, M)
                 later = (next_decay[:, None] * later + q_u[:, None] * tl.load(dyx_base + u * C + offs_c)[None, :]
                          + omega_u[:, None] * tl.load(g_base + u * C + offs_c)[None, :])
