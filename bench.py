@@ -9,7 +9,8 @@ Shapes (DESIGN.md section 5): one layer, D = 2048, M = 64, k = 8, 16,384 tokens 
 T in {1024, 2048, 8192, 16384}; decode at batch 1 and 64 against a 16K-token KV cache.
 Timing: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph): GPU time without Python's launch
 overhead (timed eagerly, fm_scan's forward+backward took 2.8 ms, 1.4 ms more than replayed); fresh random inputs.
-Mamba-2 peers need `mamba-ssm` (its Triton parts; see README); they are skipped when it is missing.
+Mamba-2 peers need `mamba-ssm` (its Triton parts; see README), the gated linear attention peers `fla-core`
+(forward only: its gated backward refuses Hopper with Triton < 3.7.1); each is skipped when missing.
 """
 
 import argparse
@@ -102,6 +103,31 @@ def import_mamba():
     return types.SimpleNamespace(ssd=mamba_chunk_scan_combined, step=selective_state_update)
 
 
+def import_fla():
+    """fla-core's chunked gated linear attention (chunk_gla, chunk_simple_gla), or None."""
+    try:
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as err:  # noqa: BLE001 - any import failure means "peer not available"
+        print(f"fla-core not available ({type(err).__name__}: {err}); GLA columns skipped")
+        return None
+    return types.SimpleNamespace(gla=chunk_gla, simple_gla=chunk_simple_gla)
+
+
+def gla_as_fm(x, theta, phi, h0):
+    """FM's recurrence without the row norm as fla's chunk_gla inputs: one head, key dimension M (key theta,
+    log-decay log(1 - theta), query phi), value dimension D; returns (q, k, v, g, h0) in its (B, T, H, *) layout."""
+    return (phi.to(x.dtype)[:, :, None], theta.to(x.dtype)[:, :, None], x[:, :, None],
+            torch.log1p(-theta)[:, :, None], h0[:, None])
+
+
+def simple_gla_inputs(B, T):
+    """DESIGN section 5's fla peer: 16 heads x 128 x 128, one scalar log-decay a head and token."""
+    q, k, v = (torch.randn(B, T, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = F.logsigmoid(torch.randn(B, T, 16, device="cuda") + 4)
+    return [q, k, v, g]
+
+
 def sdpa_inputs(B, T):
     q = torch.randn(B, 16, T, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, 8, T, 128, device="cuda", dtype=torch.bfloat16)
@@ -123,7 +149,7 @@ def mamba_inputs(B, T):
     return [x, dt, A, Bm, Cm]
 
 
-def bench_scan(mamba, ceilings):
+def bench_scan(mamba, fla, ceilings):
     rows = []
     bw, mm = ceilings
     flops_fwd, flops_bwd = scan_flops_per_token()
@@ -139,6 +165,10 @@ def bench_scan(mamba, ceilings):
         if mamba is not None:
             row["mamba2 f+b"] = time_fwd_bwd(lambda x, dt, A, Bm, Cm: mamba.ssd(x, dt, A, Bm, Cm, chunk_size=256),
                                              mamba_inputs(B, T))
+        if fla is not None:
+            gla = lambda q, k, v, g, h: fla.gla(q, k, v, g, scale=1.0, initial_state=h, output_final_state=True)
+            row["gla m=64 fwd"] = time_fwd(gla, gla_as_fm(*fm_inputs(B, T, K_SPARSE, torch.bfloat16)))
+            row["simple_gla fwd"] = time_fwd(fla.simple_gla, simple_gla_inputs(B, T))
         fwd_bytes = TOKENS * (2 * D * 2 + 2 * M * 4)  # x in, y out (bf16); theta, phi (fp32)
         row["fwd GB/s"] = fwd_bytes / row["fm k=8 fwd"] / 1e6
         row["fwd TFLOP/s"] = TOKENS * flops_fwd / row["fm k=8 fwd"] / 1e9
@@ -399,7 +429,7 @@ def main():
         check_accuracy()
         ceilings = measure_ceilings()
         bench_decode(mamba)
-        bench_scan(mamba, ceilings)
+        bench_scan(mamba, import_fla(), ceilings)
     if args.what == "stages":
         bench_stages()
     if args.what in ("train", "generate"):
