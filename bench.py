@@ -1,6 +1,6 @@
 """Speed of the FM kernels, side by side with the peers, on one GPU.
 
-    python bench.py kernels      # fm_scan vs fm_scan_torch vs SDPA vs Mamba-2 SSD; decode steps; accuracy
+    python bench.py kernels      # fm_scan vs fm_scan_torch vs SDPA vs Mamba-2 SSD vs GLA; decode; accuracy
     python bench.py stages       # time of each fm_scan kernel, to see where the time goes
     python bench.py train        # training tokens/s, MFU, peak memory: fm_1b vs transformer_1b vs mamba2_1b
     python bench.py generate     # per-token decode latency after a long prompt, same three models
