@@ -220,10 +220,9 @@ if triton is not None:
         return ptr + chunk * M * D + tl.arange(0, BM) * D
 
     @triton.jit
-    def _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok):
+    def _start_reads(q_ptr, b_ptr, tm_ptr, m_ok):
         """q e^b at the (C, BM) offsets tm_ptr: how much each token reads of the chunk-start state."""
-        rms = tl.load(r_ptr + tm_ptr, mask=m_ok[None, :], other=1.0)
-        q = tl.load(phi_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) / rms
+        q = tl.load(q_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
         return q * tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
 
     @triton.jit
@@ -460,7 +459,7 @@ if triton is not None:
         _store_reads(p_ptr + chunk * C * C, q_ptr, ld_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
 
     @triton.jit
-    def _chunk_y_kernel(x_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
+    def _chunk_y_kernel(x_ptr, q_ptr, b_ptr, hs_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
                         C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
                         PRECISION: tl.constexpr, OP: tl.constexpr):
         """y = P X + (q e^b) H for the SPLIT columns of D of program axis 2."""
@@ -473,7 +472,7 @@ if triton is not None:
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q = _start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM)
+        q = _start_reads(q_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
@@ -483,7 +482,7 @@ if triton is not None:
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
-    def _chunk_grads_kernel(theta_ptr, phi_ptr, ld_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
+    def _chunk_grads_kernel(theta_ptr, q_ptr, ld_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
                             dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
         """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the chunk's products
@@ -499,8 +498,8 @@ if triton is not None:
         own = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) h_t . x_t (_chunk_norms_kernel)
         dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), ld_ptr, theta_ptr, dyx_base, 1,
                         C, tm, offs_m, m_ok, M, C, S)  # h_t . dy_t
-        rms = _tile(r_ptr, tm, offs_m, m_ok, offs_c, M, 1.0)  # 1 on padded rows, where phi is 0
-        query = _tile(phi_ptr, tm, offs_m, m_ok, offs_c, M) / rms  # (BM, C)
+        rms = _tile(r_ptr, tm, offs_m, m_ok, offs_c, M, 1.0)  # 1 on padded rows, where q is 0
+        query = _tile(q_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
         c = -dq * query / (D * rms * rms)
         _store_tile(dq_ptr, tm, offs_m, m_ok, offs_c, M, dq)
         _store_tile(c_ptr, tm, offs_m, m_ok, offs_c, M, c)
@@ -521,7 +520,7 @@ if triton is not None:
             for du in tl.static_range(S):
                 u = C - 1 - j * S - du
                 next_decay = tl.exp(_at(ld_ptr, tm, (u + 1) % C, offs_m, m_ok, M))  # a_{u+1} (at u = C - 1: unused)
-                q_u = _at(phi_ptr, tm, u, offs_m, m_ok, M) / _at(r_ptr, tm, u, offs_m, m_ok, M, 1.0)
+                q_u = _at(q_ptr, tm, u, offs_m, m_ok, M)
                 omega_u = _at(omega_ptr, tm, u, offs_m, m_ok, M)
                 later = (next_decay[:, None] * later + q_u[:, None] * tl.load(dyx_base + u * C + offs_c)[None, :]
                          + omega_u[:, None] * tl.load(g_base + u * C + offs_c)[None, :])
@@ -532,7 +531,7 @@ if triton is not None:
         _store_reads(pw_ptr + chunk * C * C, omega_ptr, ld_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
 
     @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, phi_ptr, b_ptr, hs_ptr, r_ptr, omega_ptr, kappa_ptr, ds_ptr,
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, hs_ptr, omega_ptr, kappa_ptr, ds_ptr,
                              T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                              SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
         """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, on SPLIT columns."""
@@ -544,7 +543,7 @@ if triton is not None:
         x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_hi, q_lo = _split(tl.trans(_start_reads(phi_ptr, r_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C)
+        q_hi, q_lo = _split(tl.trans(_start_reads(q_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C)
         w_state = tl.load(omega_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
             tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # omega e^b
         ws_hi, ws_lo = _split(tl.trans(w_state), OP)  # (BM, C)
@@ -600,7 +599,7 @@ if triton is not None:
         tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
 
     @triton.jit
-    def _decay_grads_kernel(theta_ptr, phi_ptr, b_ptr, r_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr, end_ptr, db_ptr, tot_ptr,
+    def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, r_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr, end_ptr, db_ptr, tot_ptr,
                             eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr, BM: tl.constexpr):
         """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t =
         q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum within the chunk
@@ -617,7 +616,7 @@ if triton is not None:
         dk = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
         tl.store(dk_ptr + tm_ptr, dk, mask=ok)
         rms = tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
-        q_dq = tl.load(phi_ptr + tm_ptr, mask=ok, other=0.0) / rms * tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0)
+        q_dq = tl.load(q_ptr + tm_ptr, mask=ok, other=0.0) * tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0)
         sq_norm = D * (rms * rms - eps)
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
         d_b = q_dq + tl.load(c_ptr + tm_ptr, mask=ok, other=0.0) * sq_norm - theta * dk
@@ -817,8 +816,8 @@ def _products(x, states, theta, dy=None):
 
 
 def _chunk_out(x, theta, phi, log_decay, b, states, eps):
-    """Forward output y (B, T, D), the row rms (B, Tp, M), P (B, NC, C, C), the within-chunk reads, and h_t . x_t
-    (B, NC, C, BM), tokens first."""
+    """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the within-chunk
+    reads, and h_t . x_t (B, NC, C, BM), tokens first."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hx, h_sq = _products(x, states, theta)
@@ -826,30 +825,30 @@ def _chunk_out(x, theta, phi, log_decay, b, states, eps):
     _chunk_norms_kernel[(NC, B)](theta, phi, log_decay, gram, hx, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
                                  **_walk_meta(x, M, unroll=16, warps=4))
     splits, meta = _streaming(x, M)
-    _chunk_y_kernel[(NC, B, splits)](x, phi, b, states, rms, P, y, T, theta.shape[1], D, M, NC, **meta)
-    return y, rms, P, hx
+    _chunk_y_kernel[(NC, B, splits)](x, q, b, states, P, y, T, theta.shape[1], D, M, NC, **meta)
+    return y, rms, q, P, hx
 
 
-def _chunk_grads(x, dy, theta, phi, log_decay, states, rms, hx):
+def _chunk_grads(x, dy, theta, q, log_decay, states, rms, hx):
     """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
     B, _, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hdy, dyx = _products(x, states, theta, dy)
     dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
     kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
-    _chunk_grads_kernel[(NC, B)](theta, phi, log_decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
+    _chunk_grads_kernel[(NC, B)](theta, q, log_decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
                                  theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=8, warps=8))
     return dq, c, omega, kappa, dk, p_w
 
 
-def _chunk_dstate(x, dy, phi, b, states, rms, omega, kappa):
+def _chunk_dstate(x, dy, q, b, states, omega, kappa):
     """Each chunk's gradient to its start state (B, NC, M, D)."""
     B, T, D = x.shape
-    NC, M = states.shape[1], phi.shape[-1]
+    NC, M = states.shape[1], q.shape[-1]
     dstates = torch.empty_like(states)  # in the states' dtype (_start_dtype)
     splits, meta = _streaming(x, M)
-    _chunk_dstate_kernel[(NC, B, splits)](x, dy, phi, b, states, rms, omega, kappa, dstates,
-                                          T, phi.shape[1], D, M, NC, **meta)
+    _chunk_dstate_kernel[(NC, B, splits)](x, dy, q, b, states, omega, kappa, dstates, T, q.shape[1], D, M, NC,
+                                          **meta)
     return dstates
 
 
@@ -868,7 +867,7 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     return dx, dhx
 
 
-def _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps):
+def _rate_grads(T, D, theta, q, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps):
     """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
     d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
     cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
@@ -877,7 +876,7 @@ def _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, ep
     NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
     d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
     meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill
-    _decay_grads_kernel[(NC, B)](theta, phi, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
+    _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
                                  splits, **meta)
     later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
     dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
@@ -922,13 +921,13 @@ Tensor = torch.Tensor
 @torch.library.custom_op("fm::scan_forward", mutates_args=())
 def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float,
                   cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                         Tensor]:
-    """y, hT, then log(1 - theta), b, the chunk-start states, the row rms, P and h_t . x_t (see _chunk_out)."""
+                                                         Tensor, Tensor]:
+    """y, hT, then log(1 - theta), b, the chunk-start states, the row rms, q, P and h_t . x_t (see _chunk_out)."""
     x = xbar.contiguous()
     theta_p, phi_p, log_decay, b, keys = _prepare(theta, phi, cu_seqlens)
     states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
-    y, rms, P, hx = _chunk_out(x, theta_p, phi_p, log_decay, b, states, eps)
-    return y, hT, log_decay, b, states, rms, P, hx
+    y, rms, q, P, hx = _chunk_out(x, theta_p, phi_p, log_decay, b, states, eps)
+    return y, hT, log_decay, b, states, rms, q, P, hx
 
 
 @_scan_forward.register_fake
@@ -938,48 +937,48 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
     f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
     starts = xbar.new_empty(B, Tp // CHUNK, M, D, dtype=_start_dtype(xbar))
     return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), starts, f32(B, Tp, M),
-            f32(B, Tp // CHUNK, CHUNK, CHUNK), f32(B, Tp // CHUNK, CHUNK, _block_m(M)))
+            f32(B, Tp, M), f32(B, Tp // CHUNK, CHUNK, CHUNK), f32(B, Tp // CHUNK, CHUNK, _block_m(M)))
 
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
-def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, phi: Tensor, hT: Tensor,
-                   log_decay: Tensor, b: Tensor, states: Tensor, rms: Tensor, P: Tensor, hx: Tensor,
+def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, log_decay: Tensor,
+                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, hx: Tensor,
                    eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
     x, dy = xbar.contiguous(), dy.contiguous()
     dhT = None if dhT is None else dhT.float().contiguous()
-    theta, phi = _padded(theta), _padded(phi)
+    theta = _padded(theta)
     T, D = x.shape[1:]
-    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, phi, log_decay, states, rms, hx)
-    dstates = _chunk_dstate(x, dy, phi, b, states, rms, omega, kappa)  # (B, NC, M, D)
+    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, log_decay, states, rms, hx)
+    dstates = _chunk_dstate(x, dy, q, b, states, omega, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
     dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
     _scan_states(dstates, dends, b, dhT, dh0, reverse=True)
     del dstates
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
-    dtheta, dphi = _rate_grads(T, D, theta, phi, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
+    dtheta, dphi = _rate_grads(T, D, theta, q, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
     return dx, dtheta, dphi, dh0
 
 
 @_scan_backward.register_fake
-def _(dy, dhT, xbar, theta, phi, hT, log_decay, b, states, rms, P, hx, eps):
+def _(dy, dhT, xbar, theta, hT, log_decay, b, states, rms, q, P, hx, eps):
     dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
     return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
 
 
 def _scan_setup_context(ctx, inputs, output):
     xbar, theta, phi, h0, eps, cu_seqlens = inputs
-    ctx.save_for_backward(xbar, theta, phi, *output[1:])
-    ctx.eps, ctx.has_h0 = eps, h0 is not None
-    ctx.set_materialize_grads(False)  # no zero gradients for the six outputs only the backward reads
+    ctx.save_for_backward(xbar, theta, *output[1:])
+    ctx.eps, ctx.has_h0, ctx.phi_dtype = eps, h0 is not None, phi.dtype
+    ctx.set_materialize_grads(False)  # no zero gradients for the seven outputs only the backward reads
 
 
 def _scan_grads(ctx, dy, dhT, *unused):
-    xbar, theta, phi, hT, *saved = ctx.saved_tensors
+    xbar, theta, hT, *saved = ctx.saved_tensors
     dy = torch.zeros_like(xbar) if dy is None else dy
-    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, phi, hT, *saved, ctx.eps)
-    return dx, dtheta.to(theta.dtype), dphi.to(phi.dtype), dh0 if ctx.has_h0 else None, None, None
+    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
+    return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None, None
 
 
 _scan_forward.register_autograd(_scan_grads, setup_context=_scan_setup_context)
