@@ -242,10 +242,10 @@ def bench_stages():
         B = TOKENS // T
         x, theta, phi, h0 = fm_inputs(B, T, K_SPARSE, torch.bfloat16)
         dy = torch.randn_like(x)
-        theta_p, phi_p, log_decay, b, keys = fm_kernel._prepare(theta, phi, None)
+        theta_p, phi_p, decay, b, keys = fm_kernel._prepare(theta, phi, None)
         states, hT = fm_kernel._chunk_states(x, keys, b, h0)
-        y, rms, q, P, hx = fm_kernel._chunk_out(x, theta_p, phi_p, log_decay, b, states, 1e-6)
-        dq, c, omega, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, q, log_decay, states, rms, hx)
+        y, rms, q, P, hx = fm_kernel._chunk_out(x, theta_p, phi_p, decay, b, states, 1e-6)
+        dq, c, omega, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, q, decay, states, rms, hx)
         dstates = fm_kernel._chunk_dstate(x, dy, q, b, states, omega, kappa)
         dends, dh0 = torch.empty_like(dstates), torch.empty_like(hT)
         fm_kernel._scan_states(dstates, dends, b, None, dh0, reverse=True)
@@ -255,13 +255,13 @@ def bench_stages():
             "prepare": lambda: fm_kernel._prepare(theta, phi, None),
             "states": lambda: fm_kernel._chunk_states(x, keys, b, h0),
             "fwd products": lambda: fm_kernel._products(x, states, theta_p),
-            "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, log_decay, b, states, 1e-6),
+            "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, decay, b, states, 1e-6),
             "bwd products": lambda: fm_kernel._products(x, states, theta_p, dy),
-            "grads (all)": lambda: fm_kernel._chunk_grads(x, dy, theta_p, q, log_decay, states, rms, hx),
+            "grads (all)": lambda: fm_kernel._chunk_grads(x, dy, theta_p, q, decay, states, rms, hx),
             "dstate": lambda: fm_kernel._chunk_dstate(x, dy, q, b, states, omega, kappa),
             "bwd scan": lambda: fm_kernel._scan_states(dstates, dends, b, None, dh0, reverse=True),
             "dx": lambda: fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, omega, P, p_w),
-            "rate grads": lambda: fm_kernel._rate_grads(T, D, theta_p, q, log_decay, b, rms, dq, c, dk, dhx,
+            "rate grads": lambda: fm_kernel._rate_grads(T, D, theta_p, q, decay, b, rms, dq, c, dk, dhx,
                                                         end_dot, 1e-6),  # adds to dk each call: harmless here
         }
         row = {"T": T}

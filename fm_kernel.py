@@ -142,9 +142,9 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # ----------------------------------------------------------------------------- Triton kernels
 #
 # The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
-# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (e^-80 at document starts
-# and theta = 1) as plain factors: no exponent of a difference of log-decays, so nothing overflows however fast a
-# row decays. Two kinds of walk:
+# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at document starts and
+# theta = 1; stored, not formed from the log-decays step by step) as plain factors: no exponent of a difference of
+# log-decays, so nothing overflows however fast a row decays. Two kinds of walk:
 #   _walk_dots:    D[i, t] = h_s[i] . v_t for all t, from H_i . v_t, as s goes: D <- a_s D + theta_s (x_s . v_t);
 #                  kept where s = t, it gives h_t[i] . x_t (for the norms) and h_t[i] . dy_t (for dq)
 #   _store_reads:  W[i, s] = e^{b_t - b_s} theta_s as t goes (W <- a_t W, column t set to theta_t), and row t of a
@@ -171,7 +171,8 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # The gradient wrt the log-decays follows from an identity (see _rate_grads).
 #
 # All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
-# CHUNK: theta, phi, log(1 - theta), b (within-chunk cumulative log-decay), r (row rms), all (B, Tp, M). The
+# CHUNK: theta, phi, a = 1 - theta (the decays), b (within-chunk cumulative log-decay), r (row rms), q, all
+# (B, Tp, M). The
 # chunk-start states and their gradients (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs (_start_dtype),
 # else float32; the carries between chunks, hT and dh0 stay float32. Products with X, dY and the states run on
 # bfloat16 tensor cores for bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves (_split: 16 bits
@@ -234,10 +235,11 @@ if triton is not None:
         return offs_t, offs_m, bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]
 
     @triton.jit
-    def _log_decay_kernel(theta_ptr, starts_ptr, ld_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr, BM: tl.constexpr,
-                          HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
-        """log(1 - theta) (FLOOR at theta = 1 and at document starts), its within-chunk cumulative sum b, and the
-        chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s, (BM, C) a chunk (0 on padded rows)."""
+    def _log_decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
+                          BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
+        """The decays a = e^{log(1 - theta)} (0 at theta = 1 and at document starts), the within-chunk cumulative
+        sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
+        (BM, C) a chunk (0 on padded rows)."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t, offs_m, ptrs, ok = _chunk_tile(bi, n, Tp, M, C, BM)
         theta = tl.load(theta_ptr + ptrs, mask=ok, other=0.0)
@@ -247,8 +249,8 @@ if triton is not None:
         forget = theta >= 1.0
         if HAS_STARTS:
             forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
+        tl.store(decay_ptr + ptrs, tl.where(forget, 0.0, tl.exp(log_decay)), mask=ok)
         log_decay = tl.where(forget, FLOOR, log_decay)
-        tl.store(ld_ptr + ptrs, log_decay, mask=ok)
         b = tl.cumsum(log_decay, axis=0)  # (C, BM)
         tl.store(b_ptr + ptrs, b, mask=ok)
         offs_c = tl.arange(0, C)
@@ -357,7 +359,7 @@ if triton is not None:
         return tl.load(ptr + offs_c[None, :] * BM + offs_m[:, None])
 
     @triton.jit
-    def _walk_dots(dots, ld_ptr, theta_ptr, dot_ptr, dot_step, dot_stride, tm, offs_m, m_ok, M,
+    def _walk_dots(dots, decay_ptr, theta_ptr, dot_ptr, dot_step, dot_stride, tm, offs_m, m_ok, M,
                    C: tl.constexpr, S: tl.constexpr):
         """dots[i, t] = H_i . v_t at the chunk start (BM, C), for vectors v_t (x_t or dy_t), walked through the
         chunk's writes: h_s[i] . v_t = a_s h_{s-1}[i] . v_t + theta_s x_s . v_t, where x_s . v_t is at
@@ -367,7 +369,7 @@ if triton is not None:
         for s0 in range(0, C, S):  # S steps unrolled: their loads do not wait on the walk
             for ds in tl.static_range(S):
                 s = s0 + ds
-                decay = tl.exp(_at(ld_ptr, tm, s, offs_m, m_ok, M))  # (BM,) a_s
+                decay = _at(decay_ptr, tm, s, offs_m, m_ok, M, 1.0)  # (BM,) a_s
                 write = _at(theta_ptr, tm, s, offs_m, m_ok, M)
                 dot_x = tl.load(dot_ptr + s * dot_step + offs_c * dot_stride)  # (C,) x_s . v_t
                 dots = decay[:, None] * dots + write[:, None] * dot_x[None, :]
@@ -375,7 +377,7 @@ if triton is not None:
         return own
 
     @triton.jit
-    def _store_reads(p_base, query_ptr, ld_ptr, theta_ptr, weights, tm, offs_m, m_ok, M, C: tl.constexpr,
+    def _store_reads(p_base, query_ptr, decay_ptr, theta_ptr, weights, tm, offs_m, m_ok, M, C: tl.constexpr,
                      S: tl.constexpr):
         """A chunk's read matrix (C, C), P[t, s] = sum_i query_t[i] L_i[t, s], row by row: the write weights
         L_i[t, s] = e^{b_t - b_s} theta_s of every earlier token s into row i (`weights`, zeros (BM, C) in the walks'
@@ -386,7 +388,7 @@ if triton is not None:
         for t0 in range(0, C, S):
             for dt in tl.static_range(S):
                 t = t0 + dt
-                decay = tl.exp(_at(ld_ptr, tm, t, offs_m, m_ok, M))
+                decay = _at(decay_ptr, tm, t, offs_m, m_ok, M, 1.0)
                 write = _at(theta_ptr, tm, t, offs_m, m_ok, M)
                 weights = tl.where(offs_c[None, :] == t, write[:, None], decay[:, None] * weights)
                 query = _at(query_ptr, tm, t, offs_m, m_ok, M)
@@ -432,7 +434,7 @@ if triton is not None:
             tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
 
     @triton.jit
-    def _chunk_norms_kernel(theta_ptr, phi_ptr, ld_ptr, g_ptr, hx_ptr, hsq_ptr, q_ptr, p_ptr, r_ptr, eps,
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, decay_ptr, g_ptr, hx_ptr, hsq_ptr, q_ptr, p_ptr, r_ptr, eps,
                             Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
         """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms
         follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t (a scan over the chunk
@@ -445,10 +447,11 @@ if triton is not None:
         g_base = g_ptr + chunk * C * C
         tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
         hx = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) H_i . x_t
-        own = _walk_dots(hx, ld_ptr, theta_ptr, g_base, C, 1, tm, offs_m, m_ok, M, C, S)  # h_t . x_t
+        own = _walk_dots(hx, decay_ptr, theta_ptr, g_base, C, 1, tm, offs_m, m_ok, M, C, S)  # h_t . x_t
         tl.store(hx_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], own)  # tokens first
         theta = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
-        decay2 = tl.exp(2.0 * _tile(ld_ptr, tm, offs_m, m_ok, offs_c, M))  # a_t^2
+        decay = _tile(decay_ptr, tm, offs_m, m_ok, offs_c, M, 1.0)
+        decay2 = decay * decay  # a_t^2
         growth = theta * (2.0 * own - theta * tl.load(g_base + offs_c * (C + 1))[None, :])
         growth += tl.where(offs_c[None, :] == 0, decay2 * tl.load(hsq_ptr + chunk * BM + offs_m)[:, None], 0.0)
         _, sq_norm = tl.associative_scan((decay2, growth), 1, _linear)
@@ -456,7 +459,7 @@ if triton is not None:
         _store_tile(r_ptr, tm, offs_m, m_ok, offs_c, M, rms)
         _store_tile(q_ptr, tm, offs_m, m_ok, offs_c, M, _tile(phi_ptr, tm, offs_m, m_ok, offs_c, M) / rms)
         tl.debug_barrier()  # the rows of P read q token by token
-        _store_reads(p_ptr + chunk * C * C, q_ptr, ld_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
+        _store_reads(p_ptr + chunk * C * C, q_ptr, decay_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
 
     @triton.jit
     def _chunk_y_kernel(x_ptr, q_ptr, b_ptr, hs_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
@@ -482,7 +485,7 @@ if triton is not None:
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
 
     @triton.jit
-    def _chunk_grads_kernel(theta_ptr, q_ptr, ld_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
+    def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
                             dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
         """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the chunk's products
@@ -496,7 +499,7 @@ if triton is not None:
         g_base, dyx_base = g_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
         tm = bi * Tp * M + n * C * M
         own = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) h_t . x_t (_chunk_norms_kernel)
-        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), ld_ptr, theta_ptr, dyx_base, 1,
+        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), decay_ptr, theta_ptr, dyx_base, 1,
                         C, tm, offs_m, m_ok, M, C, S)  # h_t . dy_t
         rms = _tile(r_ptr, tm, offs_m, m_ok, offs_c, M, 1.0)  # 1 on padded rows, where q is 0
         query = _tile(q_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
@@ -504,10 +507,11 @@ if triton is not None:
         _store_tile(dq_ptr, tm, offs_m, m_ok, offs_c, M, dq)
         _store_tile(c_ptr, tm, offs_m, m_ok, offs_c, M, c)
         # Gamma_s = c_s + a_{s+1}^2 Gamma_{s+1}
-        next_ld = tl.load(ld_ptr + tm + (offs_c[None, :] + 1) * M + offs_m[:, None],
-                          mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=0.0)
-        _, gamma = tl.associative_scan((tl.exp(2.0 * next_ld), c), 1, _linear, reverse=True)
-        first_decay2 = tl.exp(2.0 * _at(ld_ptr, tm, 0, offs_m, m_ok, M))  # a_0^2
+        next_decays = tl.load(decay_ptr + tm + (offs_c[None, :] + 1) * M + offs_m[:, None],
+                              mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=1.0)  # (BM, C) a_{s+1}
+        _, gamma = tl.associative_scan((next_decays * next_decays, c), 1, _linear, reverse=True)
+        first_decay = _at(decay_ptr, tm, 0, offs_m, m_ok, M, 1.0)
+        first_decay2 = first_decay * first_decay  # a_0^2
         kappa = first_decay2 * tl.sum(tl.where(offs_c[None, :] == 0, gamma, 0.0), axis=1)
         tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
         omega = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * gamma
@@ -519,7 +523,7 @@ if triton is not None:
         for j in range(C // S):
             for du in tl.static_range(S):
                 u = C - 1 - j * S - du
-                next_decay = tl.exp(_at(ld_ptr, tm, (u + 1) % C, offs_m, m_ok, M))  # a_{u+1} (at u = C - 1: unused)
+                next_decay = _at(decay_ptr, tm, (u + 1) % C, offs_m, m_ok, M, 1.0)  # a_{u+1} (at u = C - 1: unused)
                 q_u = _at(q_ptr, tm, u, offs_m, m_ok, M)
                 omega_u = _at(omega_ptr, tm, u, offs_m, m_ok, M)
                 later = (next_decay[:, None] * later + q_u[:, None] * tl.load(dyx_base + u * C + offs_c)[None, :]
@@ -528,7 +532,8 @@ if triton is not None:
         diag = tl.load(g_base + offs_c * (C + 1))  # x_t . x_t
         dk = reads - omega * diag[None, :] + gamma * own
         _store_tile(dk_ptr, tm, offs_m, m_ok, offs_c, M, dk)
-        _store_reads(pw_ptr + chunk * C * C, omega_ptr, ld_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
+        _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C,
+                     S)
 
     @triton.jit
     def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, hs_ptr, omega_ptr, kappa_ptr, ds_ptr,
@@ -629,8 +634,8 @@ if triton is not None:
             tl.store(tot_base, tl.zeros([BM], dtype=tl.float32))
 
     @triton.jit
-    def _rate_grads_kernel(theta_ptr, ld_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
-                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr, FLOOR: tl.constexpr):
+    def _rate_grads_kernel(theta_ptr, decay_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
+                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
         """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
         later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -638,7 +643,7 @@ if triton is not None:
         later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
         d_log_decay = tl.load(db_ptr + tm_ptr, mask=ok, other=0.0) + later[None, :]
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
-        decays = tl.load(ld_ptr + tm_ptr, mask=ok, other=0.0) > FLOOR  # theta < 1, not a document start
+        decays = tl.load(decay_ptr + tm_ptr, mask=ok, other=0.0) > 0.0  # theta < 1, not a document start
         dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(
             decays, d_log_decay / tl.where(decays, 1.0 - theta, 1.0), 0.0)
         dphi = tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0) / tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
@@ -770,8 +775,9 @@ def _meta(x, M, num_warps, num_stages=1):
 def _walk_meta(x, M, unroll, warps):
     """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
     `warps` at m = 64, scaled with the padded rows (_block_m). On an H200 at T = 1024 (one sweep, a store per row
-    of P): norms 0.045 ms with 16 steps and 4 warps, 0.049 to 0.068 with 2 to 8 steps or 8 warps; gradient factors
-    0.123 ms with 8 steps and 8 warps, 0.130 to 0.166 with the others."""
+    of P): norms 0.045 ms with 16 steps and 4 warps, 0.049 to 0.068 with 2 to 8 steps or 8 warps. Gradient factors
+    with their products, since the decays are stored: 0.152 ms with 4 steps and 8 warps, 0.160 to 0.172 with 8 or 16
+    steps or 4 warps."""
     return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
 
 
@@ -815,29 +821,29 @@ def _products(x, states, theta, dy=None):
     return gram, hv, third
 
 
-def _chunk_out(x, theta, phi, log_decay, b, states, eps):
+def _chunk_out(x, theta, phi, decay, b, states, eps):
     """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the within-chunk
     reads, and h_t . x_t (B, NC, C, BM), tokens first."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hx, h_sq = _products(x, states, theta)
     P, rms, q, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
-    _chunk_norms_kernel[(NC, B)](theta, phi, log_decay, gram, hx, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
+    _chunk_norms_kernel[(NC, B)](theta, phi, decay, gram, hx, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
                                  **_walk_meta(x, M, unroll=16, warps=4))
     splits, meta = _streaming(x, M)
     _chunk_y_kernel[(NC, B, splits)](x, q, b, states, P, y, T, theta.shape[1], D, M, NC, **meta)
     return y, rms, q, P, hx
 
 
-def _chunk_grads(x, dy, theta, q, log_decay, states, rms, hx):
+def _chunk_grads(x, dy, theta, q, decay, states, rms, hx):
     """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
     B, _, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hdy, dyx = _products(x, states, theta, dy)
     dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
     kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
-    _chunk_grads_kernel[(NC, B)](theta, q, log_decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
-                                 theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=8, warps=8))
+    _chunk_grads_kernel[(NC, B)](theta, q, decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
+                                 theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=4, warps=8))
     return dq, c, omega, kappa, dk, p_w
 
 
@@ -867,7 +873,7 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     return dx, dhx
 
 
-def _rate_grads(T, D, theta, q, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps):
+def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
     """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
     d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
     cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
@@ -880,8 +886,7 @@ def _rate_grads(T, D, theta, q, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
                                  splits, **meta)
     later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
     dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
-    _rate_grads_kernel[(NC, B)](theta, log_decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC,
-                                FLOOR=LOG_DECAY_FLOOR, **meta)
+    _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
     return dtheta, dphi
 
 
@@ -891,7 +896,8 @@ def _padded(weights):
 
 
 def _log_decays(theta_p, cu_seqlens):
-    """log(1 - theta) and its within-chunk cumulative sum b, both (B, Tp, M) (_log_decay and _chunk_cumsum), and
+    """The decays 1 - theta (0 where the memory forgets) and the within-chunk cumulative sum b of log(1 - theta),
+    both (B, Tp, M) (_log_decay and _chunk_cumsum), and
     each chunk's keys to its end state (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple
     of CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
@@ -899,15 +905,15 @@ def _log_decays(theta_p, cu_seqlens):
     if cu_seqlens is not None:  # a document start forgets the memory
         starts = torch.zeros(Tp, dtype=torch.int8, device=theta_p.device)
         starts[cu_seqlens[1:-1].long()] = 1
-    log_decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
+    decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
     keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
-    _log_decay_kernel[(Tp // CHUNK, B)](theta_p, starts, log_decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
+    _log_decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
                                         HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
-    return log_decay, b, keys
+    return decay, b, keys
 
 
 def _prepare(theta, phi, cu_seqlens):
-    """What the forward makes of theta and phi first: padded theta and phi, log(1 - theta), b and the keys."""
+    """What the forward makes of theta and phi first: padded theta and phi, the decays, b and the keys."""
     theta_p = _padded(theta)
     return (theta_p, _padded(phi), *_log_decays(theta_p, cu_seqlens))
 
@@ -922,12 +928,12 @@ Tensor = torch.Tensor
 def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float,
                   cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                          Tensor, Tensor]:
-    """y, hT, then log(1 - theta), b, the chunk-start states, the row rms, q, P and h_t . x_t (see _chunk_out)."""
+    """y, hT, then the decays, b, the chunk-start states, the row rms, q, P and h_t . x_t (see _chunk_out)."""
     x = xbar.contiguous()
-    theta_p, phi_p, log_decay, b, keys = _prepare(theta, phi, cu_seqlens)
+    theta_p, phi_p, decay, b, keys = _prepare(theta, phi, cu_seqlens)
     states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
-    y, rms, q, P, hx = _chunk_out(x, theta_p, phi_p, log_decay, b, states, eps)
-    return y, hT, log_decay, b, states, rms, q, P, hx
+    y, rms, q, P, hx = _chunk_out(x, theta_p, phi_p, decay, b, states, eps)
+    return y, hT, decay, b, states, rms, q, P, hx
 
 
 @_scan_forward.register_fake
@@ -941,7 +947,7 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
 
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
-def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, log_decay: Tensor,
+def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, decay: Tensor,
                    b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, hx: Tensor,
                    eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
@@ -949,7 +955,7 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dhT = None if dhT is None else dhT.float().contiguous()
     theta = _padded(theta)
     T, D = x.shape[1:]
-    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, log_decay, states, rms, hx)
+    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, decay, states, rms, hx)
     dstates = _chunk_dstate(x, dy, q, b, states, omega, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
     dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
@@ -957,12 +963,12 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     del dstates
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
-    dtheta, dphi = _rate_grads(T, D, theta, q, log_decay, b, rms, dq, c, dk, dhx, end_dot, eps)
+    dtheta, dphi = _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps)
     return dx, dtheta, dphi, dh0
 
 
 @_scan_backward.register_fake
-def _(dy, dhT, xbar, theta, hT, log_decay, b, states, rms, q, P, hx, eps):
+def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps):
     dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
     return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
 
