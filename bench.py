@@ -116,7 +116,7 @@ def import_fla():
 
 def gla_as_fm(x, theta, phi, h0):
     """FM's recurrence without the row norm as fla's chunk_gla inputs: one head, key dimension M (key theta,
-    log-decay log(1 - theta), query phi), value dimension D; returns (q, k, v, g, h0) in its (B, T, H, *) layout."""
+    log-decay log(1 - theta), query phi), value dimension D; returns q, k, v, g (B, T, 1, *) and h0 (B, 1, M, D)."""
     return (phi.to(x.dtype)[:, :, None], theta.to(x.dtype)[:, :, None], x[:, :, None],
             torch.log1p(-theta)[:, :, None], h0[:, None])
 
@@ -363,7 +363,7 @@ def print_gaps(prof, top=12):
 
 def kernel_kind(name):
     """Coarse kind of a CUDA kernel by its name, for profile_step's totals."""
-    kinds = (("scan", ("_chunk", "_bmm", "_state_passing", "_step_kernel", "_grads_kernel", "_log_decay")),
+    kinds = (("scan", ("_chunk", "_bmm", "_state_passing", "_step_kernel", "_grads_kernel", "_decay_kernel")),
              ("attention", ("flash", "fmha", "sdpa", "dot_do_o", "convert_dq")),  # before matmul: cuDNN's use wgmma
              ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "wgmma")), ("optimizer", ("adam", "foreach")),
              ("inductor", ("triton_",)))

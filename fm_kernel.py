@@ -45,9 +45,10 @@ try:
 except ImportError:  # the PyTorch references work without Triton
     triton = None
 
-LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts: e^-80 = 1.8e-35 leaks nothing
-# measurable, but every document start in a chunk adds -80 to its cumulative log-decay, which costs float32
-# precision in the relative decays (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
+LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts, in the cumulative log-decays b
+# (the Triton walks take the decay itself there as 0): e^-80 = 1.8e-35 leaks nothing measurable, but every document
+# start in a chunk adds -80 to its cumulative log-decay, which costs float32 precision in the relative decays
+# (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
 CHUNK = 64  # tokens per chunk in the Triton scan
 MAX_ROWS = 128  # memory rows fm_scan takes: the state tiles of m = 256 overflow shared memory (an H200, 227 KB)
 
@@ -172,13 +173,12 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #
 # All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
 # CHUNK: theta, phi, a = 1 - theta (the decays), b (within-chunk cumulative log-decay), r (row rms), q, all
-# (B, Tp, M). The
-# chunk-start states and their gradients (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs (_start_dtype),
-# else float32; the carries between chunks, hT and dh0 stay float32. Products with X, dY and the states run on
-# bfloat16 tensor cores for bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves (_split: 16 bits
-# kept, more than tf32's 11; X, dY and bfloat16 states are exact), except the products of y and dxbar, which are
-# rounded to bfloat16 anyway and take single bfloat16 operands; for float32 inputs they are exact float32, for
-# float16 tf32. The walks run in float32 on CUDA cores.
+# (B, Tp, M). The chunk-start states and their gradients (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs
+# (_start_dtype), else float32; the carries between chunks, hT and dh0 stay float32. Products with X, dY and the
+# states run on bfloat16 tensor cores for bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves
+# (_split: 16 bits kept, more than tf32's 11; X, dY and bfloat16 states are exact), except the products of y and
+# dxbar, which are rounded to bfloat16 anyway and take single bfloat16 operands; for float32 inputs they are exact
+# float32, for float16 tf32. The walks run in float32 on CUDA cores.
 
 if triton is not None:
 
@@ -235,8 +235,8 @@ if triton is not None:
         return offs_t, offs_m, bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]
 
     @triton.jit
-    def _log_decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
-                          BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
+    def _decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
+                      BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
         """The decays a = e^{log(1 - theta)} (0 at theta = 1 and at document starts), the within-chunk cumulative
         sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
         (BM, C) a chunk (0 on padded rows)."""
@@ -475,12 +475,12 @@ if triton is not None:
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q = _start_reads(q_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM)
+        q_eb = _start_reads(q_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM) q e^b
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
-            y = _mm(p, x, PRECISION) + _mm(q, h, PRECISION)  # (C, BD)
+            y = _mm(p, x, PRECISION) + _mm(q_eb, h, PRECISION)  # (C, BD)
             tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
 
@@ -548,7 +548,7 @@ if triton is not None:
         x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_hi, q_lo = _split(tl.trans(_start_reads(q_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C)
+        qe_hi, qe_lo = _split(tl.trans(_start_reads(q_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C) q e^b
         w_state = tl.load(omega_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
             tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # omega e^b
         ws_hi, ws_lo = _split(tl.trans(w_state), OP)  # (BM, C)
@@ -558,7 +558,7 @@ if triton is not None:
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D)
-            ds = (_mm_split(q_hi, q_lo, dy, PRECISION) + _mm_split(ws_hi, ws_lo, x, PRECISION)
+            ds = (_mm_split(qe_hi, qe_lo, dy, PRECISION) + _mm_split(ws_hi, ws_lo, x, PRECISION)
                   + kappa[:, None] * h.to(tl.float32))
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
                      ds.to(ds_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < D)[None, :])
@@ -643,9 +643,9 @@ if triton is not None:
         later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
         d_log_decay = tl.load(db_ptr + tm_ptr, mask=ok, other=0.0) + later[None, :]
         theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
-        decays = tl.load(decay_ptr + tm_ptr, mask=ok, other=0.0) > 0.0  # theta < 1, not a document start
+        decaying = tl.load(decay_ptr + tm_ptr, mask=ok, other=0.0) > 0.0  # theta < 1, not a document start
         dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(
-            decays, d_log_decay / tl.where(decays, 1.0 - theta, 1.0), 0.0)
+            decaying, d_log_decay / tl.where(decaying, 1.0 - theta, 1.0), 0.0)
         dphi = tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0) / tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
         out_ptr, out_ok = bi * T * M + offs_t[:, None] * M + offs_m[None, :], (offs_t < T)[:, None] & ok
         tl.store(dtheta_ptr + out_ptr, dtheta, mask=out_ok)
@@ -774,10 +774,10 @@ def _meta(x, M, num_warps, num_stages=1):
 
 def _walk_meta(x, M, unroll, warps):
     """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
-    `warps` at m = 64, scaled with the padded rows (_block_m). On an H200 at T = 1024 (one sweep, a store per row
-    of P): norms 0.045 ms with 16 steps and 4 warps, 0.049 to 0.068 with 2 to 8 steps or 8 warps. Gradient factors
-    with their products, since the decays are stored: 0.152 ms with 4 steps and 8 warps, 0.160 to 0.172 with 8 or 16
-    steps or 4 warps."""
+    `warps` at m = 64, scaled with the padded rows (_block_m). On an H200 at T = 1024, since the decays are stored
+    (change 55): the output stage 0.140 ms with 16 steps and 4 warps for the norms, 0.139 to 0.154 with 2 to 16
+    steps and 4 or 8 warps (a sweep of a copy with the same walks); the gradient factors with their products 0.152 ms
+    with 4 steps and 8 warps, 0.160 to 0.172 with 8 or 16 steps or 4 warps."""
     return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
 
 
@@ -895,11 +895,10 @@ def _padded(weights):
     return _pad_time(weights.float(), CHUNK).contiguous()
 
 
-def _log_decays(theta_p, cu_seqlens):
-    """The decays 1 - theta (0 where the memory forgets) and the within-chunk cumulative sum b of log(1 - theta),
-    both (B, Tp, M) (_log_decay and _chunk_cumsum), and
-    each chunk's keys to its end state (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple
-    of CHUNK (_padded)."""
+def _decays(theta_p, cu_seqlens):
+    """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative sum b of
+    log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys to its end state
+    (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
     starts = None
     if cu_seqlens is not None:  # a document start forgets the memory
@@ -907,15 +906,15 @@ def _log_decays(theta_p, cu_seqlens):
         starts[cu_seqlens[1:-1].long()] = 1
     decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
     keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
-    _log_decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
-                                        HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
+    _decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
+                                    HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
     return decay, b, keys
 
 
 def _prepare(theta, phi, cu_seqlens):
     """What the forward makes of theta and phi first: padded theta and phi, the decays, b and the keys."""
     theta_p = _padded(theta)
-    return (theta_p, _padded(phi), *_log_decays(theta_p, cu_seqlens))
+    return (theta_p, _padded(phi), *_decays(theta_p, cu_seqlens))
 
 
 # The scan is a pair of torch.library custom ops, so torch.compile traces models through it without a graph

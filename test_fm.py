@@ -231,7 +231,7 @@ def test_triton_log_decays_match_log1p(poisoned_outputs):
     torch.manual_seed(0)
     theta = 10 ** (-9 * torch.rand(2, 128, 20))  # (B, Tp, M)
     theta[0, 5, :3] = torch.tensor([0.0, 1.0, 0.5])
-    decay, b, keys = fm_kernel._log_decays(theta.to(DEVICE), None)
+    decay, b, keys = fm_kernel._decays(theta.to(DEVICE), None)
     b_chunks = b.cpu().double().view(2, 2, 64, 20)
     want_keys = (theta.double().view(2, 2, 64, 20) * (b_chunks[:, :, -1:] - b_chunks).exp()).transpose(-1, -2)
     torch.testing.assert_close(keys.cpu().double()[:, :, :20], want_keys, rtol=1e-5, atol=1e-30)  # float32 range
@@ -241,6 +241,8 @@ def test_triton_log_decays_match_log1p(poisoned_outputs):
     torch.testing.assert_close(decay.cpu().double(), (1 - theta.double()).where(theta < 1, 0), rtol=1e-6, atol=0)
     want_b = want.view(2, 2, 64, 20).cumsum(2).view_as(want)
     assert ((b.cpu().double() - want_b).abs() / want_b.abs().clamp(min=1e-30)).max() < 1e-5
+    own = slice(None, None, 64)  # at a chunk's first token b is that token's own log-decay
+    assert ((b[:, own].cpu().double() - want[:, own]).abs() / want[:, own].abs().clamp(min=1e-30)).max() < 1e-6
 
 
 @needs_triton
