@@ -221,10 +221,11 @@ if triton is not None:
         return ptr + chunk * M * D + tl.arange(0, BM) * D
 
     @triton.jit
-    def _start_reads(q_ptr, b_ptr, tm_ptr, m_ok):
-        """q e^b at the (C, BM) offsets tm_ptr: how much each token reads of the chunk-start state."""
-        q = tl.load(q_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        return q * tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
+    def _start_factor(v_ptr, b_ptr, tm_ptr, m_ok):
+        """v e^b at the (C, BM) offsets tm_ptr, a per-token factor onto the chunk-start state: q e^b, how much each
+        token reads of it, or omega e^b, the norm's share of its gradient."""
+        v = tl.load(v_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
+        return v * tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
 
     @triton.jit
     def _chunk_tile(bi, n, Tp, M, C: tl.constexpr, BM: tl.constexpr):
@@ -475,7 +476,7 @@ if triton is not None:
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_eb = _start_reads(q_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM) q e^b
+        q_eb = _start_factor(q_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM) q e^b
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
@@ -548,10 +549,8 @@ if triton is not None:
         x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
         h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
         tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        qe_hi, qe_lo = _split(tl.trans(_start_reads(q_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C) q e^b
-        w_state = tl.load(omega_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(
-            tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))  # omega e^b
-        ws_hi, ws_lo = _split(tl.trans(w_state), OP)  # (BM, C)
+        qe_hi, qe_lo = _split(tl.trans(_start_factor(q_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C) q e^b
+        ws_hi, ws_lo = _split(tl.trans(_start_factor(omega_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C) omega e^b
         kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
         for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
