@@ -11,9 +11,9 @@ from contextlib import nullcontext
 
 import torch
 
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config
 from prepare_data import get_tokenizer
-from train import TrainError, load_checkpoint, model_from_checkpoint
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'
@@ -52,7 +52,7 @@ def main(argv=()):
     try:
         tok = get_tokenizer(checkpoint['tokenizer'])
     except Exception as e:
-        raise TrainError(f'{path} was trained with tokenizer {checkpoint["tokenizer"]!r}, which cannot be loaded '
+        raise CheckpointError(f'{path} was trained with tokenizer {checkpoint["tokenizer"]!r}, which cannot be loaded '
                          f'here ({e}); install what it needs (see requirements.txt)') from None
     del checkpoint
     model.eval().to(device)
@@ -65,7 +65,7 @@ def main(argv=()):
             prompt = f.read()
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
     if max(ids) >= model.config.vocab_size:
-        raise TrainError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
+        raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
                          f'is {path} from another tokenizer?')
     idx = torch.tensor(ids, dtype=torch.long, device=device)[None].repeat(cfg['num_samples'], 1)
     with torch.no_grad(), ctx:
@@ -81,5 +81,5 @@ def main(argv=()):
 if __name__ == '__main__':
     try:
         main(sys.argv[1:])
-    except (ConfigError, TrainError) as e:
+    except (ConfigError, CheckpointError) as e:
         sys.exit(f'error: {e}')

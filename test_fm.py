@@ -28,6 +28,7 @@ import fm_kernel
 import prepare_data
 import sample
 import train
+import checkpoint
 from configurator import ConfigError, load_config
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
@@ -1128,7 +1129,7 @@ def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):
 
 def test_checkpoint_contents(trained):
     ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
-    assert set(train.CKPT_KEYS) <= set(ckpt)
+    assert set(checkpoint.CKPT_KEYS) <= set(ckpt)
     assert ckpt['tokenizer'] == 'bytes' and ckpt['model_config']['d_model'] == 32
     assert ckpt['train_config']['max_iters'] == 8
     assert {'python', 'numpy', 'torch', 'cuda', 'batch'} <= set(ckpt['rng'])
@@ -1139,17 +1140,17 @@ def test_checkpoint_contents(trained):
 
 def test_missing_and_corrupt_checkpoints(data_dir, tmp_path, trained):
     args = tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume')
-    with pytest.raises(train.TrainError, match='no checkpoint at .*ckpt.pt: train one first'):
+    with pytest.raises(checkpoint.CheckpointError, match='no checkpoint at .*ckpt.pt: train one first'):
         train.main(args)
     good = open(os.path.join(trained[0], 'ckpt.pt'), 'rb').read()
     for damaged in (b'not a checkpoint', good[:len(good) // 2]):
         (tmp_path / 'ckpt.pt').write_bytes(damaged)
-        with pytest.raises(train.TrainError, match='is not a readable checkpoint .* --init_from=scratch'):
+        with pytest.raises(checkpoint.CheckpointError, match='is not a readable checkpoint .* --init_from=scratch'):
             train.main(args)
-        with pytest.raises(train.TrainError, match='is not a readable checkpoint'):
+        with pytest.raises(checkpoint.CheckpointError, match='is not a readable checkpoint'):
             sample.main([f'--out_dir={tmp_path}'])
     torch.save({'model': {}}, tmp_path / 'ckpt.pt')
-    with pytest.raises(train.TrainError, match='missing optimizer, model_config'):
+    with pytest.raises(checkpoint.CheckpointError, match='missing optimizer, model_config'):
         train.main(args)
 
 
@@ -1161,7 +1162,7 @@ def test_incompatible_checkpoints(trained, tmp_path):
              ({'tokenizer': 'no_such_tokenizer'}, "tokenizer 'no_such_tokenizer', which cannot be loaded")]
     for change, message in cases:
         torch.save({**ckpt, **change}, tmp_path / 'ckpt.pt')
-        with pytest.raises(train.TrainError, match=message):
+        with pytest.raises(checkpoint.CheckpointError, match=message):
             sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
 
 

@@ -21,7 +21,6 @@ import time
 import typing
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, fields
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import CheckpointError, link_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import ConfigError, help_text, load_config
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
@@ -82,8 +82,6 @@ seed = 1337
 # -----------------------------------------------------------------------------
 _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
 _EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
-CKPT_KEYS = ('model', 'optimizer', 'model_config', 'train_config', 'iter_num', 'best_val_loss', 'rng',
-             'data_state', 'tokenizer')
 
 
 class TrainError(RuntimeError):
@@ -206,63 +204,6 @@ def set_rng_states(rng):
     torch.set_rng_state(rng['torch'])
     if rng['cuda'] is not None and torch.cuda.is_available() and len(rng['cuda']) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(rng['cuda'])
-
-
-def save_checkpoint(ckpt, path):
-    """Write atomically: to a temporary file beside path, then rename, so path is never half-written."""
-    tmp = f'{path}.tmp'
-    with open(tmp, 'wb') as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def link_checkpoint(src, dst, ckpt):
-    """Make dst the file src without writing it again: a hard link (src is only ever replaced, never rewritten,
-    so dst stays intact), or a fresh save where the file system has no hard links."""
-    tmp = f'{dst}.tmp'
-    try:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        os.link(src, tmp)
-        os.replace(tmp, dst)
-    except OSError:
-        save_checkpoint(ckpt, dst)
-
-
-def load_checkpoint(path):
-    """Load a checkpoint onto the CPU; raise TrainError saying what to do if it is missing or unreadable."""
-    path = Path(path)
-    if not path.exists():
-        raise TrainError(f'no checkpoint at {path}: train one first (python train.py, which writes '
-                         f'out/ckpt.pt), or point --out_dir at the folder that holds it')
-    try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # ranks share the pages
-    except Exception as e:
-        raise TrainError(f'{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}). It may have '
-                         f'been cut short or written by another program: delete it and train again with '
-                         f'--init_from=scratch, or use best.pt beside it') from None
-    missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise TrainError(f'{path} is not a checkpoint of this train.py (missing {", ".join(missing)}): '
-                         f'train again with --init_from=scratch')
-    return ckpt
-
-
-def model_from_checkpoint(ckpt, path):
-    """Rebuild the model of a checkpoint (on the CPU) with clear errors for a config or weights mismatch."""
-    try:
-        model = Model(ModelConfig(**ckpt['model_config']))
-    except (TypeError, ValueError) as e:
-        raise TrainError(f'{path} holds a model config this model.py cannot build ({e}): use the model.py '
-                         f'version that wrote it, or train again with --init_from=scratch') from None
-    try:
-        model.load_state_dict(ckpt['model'])
-    except RuntimeError as e:
-        raise TrainError(f'the weights in {path} do not fit the model they describe ({str(e)[:500]}): '
-                         f'use the model.py version that wrote it, or train again') from None
-    return model
 
 
 def peak_memory_gb(device):
@@ -541,5 +482,5 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
 if __name__ == '__main__':
     try:
         main(sys.argv[1:])
-    except (ConfigError, TrainError) as e:
+    except (ConfigError, TrainError, CheckpointError) as e:
         sys.exit(f'error: {e}')
