@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 import fm_kernel
 
-try:  # optional fused Mamba-2 scan for CUDA tensors; the pure PyTorch scan below is the reference
+try:  # optional fused Mamba-2 scan and decode step for CUDA tensors; the pure PyTorch ones below are the reference
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 except ImportError:
-    mamba_chunk_scan_combined = None
+    mamba_chunk_scan_combined = selective_state_update = None
 
 MIXERS = ('fm', 'attn', 'mamba2')
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
@@ -149,12 +150,12 @@ class SwiGLU(nn.Module):
 
 # ----------------------------------------------------------------------------- Factorization Memory
 
-def memory_scan(xbar, theta, phi, eps, chunk_size):
-    """Parallel FM recurrence from a zero state -> (y, hT): Triton on CUDA (up to fm_kernel.MAX_ROWS memory rows),
-    chunked PyTorch elsewhere."""
+def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
+    """Parallel FM recurrence from h0 (None: zeros) -> (y, hT): Triton on CUDA (up to fm_kernel.MAX_ROWS memory
+    rows), chunked PyTorch elsewhere."""
     if xbar.is_cuda and xbar.dtype != torch.float64 and theta.shape[-1] <= fm_kernel.MAX_ROWS:
-        return fm_kernel.fm_scan(xbar, theta, phi, None, eps)
-    return fm_kernel.fm_scan_torch(xbar, theta, phi, None, eps, chunk_size)
+        return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
+    return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
 
 
 def memory_step(h, xbar, idx, theta, phi, eps):
@@ -193,38 +194,49 @@ class FactorizationMemory(nn.Module):
             rates = torch.sigmoid(scores[..., self.n_memory:self.n_memory + 2] + self.rates.bias.to(dtype))  # (..., 2)
         return idx, alpha, rates[..., :1], rates[..., 1:]
 
-    def forward(self, x):  # x (B, T, d_model)
+    def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
+        """-> y (B, T, d_model), state {'h'} after each row's last real token (lengths (B,); None: all T)."""
         idx, alpha, eta, mu = self.route(x)
         if idx is not None:  # the scan takes dense (B, T, M) weights, zero outside the top-k
             alpha = alpha.new_zeros(*x.shape[:-1], self.n_memory).scatter(-1, idx, alpha)
+        theta = eta * alpha
+        if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
+            theta = theta * real_positions(lengths, x.shape[1])[..., None]
         xbar = self.in_proj(x)  # (B, T, d_memory)
-        y, h = memory_scan(xbar, eta * alpha, mu * alpha, self.eps, self.chunk_size)  # y like xbar, h (B, M, d_memory)
+        h0 = None if state is None else state['h']
+        y, h = memory_scan(xbar, theta, mu * alpha, h0, self.eps, self.chunk_size)  # y like xbar, h (B, M, d_memory)
         return self.out_proj(y), {'h': h}
 
     def step(self, x, state):  # x (B, d_model)
+        """One token: updates state['h'] in place -> y (B, d_model)."""
         idx, alpha, eta, mu = self.route(x)  # alpha (B, K)
         if idx is None:
-            idx = torch.arange(self.n_memory, device=x.device).repeat(x.shape[0], 1)  # (B, M)
+            idx = torch.arange(self.n_memory, device=x.device).expand(x.shape[0], -1)  # (B, M)
         y = memory_step(state['h'], self.in_proj(x), idx, eta * alpha, mu * alpha, self.eps)  # (B, d_memory)
-        return self.out_proj(y), state
+        return self.out_proj(y)
 
-    def init_state(self, batch_size, device):
+    def init_state(self, batch_size, max_len, device):
         dtype = compute_dtype(self.in_proj.weight.dtype)
         return {'h': torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=dtype, device=device)}
 
 
 # ----------------------------------------------------------------------------- attention
 
+def real_positions(lengths, T):
+    """lengths (B,) of right-padded rows -> (B, T) bool, True at the real (non-padding) positions."""
+    return torch.arange(T, device=lengths.device) < lengths[:, None]
+
+
 def rotate(x, positions, inv_freq):
-    """RoPE, rotating the two halves of the head dim: x (B, H, T, hd), positions (T,) -> (B, H, T, hd)."""
-    angles = positions.float()[:, None] * inv_freq.float()  # (T, hd/2), float32 even in a bf16 model
+    """RoPE, rotating the two halves of the head dim: x (B, H, T, hd), positions (B, T) -> (B, H, T, hd)."""
+    angles = positions.float()[:, None, :, None] * inv_freq.float()  # (B, 1, T, hd/2), float32 even in a bf16 model
     cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.to(inv_freq.dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; decoding appends to a growing KV cache."""
+    """Causal grouped-query attention with RoPE; decoding writes into a static KV cache."""
 
     def __init__(self, config):
         super().__init__()
@@ -237,40 +249,48 @@ class Attention(nn.Module):
         inv_freq = config.rope_theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer('inv_freq', inv_freq, persistent=False)  # (hd/2,)
 
-    def project(self, x, start):
-        """x (B, T, d_model) at positions start.. -> q (B, H, T, hd), k, v (B, Hkv, T, hd)."""
+    def project(self, x, positions):
+        """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd)."""
         B, T, _ = x.shape
-        positions = torch.arange(start, start + T, device=x.device)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         return rotate(q, positions, self.inv_freq), rotate(k, positions, self.inv_freq), v
 
-    def attend(self, q, k, v, causal):
-        """q (B, H, Tq, hd), k, v (B, Hkv, Tk, hd) -> (B, Tq, d_model)."""
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)  # (B, H, Tq, hd)
-        B, H, Tq, hd = y.shape
-        return self.out_proj(y.transpose(1, 2).reshape(B, Tq, H * hd))
+    def merge_heads(self, y):
+        """(B, H, T, hd) -> out_proj over the heads: (B, T, d_model)."""
+        B, H, T, hd = y.shape
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
-    def forward(self, x):  # x (B, T, d_model)
-        q, k, v = self.project(x, 0)
-        return self.attend(q, k, v, causal=True), {'k': k, 'v': v, 'len': k.shape[2]}
+    def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
+        """-> y (B, T, d_model), state {'k', 'v' (B, Hkv, T, hd), 'pos' (B,): tokens in the cache}."""
+        if state is not None:
+            raise ValueError('attention continues from a KV cache one token at a time (step), not in a parallel pass')
+        B, T, _ = x.shape
+        q, k, v = self.project(x, torch.arange(T, device=x.device).expand(B, T))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
+        pos = torch.full((B,), T, device=x.device) if lengths is None else lengths.clone()
+        return self.merge_heads(y), {'k': k, 'v': v, 'pos': pos}
 
     def step(self, x, state):  # x (B, d_model)
-        """Writes the new key and value into the cache, doubling its capacity when it is full."""
-        t = state['len']
-        q, k, v = self.project(x[:, None], t)
-        if t == state['k'].shape[2]:
-            B, H, _, hd = state['k'].shape
-            state['k'], state['v'] = (torch.cat([c, c.new_zeros(B, H, max(t, 16), hd)], dim=2)
-                                      for c in (state['k'], state['v']))
-        state['k'][:, :, t], state['v'][:, :, t] = k[:, :, 0], v[:, :, 0]
-        state['len'] = t + 1
-        return self.attend(q, state['k'][:, :, :t + 1], state['v'][:, :, :t + 1], causal=False)[:, 0], state
+        """One token: writes its key and value at each row's position in the static cache (in place) and attends
+        over the filled part through a length mask -> y (B, d_model)."""
+        pos = state['pos']  # (B,)
+        q, k, v = self.project(x[:, None], pos[:, None])  # q (B, H, 1, hd), k, v (B, Hkv, 1, hd)
+        rows = torch.arange(len(pos), device=pos.device)
+        state['k'][rows, :, pos], state['v'][rows, :, pos] = k[:, :, 0], v[:, :, 0]
+        pos += 1
+        B, Hkv, L, hd = state['k'].shape
+        q = q.view(B, Hkv, self.n_head // Hkv, hd)  # query head h reads KV head h // (H / Hkv), as SDPA's GQA
+        scores = (q @ state['k'].transpose(-1, -2)).to(compute_dtype(q.dtype)) / math.sqrt(hd)  # (B, Hkv, H/Hkv, L)
+        filled = torch.arange(L, device=pos.device) < pos[:, None]  # (B, L)
+        probs = torch.softmax(scores.masked_fill(~filled[:, None, None], -math.inf), dim=-1)
+        y = probs.to(v.dtype) @ state['v']  # (B, Hkv, H / Hkv, hd)
+        return self.merge_heads(y.view(B, self.n_head, 1, hd))[:, 0]
 
-    def init_state(self, batch_size, device):
-        empty = self.k_proj.weight.new_zeros(batch_size, self.n_kv_head, 0, self.head_dim, device=device)
-        return {'k': empty, 'v': empty.clone(), 'len': 0}
+    def init_state(self, batch_size, max_len, device):
+        cache = self.k_proj.weight.new_zeros(batch_size, self.n_kv_head, max_len, self.head_dim, device=device)
+        return {'k': cache, 'v': cache.clone(), 'pos': torch.zeros(batch_size, dtype=torch.long, device=device)}
 
 
 # ----------------------------------------------------------------------------- Mamba-2
@@ -280,10 +300,10 @@ def pad_time(x, pad):
     return F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
 
 
-def ssd_scan(x, dt, A, B, C, chunk_size):
-    """Mamba-2 SSD in chunks, from a zero state: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
+def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
+    """Mamba-2 SSD in chunks, from h0 (None: zeros): h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
 
-    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) negative, B, C (b, T, N)
+    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) negative, B, C (b, T, N), h0 (b, H, P, N)
     -> y (b, T, H, P), hT (b, H, P, N).
     Inside a chunk the output is a masked (C B^T * decay) matrix product; the state is carried between chunks.
     """
@@ -306,7 +326,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size):
 
     decay_to_end = (log_decay[:, :, -1:] - log_decay).exp()  # (b, c, L, H)
     chunk_states = torch.einsum('bclh,bclhp,bcln->bchpn', decay_to_end, x_dt, B)  # each chunk's own end state
-    h = x.new_zeros(b, H, P, B.shape[-1])
+    h = x.new_zeros(b, H, P, B.shape[-1]) if h0 is None else h0.to(dtype)
     states_in = []  # state entering each chunk
     for c in range(n_chunks):
         states_in.append(h)
@@ -327,7 +347,7 @@ class Mamba2(nn.Module):
         self.chunk_size = config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
         self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim, padding=self.d_conv - 1)
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim)  # see conv_window
         dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform in [1e-3, 0.1]
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)
@@ -339,45 +359,76 @@ class Mamba2(nn.Module):
         """in_proj output (..., *) -> z (..., d_inner), xBC (..., conv_dim), dt (..., H)."""
         return zxbcdt.split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
 
-    def ssd(self, x, dt, B, C):
-        """x (b, T, H, P), dt (b, T, H), B, C (b, T, N) -> y (b, T, H, P), hT (b, H, P, N)."""
+    def ssd(self, x, dt, B, C, h0):
+        """x (b, T, H, P), dt (b, T, H), B, C (b, T, N), h0 (b, H, P, N) or None -> y (b, T, H, P), hT."""
         A = -torch.exp(self.A_log)
         if mamba_chunk_scan_combined is not None and x.is_cuda:
             return mamba_chunk_scan_combined(x, dt, A, B[:, :, None], C[:, :, None], self.chunk_size,
-                                             return_final_states=True)
-        return ssd_scan(x, dt, A, B, C, self.chunk_size)
+                                             initial_states=h0, return_final_states=True)
+        return ssd_scan(x, dt, A, B, C, self.chunk_size, h0)
 
-    def forward(self, u):  # u (b, T, d_model)
+    def conv_window(self, xBC, history):
+        """Causal depthwise conv + SiLU: xBC (b, L, conv_dim) after history (b, conv_dim, d_conv - 1), the inputs
+        before it -> (b, L, conv_dim), and the inputs it ran over (b, conv_dim, d_conv - 1 + L)."""
+        inputs = torch.cat([history.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)
+        out = F.conv1d(inputs, self.conv.weight, self.conv.bias, groups=self.conv_dim)  # (b, conv_dim, L)
+        return F.silu(out.transpose(1, 2)), inputs
+
+    def forward(self, u, state=None, lengths=None):  # u (b, T, d_model)
+        """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token (lengths (b,); None: T)."""
         b, T, _ = u.shape
         z, xBC, dt = self.split(self.in_proj(u))
-        xBC = xBC.transpose(1, 2)  # (b, conv_dim, T)
-        conv_state = F.pad(xBC, (max(self.d_conv - T, 0), 0))[..., -self.d_conv:]  # (b, conv_dim, d_conv) last inputs
-        xBC = F.silu(self.conv(xBC)[..., :T].transpose(1, 2))  # (b, T, conv_dim)
+        history = u.new_zeros(b, self.conv_dim, self.d_conv - 1) if state is None else state['conv']
+        xBC, inputs = self.conv_window(xBC, history)  # inputs (b, conv_dim, d_conv - 1 + T)
+        ends = torch.full((b,), T, device=u.device) if lengths is None else lengths
+        window = ends[:, None] + torch.arange(self.d_conv - 1, device=u.device)  # the d_conv - 1 inputs before the end
+        conv_state = inputs.gather(2, window[:, None].expand(-1, self.conv_dim, -1))  # (b, conv_dim, d_conv - 1)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(b, T, self.n_heads, self.head_dim)
-        y, ssm_state = self.ssd(x, F.softplus(dt + self.dt_bias), B, C)
+        dt = F.softplus(dt + self.dt_bias)  # (b, T, H)
+        if lengths is not None:  # padding changes nothing: dt = 0 is no decay and no input
+            dt = dt * real_positions(lengths, T)[..., None]
+        y, ssm_state = self.ssd(x, dt, B, C, None if state is None else state['ssm'])
         y = y + self.D[:, None] * x  # (b, T, H, P)
         y = self.norm(y.reshape(b, T, self.d_inner) * F.silu(z))
         return self.out_proj(y), {'conv': conv_state, 'ssm': ssm_state}
 
     def step(self, u, state):  # u (b, d_model)
+        """One token: updates state['conv'] and state['ssm'] in place -> y (b, d_model)."""
         z, xBC, dt = self.split(self.in_proj(u))
-        conv_state = torch.cat([state['conv'][..., 1:], xBC[..., None]], dim=-1)  # (b, conv_dim, d_conv)
-        xBC = F.silu((conv_state * self.conv.weight[:, 0]).sum(-1) + self.conv.bias)  # (b, conv_dim)
-        x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
+        xBC, inputs = self.conv_window(xBC[:, None], state['conv'])
+        state['conv'].copy_(inputs[..., 1:])
+        x, B, C = xBC[:, 0].split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(-1, self.n_heads, self.head_dim)  # (b, H, P)
-        dtype = state['ssm'].dtype
+        if selective_state_update is not None and u.is_cuda:
+            y = self.fused_ssm_step(state['ssm'], x, dt, B, C)
+        else:
+            y = self.ssm_step(state['ssm'], x, dt, B, C)
+        y = self.norm(y.reshape(-1, self.d_inner) * F.silu(z))
+        return self.out_proj(y)
+
+    def ssm_step(self, ssm, x, dt, B, C):
+        """ssm (b, H, P, N) <- exp(dt A) ssm + dt x B^T in place; -> y = ssm C + D x (b, H, P)."""
+        dtype = ssm.dtype
         dt = F.softplus(dt + self.dt_bias).to(dtype)  # (b, H)
         decay = torch.exp(dt * -torch.exp(self.A_log.to(dtype)))  # (b, H)
         x_dt = dt[..., None] * x.to(dtype)  # (b, H, P)
-        ssm = decay[..., None, None] * state['ssm'] + x_dt[..., None] * B.to(dtype)[:, None, None]  # (b, H, P, N)
-        y = torch.einsum('bhpn,bn->bhp', ssm, C.to(dtype)).to(x.dtype) + self.D[:, None] * x  # (b, H, P)
-        y = self.norm(y.reshape(-1, self.d_inner) * F.silu(z))
-        return self.out_proj(y), {'conv': conv_state, 'ssm': ssm}
+        ssm.mul_(decay[..., None, None]).add_(x_dt[..., None] * B.to(dtype)[:, None, None])
+        return torch.einsum('bhpn,bn->bhp', ssm, C.to(dtype)).to(x.dtype) + self.D[:, None] * x
 
-    def init_state(self, batch_size, device):
+    def fused_ssm_step(self, ssm, x, dt, B, C):
+        """ssm_step through mamba-ssm's fused Triton kernel (selective_state_update), which takes per-head values
+        expanded over (P, N)."""
+        b, H, P = x.shape
+        N = self.d_state
+        A = -torch.exp(self.A_log.float())[:, None, None].expand(H, P, N)
+        return selective_state_update(ssm, x, dt[..., None].expand(b, H, P), A, B[:, None], C[:, None],
+                                      D=self.D[:, None].expand(H, P), dt_bias=self.dt_bias[:, None].expand(H, P),
+                                      dt_softplus=True)
+
+    def init_state(self, batch_size, max_len, device):
         dtype = self.in_proj.weight.dtype
-        return {'conv': torch.zeros(batch_size, self.conv_dim, self.d_conv, dtype=dtype, device=device),
+        return {'conv': torch.zeros(batch_size, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device),
                 'ssm': torch.zeros(batch_size, self.n_heads, self.head_dim, self.d_state,
                                    dtype=compute_dtype(dtype), device=device)}
 
@@ -397,24 +448,14 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x):  # x (B, T, d_model)
-        y, state = self.mixer(self.mixer_norm(x))
+    def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
+        y, state = self.mixer(self.mixer_norm(x), state, lengths)
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), state
 
     def step(self, x, state):  # x (B, d_model)
-        y, state = self.mixer.step(self.mixer_norm(x), state)
-        x = x + y
-        return x + self.mlp(self.mlp_norm(x)), state
-
-
-def sample(logits, temperature, top_k):
-    """logits (B, V) -> sampled token ids (B,)."""
-    logits = logits / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)[:, 0]
+        x = x + self.mixer.step(self.mixer_norm(x), state)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Model(nn.Module):
@@ -450,13 +491,15 @@ class Model(nn.Module):
         logits = self.head(x)
         return logits.to(compute_dtype(logits.dtype))
 
-    def hidden(self, idx):
-        """idx (B, T) -> last hidden states (B, T, d_model) and the per-layer states after the last token."""
+    def hidden(self, idx, state=None, lengths=None):
+        """idx (B, T) -> last hidden states (B, T, d_model) and the per-layer states after each row's last real token.
+        state: per-layer states to continue from (fm, mamba2; None: a fresh start); lengths (B,): the real length of
+        each right-padded row (None: all T), so that no padding enters a state."""
         x = self.embed(idx)
         states = []
-        for block in self.blocks:
-            x, state = block(x)
-            states.append(state)
+        for i, block in enumerate(self.blocks):
+            x, layer_state = block(x, None if state is None else state[i], lengths)
+            states.append(layer_state)
         return x, states
 
     def forward(self, idx, targets=None):
@@ -470,39 +513,29 @@ class Model(nn.Module):
                                    ignore_index=-1)
         return logits, loss
 
-    def init_state(self, batch_size, device=None):
-        """Empty per-layer states: fm {'h'}, attn {'k', 'v', 'len'} (a KV cache that grows), mamba2 {'conv', 'ssm'}."""
+    def init_state(self, batch_size, max_len, device=None):
+        """Empty decoding states in static buffers for up to max_len tokens a row, one dict a layer: fm {'h'},
+        attn {'k', 'v' (a KV cache of max_len positions), 'pos'}, mamba2 {'conv', 'ssm'}."""
         device = self.embed.weight.device if device is None else device
-        return [block.mixer.init_state(batch_size, device) for block in self.blocks]
+        return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def step(self, tokens, state):
-        """Decode one token: tokens (B,) -> logits (B, V), new state (fm updates its state tensors in place)."""
+        """Decode one token: tokens (B,) -> logits (B, V). Updates the static buffers of state in place, so a CUDA
+        graph of this call can be replayed token after token."""
         x = self.embed(tokens)  # (B, d_model)
-        new_state = []
         for block, layer_state in zip(self.blocks, state):
-            x, layer_state = block.step(x, layer_state)
-            new_state.append(layer_state)
-        return self.logits(x), new_state
+            x = block.step(x, layer_state)
+        return self.logits(x)
 
-    def prefill(self, idx):
-        """Parallel pass over idx (B, T) -> logits (B, V) of the last position, and the state step continues."""
-        x, states = self.hidden(idx)
-        return self.logits(x[:, -1]), states
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_tokens=None):
-        """Sample max_new_tokens after idx (B, T), prefill then a step a token -> (B, T + max_new_tokens).
-        n_tokens: sample only ids below it (the tokenizer's size when the model's vocabulary is padded)."""
-        if max_new_tokens <= 0:
-            return idx
-        logits, state = self.prefill(idx)
-        tokens = [idx]
-        for i in range(max_new_tokens):
-            next_token = sample(logits[:, :n_tokens], temperature, top_k)  # (B,)
-            tokens.append(next_token[:, None])
-            if i + 1 < max_new_tokens:
-                logits, state = self.step(next_token, state)
-        return torch.cat(tokens, dim=1)
+    def prefill(self, idx, lengths=None, max_len=None):
+        """One parallel pass over right-padded prompts idx (B, T) of real lengths (B,) (None: all T) -> logits (B, V)
+        after each row's last real token, and the decoding state, in buffers for max_len tokens a row (None: T)."""
+        B, T = idx.shape
+        x, states = self.hidden(idx, lengths=lengths)
+        last = torch.full((B,), T - 1, device=idx.device) if lengths is None else lengths - 1
+        state = self.init_state(B, T if max_len is None else max_len, idx.device)
+        write_state(state, states)
+        return self.logits(x[torch.arange(B, device=idx.device), last]), state
 
     def num_params(self, non_embedding=True):
         """Parameter count; non_embedding leaves out the token embedding and the LM head (tied or not)."""
@@ -552,3 +585,143 @@ class Model(nn.Module):
         groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
                   {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+
+
+def write_state(static, states, rows=slice(None)):
+    """Copy per-layer states (as a parallel pass returns them) into rows of static decoding buffers; each tensor
+    lands in the leading part of every dimension (a KV cache of T positions in one of max_len)."""
+    for static_layer, layer in zip(static, states):
+        for name, tensor in layer.items():
+            static_layer[name][rows][tuple(slice(0, n) for n in tensor.shape)] = tensor
+
+
+# ----------------------------------------------------------------------------- generation
+
+@dataclass
+class Sampling:
+    """How the next token is drawn from the logits."""
+    temperature: float = 1.0  # 0: greedy (the most likely token)
+    top_k: int | None = None  # only the k most likely tokens
+    top_p: float = 1.0  # only the smallest set of most likely tokens whose probability reaches top_p (nucleus)
+    n_tokens: int | None = None  # only ids below this (the tokenizer's size when the model's vocabulary is padded)
+
+    def validate(self):
+        """Raise ValueError naming the first bad field and its range."""
+        if not self.temperature >= 0:
+            raise ValueError(f'temperature={self.temperature!r}: must be >= 0 (0 is greedy decoding)')
+        if self.top_k is not None and not self.top_k >= 1:
+            raise ValueError(f'top_k={self.top_k!r}: must be >= 1, or None for every token')
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f'top_p={self.top_p!r}: must be in (0, 1] (1 keeps every token)')
+
+
+def nucleus(logits, top_p):
+    """Keep the smallest set of most likely tokens whose probability reaches top_p: logits (B, V), the rest -inf."""
+    ranked, order = logits.sort(-1, descending=True)
+    probs = torch.softmax(ranked, -1)
+    dropped = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
+    return logits.scatter(-1, order, ranked.masked_fill(dropped, -math.inf))
+
+
+def sample_next(logits, sampling):
+    """logits (B, V) in float32 or more -> token ids (B,). Draws from torch's default generator (torch.manual_seed)
+    without a host sync, so that a CUDA graph can hold it."""
+    logits = logits[:, :sampling.n_tokens]
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if sampling.top_p < 1:
+        logits = nucleus(logits, sampling.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(-1)  # argmax p_i / E_i, E_i ~ Exp(1), is i with probability p_i
+
+
+class Generator:
+    """Batched generation from a Model with static buffers. The prompts are prefilled in parallel passes (right-
+    padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
+    in place; on CUDA a step is one CUDA-graph replay, captured once per batch size and length."""
+
+    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, prefill_tokens=65536):
+        sampling.validate()
+        self.model, self.sampling, self.eot = model, sampling, eot
+        self.device = model.embed.weight.device
+        self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
+        self.prefill_tokens = prefill_tokens  # rows prefilled together hold at most this many tokens (bounds memory)
+        self.shape = self.graph = None
+
+    def _allocate(self, batch_size, max_len):
+        """Static buffers (state, next tokens, finished rows) for batch_size rows of max_len tokens, and the graph."""
+        self.shape, self.graph = (batch_size, max_len), None
+        self.state = self.model.init_state(batch_size, max_len, self.device)
+        self.tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.done = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
+        if self.cuda_graph:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up outside the capture: kernel compilation, library handles
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+
+    def _step(self):
+        logits = self.model.step(self.tokens, self.state)  # (B, V)
+        self.tokens.copy_(sample_next(logits, self.sampling))
+        if self.eot is not None:
+            self.done |= self.tokens == self.eot
+
+    @torch.no_grad()
+    def start(self, prompts, max_new_tokens):
+        """Prefill prompts (lists of token ids) into buffers with room for max_new_tokens more -> the first new
+        token of each row (B,), a buffer that the next step overwrites."""
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1:
+            raise ValueError('every prompt needs at least one token')
+        shape = (len(prompts), max(lengths) + max_new_tokens)
+        if shape != self.shape:
+            self._allocate(*shape)
+        self.done.zero_()
+        rows_per_pass = max(1, self.prefill_tokens // max(lengths))
+        for first in range(0, len(prompts), rows_per_pass):
+            rows = slice(first, first + rows_per_pass)
+            group, group_lengths = prompts[rows], torch.tensor(lengths[rows], device=self.device)
+            width = max(len(p) for p in group)
+            idx = torch.tensor([p + [0] * (width - len(p)) for p in group], device=self.device)  # (rows, width)
+            x, states = self.model.hidden(idx, lengths=group_lengths)
+            write_state(self.state, states, rows)
+            last = x[torch.arange(len(group), device=self.device), group_lengths - 1]  # (rows, d_model)
+            self.tokens[rows] = sample_next(self.model.logits(last), self.sampling)
+        if self.eot is not None:
+            self.done |= self.tokens == self.eot
+        return self.tokens
+
+    @torch.no_grad()
+    def step(self):
+        """Decode one token a row -> the next tokens (B,), a buffer that the next step overwrites."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+        return self.tokens
+
+    def generate(self, prompts, max_new_tokens, on_tokens=None):
+        """New tokens for each prompt: up to max_new_tokens, a row ending at its end-of-text token (not returned).
+        on_tokens(list of B ids), if given, gets each step's tokens as they come (streaming; a host sync a token)."""
+        if max_new_tokens < 1:
+            return [[] for _ in prompts]
+        steps = [self.start(prompts, max_new_tokens).clone()]
+        while True:
+            if on_tokens is not None:
+                on_tokens(steps[-1].tolist())
+            finished = self.eot is not None and len(steps) % 16 == 0 and self.done.all()  # a host sync every 16
+            if len(steps) == max_new_tokens or finished:
+                break
+            steps.append(self.step().clone())
+        rows = torch.stack(steps, 1).tolist()  # (B, steps)
+        return [row[:row.index(self.eot)] if self.eot in row else row for row in rows]

@@ -1,28 +1,32 @@
 """
-Sample from a model trained by train.py, decoding with the recurrent step (constant memory for fm and mamba2).
+Sample from a model trained by train.py: one parallel pass over the prompt, then a constant-memory step a token
+(fm, mamba2) or a static KV cache (attn); on CUDA each step is one CUDA-graph replay. A single sample streams to
+the terminal as it is generated; several are generated as one batch.
 
     python sample.py                                   # out/ckpt.pt
-    python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=2 --max_new_tokens=300 --temperature=0.7
-    python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_k=50
+    python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --max_new_tokens=300 --temperature=0.7
+    python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
 """
 import os
 import sys
-from contextlib import nullcontext
+import time
 
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config
+from model import Generator, Sampling
 from prepare_data import get_tokenizer
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'
 ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: the best validation loss), or a path
 start = '\n'  # the prompt, or FILE:path to read it from a file
-num_samples = 3
-max_new_tokens = 500
-temperature = 0.8  # below 1: more conservative; above 1: more random
+num_samples = 3  # generated together, as one batch
+max_new_tokens = 500  # a sample also ends at the tokenizer's end-of-text token
+temperature = 0.8  # below 1: more conservative; above 1: more random; 0: always the most likely token
 top_k = None  # sample from the k most likely tokens only; None: all
+top_p = 1.0  # sample from the smallest set of most likely tokens whose probability reaches top_p; 1.0: all
 seed = 1337
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, float32 elsewhere
@@ -31,32 +35,40 @@ _DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isi
 _DEFAULTS['top_k'] = None
 
 
-def main(argv=()):
-    argv = list(argv)
-    if '-h' in argv or '--help' in argv:
-        print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS))
-        return []
+def settings(argv):
+    """The settings from argv (--key=value), checked: ConfigError names the first bad one."""
     cfg = load_config(_DEFAULTS, argv, types={'top_k': int})
     if cfg['dtype'] not in ('auto', 'float32', 'bfloat16', 'float16'):
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg['dtype']!r}")
-    if cfg['temperature'] <= 0:
-        raise ConfigError('temperature must be above 0')
-    torch.manual_seed(cfg['seed'])
-    device = torch.device(cfg['device'])
-    dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else ('bfloat16' if device.type == 'cuda' else 'float32')
-    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device.type, dtype=getattr(torch, dtype))
+    if cfg['num_samples'] < 1 or cfg['max_new_tokens'] < 1:
+        raise ConfigError('num_samples and max_new_tokens must be at least 1')
+    try:
+        Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p']).validate()
+        device = torch.device(cfg['device'])
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(str(e)) from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ConfigError(f"--device={cfg['device']}: this machine has no CUDA GPU (or this torch has no CUDA); "
+                          f"use --device=cpu")
+    return cfg
 
+
+def load(cfg):
+    """The checkpoint's model on the device in the chosen dtype, eval mode, and its tokenizer."""
     path = os.path.join(cfg['out_dir'], cfg['ckpt'])
     checkpoint = load_checkpoint(path)  # onto the CPU first
     model = model_from_checkpoint(checkpoint, path)
     try:
         tok = get_tokenizer(checkpoint['tokenizer'])
     except Exception as e:
-        raise CheckpointError(f'{path} was trained with tokenizer {checkpoint["tokenizer"]!r}, which cannot be loaded '
-                         f'here ({e}); install what it needs (see requirements.txt)') from None
-    del checkpoint
-    model.eval().to(device)
+        raise CheckpointError(f'{path} was trained with tokenizer {checkpoint["tokenizer"]!r}, which cannot be '
+                              f'loaded here ({e}); install what it needs (see requirements.txt)') from None
+    device = torch.device(cfg['device'])
+    dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else ('bfloat16' if device.type == 'cuda' else 'float32')
+    return model.eval().to(device, getattr(torch, dtype)), tok  # the memory states stay float32
 
+
+def prompt_ids(cfg, tok, vocab_size):
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
         if not os.path.isfile(prompt[5:]):
@@ -64,17 +76,54 @@ def main(argv=()):
         with open(prompt[5:], encoding='utf-8') as f:
             prompt = f.read()
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
-    if max(ids) >= model.config.vocab_size:
-        raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
-                         f'is {path} from another tokenizer?')
-    idx = torch.tensor(ids, dtype=torch.long, device=device)[None].repeat(cfg['num_samples'], 1)
-    with torch.no_grad(), ctx:
-        out = model.generate(idx, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None,
-                             n_tokens=tok.vocab_size)  # never the padding ids of a padded vocabulary
-    samples = [tok.decode(row.tolist()) for row in out]
-    for text in samples:
+    if max(ids) >= vocab_size:
+        raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {vocab_size}: '
+                              f'is the checkpoint from another tokenizer?')
+    return ids
+
+
+class Stream:
+    """Prints one sample's text as its tokens arrive (holding back an incomplete UTF-8 character)."""
+
+    def __init__(self, tok, prompt):
+        self.tok, self.ids, self.shown = tok, [], ''
+        print(tok.decode(prompt), end='', flush=True)
+
+    def __call__(self, tokens):
+        if self.tok.eot is not None and tokens[0] == self.tok.eot:
+            return
+        self.ids.append(tokens[0])
+        text = self.tok.decode(self.ids)
+        if not text.endswith('\ufffd'):
+            print(text[len(self.shown):], end='', flush=True)
+            self.shown = text
+
+
+def main(argv=()):
+    argv = list(argv)
+    if '-h' in argv or '--help' in argv:
+        print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS))
+        return []
+    cfg = settings(argv)
+    model, tok = load(cfg)
+    ids = prompt_ids(cfg, tok, model.config.vocab_size)
+    sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'], n_tokens=tok.vocab_size)  # no padding ids
+    generator = Generator(model, sampling, eot=tok.eot)
+    stream = Stream(tok, ids) if cfg['num_samples'] == 1 else None
+    torch.manual_seed(cfg['seed'])
+    begin = time.perf_counter()
+    new = generator.generate([ids] * cfg['num_samples'], cfg['max_new_tokens'], on_tokens=stream)
+    seconds = time.perf_counter() - begin
+    samples = [tok.decode(ids + row) for row in new]
+    for text in ([] if stream else samples):
         print(text)
         print('---------------')
+    if stream:
+        print('\n---------------')
+    n_tokens = sum(len(row) for row in new)
+    print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s '
+          f'(prompt of {len(ids)} tokens, batch {cfg["num_samples"]}, {generator.device}, '
+          f'{"CUDA graph" if generator.cuda_graph else "eager"})', file=sys.stderr)
     return samples
 
 

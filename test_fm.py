@@ -32,7 +32,7 @@ import checkpoint
 from configurator import ConfigError, load_config
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
-from model import FactorizationMemory, Model, ModelConfig
+from model import FactorizationMemory, Generator, Model, ModelConfig, Sampling, sample_next
 from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens, prepare
 
 CUDA = torch.cuda.is_available()
@@ -441,19 +441,151 @@ def test_step_and_prefill_match_forward(name):
     idx = torch.randint(0, 64, (2, 37))
     logits, _ = model(idx)  # (B, T, V)
 
-    state = model.init_state(2)
-    stepped = []
-    for t in range(idx.shape[1]):
-        step_logits, state = model.step(idx[:, t], state)
-        stepped.append(step_logits)
-    assert rel_err(torch.stack(stepped, 1), logits) < 1e-9
+    state = model.init_state(2, max_len=37)
+    stepped = torch.stack([model.step(idx[:, t], state) for t in range(idx.shape[1])], 1)
+    assert rel_err(stepped, logits) < 1e-12
 
-    last_logits, state = model.prefill(idx[:, :21])
-    continued = [last_logits]
-    for t in range(21, idx.shape[1]):
-        step_logits, state = model.step(idx[:, t], state)
-        continued.append(step_logits)
-    assert rel_err(torch.stack(continued, 1), logits[:, 20:]) < 1e-9
+    last_logits, state = model.prefill(idx[:, :21], max_len=40)  # a cache with room to spare
+    continued = [last_logits] + [model.step(idx[:, t], state) for t in range(21, idx.shape[1])]
+    assert rel_err(torch.stack(continued, 1), logits[:, 20:]) < 1e-12
+
+
+@pytest.mark.parametrize('name', MIXERS)
+def test_ragged_prefill_gives_each_row_its_own_state(name):
+    """Prompts of different lengths, right-padded in one pass: each row's logits and decoding state are what the
+    row alone gives (no padding token enters a recurrent state or the KV cache that is read)."""
+    torch.manual_seed(1)
+    model = Model(tiny_config(init_std=0.1, **MIXERS[name])).double().eval()
+    idx = torch.randint(0, 64, (3, 37))
+    lengths = torch.tensor([37, 5, 20])
+    logits, state = model.prefill(idx, lengths, max_len=45)
+    following = torch.randint(0, 64, (3, 6))
+    stepped = torch.stack([logits] + [model.step(following[:, t], state) for t in range(6)], 1)  # (3, 7, V)
+    for row, n in enumerate(lengths.tolist()):
+        alone, _ = model(torch.cat([idx[row:row + 1, :n], following[row:row + 1]], 1))
+        assert rel_err(stepped[row], alone[0, n - 1:]) < 1e-12, (row, n)
+
+
+@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'mamba2'])
+def test_chunked_pass_carries_the_state(name):
+    """Recurrent mixers run a long text in chunks, each continuing from the last one's state: the same hidden
+    states and final state as one pass (eval.py relies on this for bounded memory at any length)."""
+    torch.manual_seed(2)
+    model = Model(tiny_config(init_std=0.1, **MIXERS[name])).double().eval()
+    idx = torch.randint(0, 64, (2, 50))
+    whole, whole_state = model.hidden(idx)
+    parts, state = [], None
+    for start in (0, 7, 30):  # chunks of 7, 23 and 20 tokens, none a multiple of the scan's chunk of 16
+        x, state = model.hidden(idx[:, start:start + {0: 7, 7: 23, 30: 20}[start]], state)
+        parts.append(x)
+    assert rel_err(torch.cat(parts, 1), whole) < 1e-12
+    for got, want in zip(state, whole_state):
+        assert all(rel_err(got[k], want[k]) < 1e-12 for k in want)
+
+
+def test_attention_refuses_a_parallel_pass_from_a_state():
+    model = Model(tiny_config(mixer='attn'))
+    _, state = model.hidden(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match='one token at a time'):
+        model.hidden(torch.zeros(1, 4, dtype=torch.long), state)
+
+
+def test_static_kv_cache_ignores_capacity_and_stale_entries():
+    """The static cache attends only over its filled part: the same logits for any capacity, and with garbage
+    written beyond each row's position."""
+    torch.manual_seed(3)
+    model = Model(tiny_config(mixer='attn', init_std=0.1)).double().eval()
+    idx = torch.randint(0, 64, (2, 30))
+    runs = []
+    for max_len, garbage in ((30, False), (64, True)):
+        logits, state = model.prefill(idx[:, :10], max_len=max_len)
+        if garbage:
+            for layer in state:
+                layer['k'][:, :, 10:], layer['v'][:, :, 10:] = 1e3, -1e3
+        runs.append(torch.stack([logits] + [model.step(idx[:, t], state) for t in range(10, 30)], 1))
+    assert rel_err(runs[1], runs[0]) < 1e-14
+    assert rel_err(runs[0], model(idx)[0][:, 9:]) < 1e-12
+
+
+@pytest.mark.parametrize('name', MIXERS)
+def test_greedy_generation_is_argmax_of_the_forward(name):
+    """Batched prompts of different lengths, greedy: each row's tokens are the argmax of the full forward pass
+    over its own prompt and tokens so far, token by token."""
+    torch.manual_seed(4)
+    model = Model(tiny_config(init_std=0.3, **MIXERS[name])).double().eval()
+    prompts = [torch.randint(0, 64, (n,)).tolist() for n in (9, 2, 17)]
+    generated = Generator(model, Sampling(temperature=0)).generate(prompts, max_new_tokens=8)
+    for prompt, new in zip(prompts, generated):
+        assert len(new) == 8
+        tokens = list(prompt)
+        for _ in range(8):
+            tokens.append(model(torch.tensor([tokens]))[0][0, -1].argmax().item())
+        assert new == tokens[len(prompt):]
+
+
+def test_generation_stops_each_row_at_end_of_text():
+    torch.manual_seed(5)
+    model = Model(tiny_config(mixer='fm', init_std=0.3)).eval()
+    prompts = [[1, 2, 3], [4, 5]]
+    free = Generator(model, Sampling(temperature=0)).generate(prompts, max_new_tokens=6)
+    eot = free[1][2]  # row 1 emits this at its third token: row 1 stops there
+    stopped = Generator(model, Sampling(temperature=0), eot=eot).generate(prompts, max_new_tokens=6)
+    assert stopped[1] == free[1][:free[1].index(eot)]
+    assert stopped[0] == (free[0][:free[0].index(eot)] if eot in free[0] else free[0])
+    streamed = []
+    Generator(model, Sampling(temperature=0)).generate(prompts, 6, on_tokens=streamed.append)
+    assert [list(row) for row in zip(*streamed)] == free
+
+
+def test_seeded_sampling_is_reproducible():
+    model = Model(tiny_config(mixer='fm', init_std=0.3)).eval()
+    generator = Generator(model, Sampling(temperature=1.0, top_k=20, top_p=0.9))
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(generator.generate([[1, 2, 3]] * 4, max_new_tokens=20))
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert len({tuple(row) for row in runs[0]}) > 1  # rows draw independently
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.05, 0.3, 0.15], [0.25, 0.25, 0.25, 0.25]])
+    kept = model_module.nucleus(probs.log(), 0.8).isfinite()
+    assert kept.tolist() == [[True, False, True, False], [True, True, True, True]]  # 0.5 + 0.3 reaches 0.8
+    kept = model_module.nucleus(probs.log(), 0.81).isfinite()
+    assert kept[0].tolist() == [True, False, True, True]
+    assert model_module.nucleus(probs.log(), 1e-6).isfinite().sum(-1).tolist() == [1, 1]
+    torch.manual_seed(0)
+    draws = torch.stack([sample_next(probs.log(), Sampling(top_p=0.8)) for _ in range(2000)])
+    counts = torch.bincount(draws[:, 0], minlength=4).double() / 2000  # renormalised 0.5 : 0.3
+    assert counts[1] == counts[3] == 0 and abs(counts[0] - 0.625) < 0.04
+
+
+def test_sampling_follows_the_probabilities():
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.6, 0.3, 0.1, 0.0]])
+    draws = torch.cat([sample_next(probs.log(), Sampling()) for _ in range(4000)])
+    freq = torch.bincount(draws, minlength=4).double() / 4000
+    assert (freq - probs[0].double()).abs().max() < 0.03 and freq[3] == 0
+    assert sample_next(probs.log(), Sampling(top_k=1, temperature=2.0)).item() == 0
+    assert sample_next(probs.log(), Sampling(temperature=0)).item() == 0
+    assert sample_next(torch.tensor([[0.0, 5.0, 1.0]]), Sampling(n_tokens=1)).item() == 0  # ids >= n_tokens never
+
+
+@pytest.mark.parametrize('field, value', [('temperature', -1.0), ('top_k', 0), ('top_p', 0.0), ('top_p', 1.5)])
+def test_bad_sampling_settings_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        Sampling(**{field: value}).validate()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize('name', MIXERS)
+def test_cuda_graph_decoding_equals_eager_gpu(name):
+    torch.manual_seed(6)
+    model = Model(tiny_config(init_std=0.3, **MIXERS[name])).cuda().eval()
+    prompts = [torch.randint(0, 64, (n,)).tolist() for n in (9, 2, 17)]
+    runs = [Generator(model, Sampling(temperature=0), cuda_graph=graph).generate(prompts, 12) for graph in (False, True)]
+    assert runs[0] == runs[1]
 
 
 @needs_triton
@@ -464,11 +596,11 @@ def test_step_matches_forward_through_the_triton_kernels(top_k):
     model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1)).to(DEVICE).eval()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, eps, chunk: fm_scan(x, theta, phi, None, eps))
+        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, chunk: fm_scan(x, theta, phi, h0, eps))
         patch.setattr(model_module, 'memory_step', fm_step)
         logits, _ = model(idx)
-        state = model.init_state(2, DEVICE)
-        stepped = [model.step(idx[:, t], state)[0] for t in range(idx.shape[1])]
+        state = model.init_state(2, 37, DEVICE)
+        stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
     assert rel_err(torch.stack(stepped, 1), logits) < 1e-5
 
 
@@ -493,7 +625,7 @@ def test_overfits_one_batch(name):
 def using_scan(scan):
     """Context in which the model's FM layers run `scan` (a function like fm_scan)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, eps, chunk: scan(x, theta, phi, None, eps))
+        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, chunk: scan(x, theta, phi, h0, eps))
         yield
 
 
@@ -624,24 +756,6 @@ def test_bf16_autocast_trains(name):
     assert all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
     expected = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets[:, :-1].flatten())
     torch.testing.assert_close(loss, expected)
-
-
-@pytest.mark.parametrize('name', MIXERS)
-def test_generate(name):
-    torch.manual_seed(0)
-    model = Model(tiny_config(init_std=0.1, **MIXERS[name]))
-    prompt = torch.randint(0, 64, (2, 5))
-    out = model.generate(prompt, max_new_tokens=7, temperature=0.8, top_k=10)
-    assert out.shape == (2, 12) and torch.equal(out[:, :5], prompt)
-    assert out.min() >= 0 and out.max() < 64
-    assert torch.equal(model.generate(prompt, max_new_tokens=0), prompt)
-
-    greedy = model.generate(prompt, max_new_tokens=6, top_k=1)  # top_k=1 is argmax decoding
-    expected = prompt
-    for _ in range(6):
-        next_token = model(expected)[0][:, -1].argmax(-1, keepdim=True)
-        expected = torch.cat([expected, next_token], 1)
-    assert torch.equal(greedy, expected)
 
 
 # ----------------------------------------------------------------------------- config and accounting
@@ -1175,8 +1289,23 @@ def test_sample(trained, tmp_path):
                          '--num_samples=1', '--max_new_tokens=20', '--top_k=5', '--temperature=0.5'])
     assert again[0].startswith('To be')
     run = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out_dir}', '--num_samples=1',
-                          '--max_new_tokens=10', '--seed=1'], cwd=REPO, capture_output=True, text=True)
-    assert run.returncode == 0 and '---------------' in run.stdout, run.stderr
+                          '--max_new_tokens=10', '--seed=1', '--start=ROMEO:'], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith('ROMEO:') and '---------------' in run.stdout, run.stderr
+    assert 'tokens/s' in run.stderr
+
+
+@pytest.mark.parametrize('arg, message', [('--top_k=-2', 'top_k=-2: must be >= 1'), ('--top_p=1.5', 'top_p=1.5'),
+                                          ('--temperature=-1', 'temperature=-1'), ('--num_samples=0', 'num_samples'),
+                                          ('--device=nope', 'nope')]
+                         + ([] if CUDA else [('--device=cuda', 'no CUDA GPU')]))
+def test_sample_refuses_bad_settings(trained, arg, message):
+    with pytest.raises(ConfigError, match=message):
+        sample.main([f'--out_dir={trained[0]}', arg])
+
+
+def test_sample_streams_what_it_returns(trained, capsys):
+    text = sample.main([f'--out_dir={trained[0]}', '--num_samples=1', '--max_new_tokens=30', '--start=To be'])[0]
+    assert capsys.readouterr().out == text + '\n---------------\n'
 
 
 def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
