@@ -3,9 +3,10 @@
     python bench.py kernels      # fm_scan vs fm_scan_torch vs SDPA vs Mamba-2 SSD vs GLA; decode; accuracy
     python bench.py stages       # time of each fm_scan kernel, to see where the time goes
     python bench.py train        # training tokens/s, MFU, peak memory: fm_1b vs transformer_1b vs mamba2_1b
-    python bench.py generate     # per-token decode latency after a long prompt, same three models
+    python bench.py generate     # prefill and decode after long prompts: fm_1b (k = 8, dense), mamba2_1b,
+                                 # the published mamba2-1.3b shape, transformer_1b; context sweep and plot
 
-Shapes (DESIGN.md section 5): one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
+Kernel shapes: one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
 T in {1024, 2048, 8192, 16384}; decode at batch 1 and 64 against a 16K-token KV cache.
 Timing: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph): GPU time without Python's launch
 overhead (timed eagerly, fm_scan's forward+backward took 2.8 ms, 1.4 ms more than replayed); fresh random inputs.
@@ -14,7 +15,9 @@ Mamba-2 peers need `mamba-ssm` (its Triton parts; see README), the gated linear 
 """
 
 import argparse
+import os
 import sys
+import time
 import types
 
 import torch
@@ -122,7 +125,7 @@ def gla_as_fm(x, theta, phi, h0):
 
 
 def simple_gla_inputs(B, T):
-    """DESIGN section 5's fla peer: 16 heads x 128 x 128, one scalar log-decay a head and token."""
+    """A common GLA shape: 16 heads x 128 x 128, one scalar log-decay a head and token."""
     q, k, v = (torch.randn(B, T, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     g = F.logsigmoid(torch.randn(B, T, 16, device="cuda") + 4)
     return [q, k, v, g]
@@ -272,6 +275,13 @@ def bench_stages():
     print_table(rows)
 
 
+def config_value(path, key):
+    """The value of one setting in a config/*.py file as train.py reads it."""
+    import train
+    from configurator import load_config
+    return load_config(train.default_config(), [path], train.optional_types())[key]
+
+
 def model_from_config_file(path, vocab_size, **overrides):
     """A Model built from a config/*.py file as train.py reads it (ModelConfig fields only)."""
     import train
@@ -294,7 +304,6 @@ def train_step(model, optimizer, batch, autocast):
 
 def bench_train(args):
     """Training steps (AdamW, bf16 autocast, optionally compiled) on random tokens of the 1B configs."""
-    import time
     import train
     _, autocast = train.precision("bfloat16", "cuda")  # as train.py: bf16 autocast, TF32 where float32 remains
     rows = []
@@ -370,29 +379,139 @@ def kernel_kind(name):
     return next((kind for kind, keys in kinds if any(key in name.lower() for key in keys)), "other")
 
 
+GENERATE_MODELS = (  # (name, config file, ModelConfig overrides, use mamba-ssm's fused decode step)
+    ("fm_1b k=8", "config/fm_1b.py", {}, False),
+    ("fm_1b dense", "config/fm_1b.py", {"top_k": None}, False),
+    ("mamba2_1b", "config/mamba2_1b.py", {}, False),
+    ("mamba2_1b fused", "config/mamba2_1b.py", {}, True),
+    ("mamba2-1.3b fused", "config/mamba2_1.3b.py", {}, True),
+    ("transformer_1b", "config/transformer_1b.py", {}, False),
+)
+VOCAB_SIZES = {"cl100k_base": 100288, "gpt-neox": 50288}  # the tokenizers' sizes, padded as the models have them
+
+
+def step_state_bytes(model, context):
+    """Bytes of decoding state one step reads and writes for one sequence after `context` tokens: the k memory
+    rows of FM (read and written, float32), Mamba-2's SSM and conv states, attention's filled KV cache (read)."""
+    c, total = model.config, 0
+    for block in model.blocks:
+        state = block.mixer.init_state(1, 1, "meta")
+        if c.mixer == "fm":
+            total += 2 * c.k * c.memory_dim * state["h"].element_size()
+        elif c.mixer == "mamba2":
+            total += 2 * sum(t.numel() * t.element_size() for t in state.values())
+        else:
+            total += 2 * context * state["k"][0, :, 0].numel() * state["k"].element_size()
+    return total
+
+
+def decode_ms(generator, n_tokens):
+    """Median ms a token of CUDA-graph steps (batches of n_tokens between events, three repeats)."""
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n_tokens):
+            generator.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n_tokens)
+    return sorted(times)[1]
+
+
+def prefill_ms(generator, prompts):
+    """ms of Generator.start (the parallel pass, its state written into the buffers), best of two."""
+    times = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        generator.start(prompts, 1)
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - begin))
+    return min(times)
+
+
+def measure_decode(model, batch, prompt_len, args, bandwidth, vocab):
+    """Prefill `batch` random prompts of prompt_len tokens, then time greedy decoding: ms/token, peak GB, floor."""
+    from model import Generator, Sampling
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    generator = Generator(model, Sampling(temperature=0))
+    prompts = torch.randint(vocab, (batch, prompt_len)).tolist()
+    generator.start(prompts, args.new_tokens * 7)  # room for the warm-up and the three timed repeats
+    prefill_peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.new_tokens):  # warm-up
+        generator.step()
+    ms = decode_ms(generator, args.new_tokens)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor_ms = (weights + batch * step_state_bytes(model, prompt_len)) / bandwidth * 1e3
+    return {"ms/token": ms, "tokens/s": batch * 1e3 / ms, "floor ms": floor_ms, "of floor %": 100 * floor_ms / ms,
+            "peak GB prefill": prefill_peak, "peak GB decode": torch.cuda.max_memory_allocated() / 2**30}
+
+
 def bench_generate(args):
-    """Decode latency per token at batch 1 after a prompt of args.prompt tokens (bf16 weights)."""
-    rows = []
-    for path in args.configs:
-        model = model_from_config_file(path, args.vocab_size).cuda().to(torch.bfloat16).eval()
-        prompt = torch.randint(args.vocab_size, (1, args.prompt), device="cuda")
-        with torch.no_grad():
-            logits, state = model.prefill(prompt)
-            token = logits.argmax(-1)
-            for _ in range(5):  # warm-up
-                logits, state = model.step(token, state)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.new_tokens):
-                logits, state = model.step(logits.argmax(-1), state)
-            end.record()
-            torch.cuda.synchronize()
-        rows.append({"config": path.split("/")[-1], "ms/token": start.elapsed_time(end) / args.new_tokens})
-        print(rows[-1], flush=True)
-        del model, state
-    print(f"\ngeneration at batch 1 after a {args.prompt}-token prompt, {args.new_tokens} tokens, "
-          f"bf16 weights, eager step() calls")
+    """Decoding after long prompts, every model in one run (random bf16 weights at the 1B shapes): prefill time,
+    decode ms/token at batch 1 and 64 after args.prompt tokens, a context sweep at batch 1, the bandwidth floor
+    (weights + the state a step touches, over the copy bandwidth measured now) and the share of it reached."""
+    import model as model_module
+    from model import Generator, Sampling
+    fused_step = model_module.selective_state_update
+    bandwidth = measure_ceilings()[0]
+    rows, sweep = [], {}
+    for name, path, overrides, fused in GENERATE_MODELS:
+        if fused and fused_step is None:
+            print(f"{name}: skipped (needs mamba-ssm)")
+            continue
+        model_module.selective_state_update = fused_step if fused else None
+        vocab = VOCAB_SIZES[config_value(path, "tokenizer")]
+        with torch.device("cuda"):
+            model = model_from_config_file(path, vocab, **overrides).to(torch.bfloat16).eval()
+        prompt = torch.randint(vocab, (1, args.prompt)).tolist()
+        row = {"model": name, "params M": model.num_params(non_embedding=False) / 1e6,
+               "prefill ms": prefill_ms(Generator(model, Sampling(temperature=0)), prompt)}
+        for batch in args.batch:
+            result = measure_decode(model, batch, args.prompt, args, bandwidth, vocab)
+            row.update({f"b{batch} {key}": value for key, value in result.items()})
+        rows.append(row)
+        print(row, flush=True)
+        sweep[name] = {n: measure_decode(model, 1, n, args, bandwidth, vocab) for n in args.sweep}
+        print({n: round(r["ms/token"], 3) for n, r in sweep[name].items()}, flush=True)
+        del model
+    model_module.selective_state_update = fused_step
+    print(f"\ngeneration: greedy, one CUDA graph a step (every layer, head, sampling), random bf16 weights; "
+          f"prefill of one {args.prompt}-token prompt; decode after {args.prompt}-token prompts, median of 3 x "
+          f"{args.new_tokens} tokens; floor = (weights + batch x state a step touches) / copy "
+          f"{bandwidth / 1e12:.2f} TB/s measured now")
     print_table(rows)
+    print("\ncontext sweep at batch 1: decode ms/token (peak GB during decode) after a prompt of n tokens")
+    print_table([{"model": name, **{str(n): f"{r['ms/token']:.3f} ({r['peak GB decode']:.2f})"
+                                    for n, r in runs.items()}} for name, runs in sweep.items()])
+    plot_sweep(sweep, args)
+
+
+def plot_sweep(sweep, args):
+    """decode ms/token against prompt length, one line a model (the paper's Figure 6), into args.out_dir."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, runs in sweep.items():
+        ax.plot(list(runs), [r["ms/token"] for r in runs.values()], marker="o", label=name)
+    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="decode ms / token (batch 1)",
+           title=f"decoding on {torch.cuda.get_device_name()}")
+    ax.set_xticks(list(next(iter(sweep.values()))), [f"{n // 1024}K" for n in next(iter(sweep.values()))])
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, "generate_sweep.png")
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    print(f"plot: {path}")
 
 
 def print_table(rows):
@@ -417,8 +536,12 @@ def main():
     parser.add_argument("--compile", type=int, default=1)
     parser.add_argument("--compile_mode", default="default", help="torch.compile mode (train)")
     parser.add_argument("--profile", action="store_true", help="train: also print one step's GPU time by kernel")
-    parser.add_argument("--prompt", type=int, default=16384)
-    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=16384, help="generate: prompt length")
+    parser.add_argument("--new_tokens", type=int, default=64, help="generate: tokens a timing")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="generate: batch sizes")
+    parser.add_argument("--sweep", type=int, nargs="+", default=[1024, 4096, 16384, 65536],
+                        help="generate: prompt lengths of the context sweep at batch 1")
+    parser.add_argument("--out_dir", default="out-bench", help="where plots go")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py times GPU kernels: run it on a machine with a CUDA GPU")

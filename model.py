@@ -39,7 +39,7 @@ class ModelConfig:
     n_layer: int = 4
     d_model: int = 256
     mixer: str = 'fm'
-    d_ff: int | None = None  # SwiGLU hidden size; None -> 8/3 d_model rounded up to a multiple of 64
+    d_ff: int | None = None  # SwiGLU hidden size; None -> 8/3 d_model rounded up to a multiple of 64; 0: no MLP
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -97,7 +97,8 @@ class ModelConfig:
                       'must be positive' + (' or None' if optional else ''))
 
         positive('vocab_size', 'block_size', 'n_layer', 'd_model', 'norm_eps', 'init_std')
-        positive('d_ff', optional=True)
+        check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff >= 0), 'd_ff',
+              'must be >= 0 (0: blocks without an MLP, as the original Mamba-2) or None')
         check(self.mixer in MIXERS, 'mixer', f"unknown mixer; use one of {', '.join(MIXERS)}")
         if self.mixer == 'fm':
             positive('n_memory', 'tau', 'fm_eps', 'chunk_size')
@@ -439,23 +440,25 @@ MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}
 
 
 class Block(nn.Module):
-    """x + mixer(norm(x)), then x + mlp(norm(x))."""
+    """x + mixer(norm(x)), then x + mlp(norm(x)) unless d_ff = 0."""
 
     def __init__(self, config):
         super().__init__()
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = MIXER_CLASSES[config.mixer](config)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config)
+        has_mlp = config.ffn_dim > 0
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if has_mlp else None
+        self.mlp = SwiGLU(config) if has_mlp else None
+
+    def add_mlp(self, x):
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         y, state = self.mixer(self.mixer_norm(x), state, lengths)
-        x = x + y
-        return x + self.mlp(self.mlp_norm(x)), state
+        return self.add_mlp(x + y), state
 
     def step(self, x, state):  # x (B, d_model)
-        x = x + self.mixer.step(self.mixer_norm(x), state)
-        return x + self.mlp(self.mlp_norm(x))
+        return self.add_mlp(x + self.mixer.step(self.mixer_norm(x), state))
 
 
 class Model(nn.Module):
@@ -645,12 +648,12 @@ class Generator:
     padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
     in place; on CUDA a step is one CUDA-graph replay, captured once per batch size and length."""
 
-    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, prefill_tokens=65536):
+    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, prefill_tokens=16384):
         sampling.validate()
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
-        self.prefill_tokens = prefill_tokens  # rows prefilled together hold at most this many tokens (bounds memory)
+        self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
         self.shape = self.graph = None
 
     def _allocate(self, batch_size, max_len):
@@ -686,20 +689,27 @@ class Generator:
         shape = (len(prompts), max(lengths) + max_new_tokens)
         if shape != self.shape:
             self._allocate(*shape)
-        self.done.zero_()
         rows_per_pass = max(1, self.prefill_tokens // max(lengths))
         for first in range(0, len(prompts), rows_per_pass):
             rows = slice(first, first + rows_per_pass)
-            group, group_lengths = prompts[rows], torch.tensor(lengths[rows], device=self.device)
-            width = max(len(p) for p in group)
-            idx = torch.tensor([p + [0] * (width - len(p)) for p in group], device=self.device)  # (rows, width)
-            x, states = self.model.hidden(idx, lengths=group_lengths)
+            last, states = self._prefill(prompts[rows])
             write_state(self.state, states, rows)
-            last = x[torch.arange(len(group), device=self.device), group_lengths - 1]  # (rows, d_model)
             self.tokens[rows] = sample_next(self.model.logits(last), self.sampling)
-        if self.eot is not None:
-            self.done |= self.tokens == self.eot
+        self.done.copy_(self.tokens == self.eot) if self.eot is not None else self.done.zero_()
         return self.tokens
+
+    def _prefill(self, prompts):
+        """Parallel passes over right-padded prompts -> the hidden state after each one's last token (B, d_model)
+        and the per-layer states. A recurrent model takes a prompt longer than prefill_tokens (then alone: see
+        start) in pieces, carrying its state, so that memory does not grow with the prompt; attention takes it whole."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
+        width = int(lengths.max())
+        idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)
+        piece = width if self.model.config.mixer == 'attn' else self.prefill_tokens
+        states = None
+        for start in range(0, width, piece):
+            x, states = self.model.hidden(idx[:, start:start + piece], states, (lengths - start).clamp(max=piece))
+        return x[torch.arange(len(prompts), device=self.device), lengths - 1 - start], states  # in the last piece
 
     @torch.no_grad()
     def step(self):

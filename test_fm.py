@@ -510,11 +510,13 @@ def test_static_kv_cache_ignores_capacity_and_stale_entries():
 @pytest.mark.parametrize('name', MIXERS)
 def test_greedy_generation_is_argmax_of_the_forward(name):
     """Batched prompts of different lengths, greedy: each row's tokens are the argmax of the full forward pass
-    over its own prompt and tokens so far, token by token."""
+    over its own prompt and tokens so far, token by token; also when the prefill runs a row at a time and a
+    recurrent model takes its prompt in pieces of 5 tokens."""
     torch.manual_seed(4)
     model = Model(tiny_config(init_std=0.3, **MIXERS[name])).double().eval()
     prompts = [torch.randint(0, 64, (n,)).tolist() for n in (9, 2, 17)]
     generated = Generator(model, Sampling(temperature=0)).generate(prompts, max_new_tokens=8)
+    assert Generator(model, Sampling(temperature=0), prefill_tokens=5).generate(prompts, 8) == generated
     for prompt, new in zip(prompts, generated):
         assert len(new) == 8
         tokens = list(prompt)
