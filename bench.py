@@ -436,7 +436,7 @@ def measure_decode(model, batch, prompt_len, args, bandwidth, vocab):
     from model import Generator, Sampling
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    generator = Generator(model, Sampling(temperature=0))
+    generator = Generator(model, Sampling(temperature=0), compile=args.compile_mode if args.compile else None)
     prompts = torch.randint(vocab, (batch, prompt_len)).tolist()
     generator.start(prompts, args.new_tokens * 7)  # room for the warm-up and the three timed repeats
     prefill_peak = torch.cuda.max_memory_allocated() / 2**30
@@ -478,8 +478,11 @@ def bench_generate(args):
         sweep[name] = {n: measure_decode(model, 1, n, args, bandwidth, vocab) for n in args.sweep}
         print({n: round(r["ms/token"], 3) for n, r in sweep[name].items()}, flush=True)
         del model
+        torch._dynamo.reset()  # a fresh compile for the next model (its guards would otherwise pile up)
     model_module.selective_state_update = fused_step
-    print(f"\ngeneration: greedy, one CUDA graph a step (every layer, head, sampling), random bf16 weights; "
+    print(f"\ngeneration: greedy, one CUDA graph a step (every layer, head, sampling; compile={args.compile}, "
+          f"{args.compile_mode}), "
+          f"random bf16 weights; "
           f"prefill of one {args.prompt}-token prompt; decode after {args.prompt}-token prompts, median of 3 x "
           f"{args.new_tokens} tokens; floor = (weights + batch x state a step touches) / copy "
           f"{bandwidth / 1e12:.2f} TB/s measured now")
@@ -534,7 +537,7 @@ def main():
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", type=int, default=1)
-    parser.add_argument("--compile_mode", default="default", help="torch.compile mode (train)")
+    parser.add_argument("--compile_mode", default="default", help="torch.compile mode (train, generate)")
     parser.add_argument("--profile", action="store_true", help="train: also print one step's GPU time by kernel")
     parser.add_argument("--prompt", type=int, default=16384, help="generate: prompt length")
     parser.add_argument("--new_tokens", type=int, default=64, help="generate: tokens a timing")

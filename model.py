@@ -184,8 +184,11 @@ class FactorizationMemory(nn.Module):
         dtype = compute_dtype(x.dtype)
         with torch.autocast(x.device.type, enabled=False):
             weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-            weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
-            scores = F.linear(x.to(dtype), weight)  # (..., M + 2 + pad)
+            if x.dim() == 2:  # a decoding step: compiled, one reduction kernel (cuBLAS: a copy and two kernels)
+                scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2)
+            else:
+                weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
+                scores = F.linear(x.to(dtype), weight)  # (..., M + 2 + pad)
             alpha = torch.softmax(scores[..., :self.n_memory] / self.tau, dim=-1)  # (..., M)
             idx = None
             if self.top_k < self.n_memory:
@@ -648,11 +651,14 @@ class Generator:
     padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
     in place; on CUDA a step is one CUDA-graph replay, captured once per batch size and length."""
 
-    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, prefill_tokens=16384):
+    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
+        """compile: None (the step as written) or a torch.compile mode ('default', 'max-autotune-no-cudagraphs'),
+        which fuses the step's small kernels at the cost of a compilation per batch size."""
         sampling.validate()
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
+        self.compiled_step = self._step if compile is None else torch.compile(self._step, mode=compile)
         self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
         self.shape = self.graph = None
 
@@ -667,11 +673,11 @@ class Generator:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up outside the capture: kernel compilation, library handles
                 for _ in range(2):
-                    self._step()
+                    self.compiled_step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self._step()
+                self.compiled_step()
 
     def _step(self):
         logits = self.model.step(self.tokens, self.state)  # (B, V)
@@ -717,7 +723,7 @@ class Generator:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._step()
+            self.compiled_step()
         return self.tokens
 
     def generate(self, prompts, max_new_tokens, on_tokens=None):

@@ -586,8 +586,29 @@ def test_cuda_graph_decoding_equals_eager_gpu(name):
     torch.manual_seed(6)
     model = Model(tiny_config(init_std=0.3, **MIXERS[name])).cuda().eval()
     prompts = [torch.randint(0, 64, (n,)).tolist() for n in (9, 2, 17)]
-    runs = [Generator(model, Sampling(temperature=0), cuda_graph=graph).generate(prompts, 12) for graph in (False, True)]
-    assert runs[0] == runs[1]
+    for compile in (None, 'default'):
+        runs = [Generator(model, Sampling(temperature=0), cuda_graph=graph, compile=compile).generate(prompts, 12)
+                for graph in (False, True)]
+        assert runs[0] == runs[1], compile
+
+
+@pytest.mark.skipif(not CUDA, reason="mamba-ssm's kernels need a GPU")
+def test_mamba_ssm_fused_step_equals_the_models_own_gpu():
+    import bench
+    if bench.import_mamba() is None:
+        pytest.skip('mamba-ssm is not installed')
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    torch.manual_seed(7)
+    model = Model(tiny_config(mixer='mamba2', init_std=0.3)).cuda().eval()
+    idx = torch.randint(0, 64, (3, 20), device='cuda')
+    runs = []
+    for fused in (None, selective_state_update):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(model_module, 'selective_state_update', fused)
+            _, state = model.prefill(idx[:, :12], max_len=20)
+            logits = torch.stack([model.step(idx[:, t], state) for t in range(12, 20)], 1)
+            runs.append((logits, torch.cat([layer['ssm'].flatten() for layer in state])))
+    assert rel_err(runs[1][0], runs[0][0]) < 1e-5 and rel_err(runs[1][1], runs[0][1]) < 1e-5
 
 
 @needs_triton
@@ -598,7 +619,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k):
     model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1)).to(DEVICE).eval()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, chunk: fm_scan(x, theta, phi, h0, eps))
+        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, _: fm_scan(x, theta, phi, h0, eps))
         patch.setattr(model_module, 'memory_step', fm_step)
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
@@ -1291,7 +1312,8 @@ def test_sample(trained, tmp_path):
                          '--num_samples=1', '--max_new_tokens=20', '--top_k=5', '--temperature=0.5'])
     assert again[0].startswith('To be')
     run = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out_dir}', '--num_samples=1',
-                          '--max_new_tokens=10', '--seed=1', '--start=ROMEO:'], cwd=REPO, capture_output=True, text=True)
+                          '--max_new_tokens=10', '--seed=1', '--start=ROMEO:'], cwd=REPO, capture_output=True,
+                         text=True)
     assert run.returncode == 0 and run.stdout.startswith('ROMEO:') and '---------------' in run.stdout, run.stderr
     assert 'tokens/s' in run.stderr
 
