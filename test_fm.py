@@ -1127,6 +1127,14 @@ def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):
     assert first['train'] + second['train'] == straight['train']
 
 
+def copy_run(trained, out_dir, names=('ckpt.pt', 'best.pt')):
+    """Copy the checkpoints of the trained fixture into out_dir, to resume or damage them there."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in names:
+        with open(os.path.join(trained[0], name), 'rb') as f, open(os.path.join(out_dir, name), 'wb') as g:
+            g.write(f.read())
+
+
 def test_checkpoint_contents(trained):
     ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
     assert set(checkpoint.CKPT_KEYS) <= set(ckpt)
@@ -1164,6 +1172,51 @@ def test_incompatible_checkpoints(trained, tmp_path):
         torch.save({**ckpt, **change}, tmp_path / 'ckpt.pt')
         with pytest.raises(checkpoint.CheckpointError, match=message):
             sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+
+
+def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
+    copy_run(trained, tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
+    with pytest.raises(train.TrainError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
+    assert 'holds ckpt.pt and best.pt of an earlier run' in str(error.value)
+    assert all(way in str(error.value) for way in ('--init_from=resume', 'a new --out_dir', '--overwrite=True'))
+    assert all((tmp_path / name).read_bytes() == data for name, data in before.items())
+    (tmp_path / 'ckpt.pt').unlink()
+    with pytest.raises(train.TrainError, match='holds best.pt of an earlier run'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
+    train.main(tiny(data_dir, tmp_path, '--max_iters=1', '--overwrite=True'))
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
+
+
+def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys):
+    """A run holds out_dir/train.lock: a second run is refused, naming the first; once the first is killed
+    (SIGKILL: nothing cleaned up), the next run takes the lock over."""
+    import errno
+
+    cmd = [sys.executable, 'train.py', *tiny(data_dir, tmp_path, '--max_iters=100000', '--eval_interval=2')]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith('iter 3:'):  # after the checkpoint of step 2
+                break
+        with pytest.raises(train.TrainError) as error:
+            train.main(tiny(data_dir, tmp_path, '--max_iters=100000', '--init_from=resume'))
+        assert f'is in use by another training run (process {proc.pid} on ' in str(error.value)
+    finally:
+        proc.kill()
+        proc.wait()
+    step = torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num']
+    history = train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 1}', '--init_from=resume'))
+    assert [i for i, _ in history['train']] == [step + 1]
+    assert (tmp_path / 'train.lock').read_text().startswith(f'process {os.getpid()} on ')
+
+    def no_locks(file, operation):  # e.g. Lustre mounted without flock
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(train.fcntl, 'flock', no_locks)
+    train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 2}', '--init_from=resume'))
+    assert 'warning: cannot lock' in capsys.readouterr().out
 
 
 def test_sample(trained, tmp_path):

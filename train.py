@@ -9,17 +9,20 @@ DDP on the GPUs of one node (NCCL; gloo with --device=cpu):
 Several nodes: run on each node
     torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py config/fm_1b.py
 Continue from out_dir/ckpt.pt: add --init_from=resume. Ctrl-C (or SIGTERM) finishes the current step, writes
-out_dir/ckpt.pt and exits; a second Ctrl-C exits at once without saving.
+out_dir/ckpt.pt and exits; a second Ctrl-C exits at once without saving. A new run refuses an out_dir that holds
+a checkpoint unless --overwrite=True, and a run holds out_dir/train.lock so that no second run trains there.
 """
+import fcntl
 import math
 import os
 import random
 import resource
 import signal
+import socket
 import sys
 import time
 import typing
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, fields
 from types import SimpleNamespace
 
@@ -42,6 +45,7 @@ eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10
 always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt is written whenever val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+overwrite = False  # True: a scratch run may replace the checkpoints of an earlier run in out_dir
 # wandb logging
 wandb_log = False
 wandb_project = 'factorization-memory'
@@ -230,7 +234,9 @@ def main(argv=()):
     # under DDP, a CPU process group for small messages (stop flag, eval sums, batch generator states): no GPU syncs
     cpu_group = dist.new_group(backend='gloo') if dist.is_initialized() else None
     try:
-        return train(cfg, config, rank, world_size, device_name, cpu_group)
+        with ExitStack() as stack:
+            on_rank_0(lambda: stack.enter_context(claim_out_dir(cfg)), rank, cpu_group)  # rank 0 writes checkpoints
+            return train(cfg, config, rank, world_size, device_name, cpu_group)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -277,6 +283,51 @@ def resumed_model(ckpt, ckpt_path, cfg, config, master):
     return model
 
 
+def on_rank_0(step, rank, cpu_group):
+    """Run step() on rank 0 only; a TrainError it raises is raised on every rank (under DDP the others would otherwise
+    wait for rank 0 and die of a closed connection)."""
+    error = None
+    if rank == 0:
+        try:
+            step()
+        except TrainError as e:
+            error = str(e)
+    if cpu_group is not None:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0, group=cpu_group)
+        error = shared[0]
+    if error is not None:
+        raise TrainError(error)
+
+
+@contextmanager
+def claim_out_dir(cfg):
+    """Hold out_dir/train.lock while the run trains, so that a second run refuses the same out_dir (the kernel
+    drops the lock of a process that dies, so a later run takes it over), and refuse a scratch run into an out_dir
+    that holds checkpoints unless --overwrite=True."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, 'train.lock')
+    with open(path, 'a+') as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or 'a process that is starting'
+            raise TrainError(f'{cfg.out_dir} is in use by another training run ({holder}; lock file {path}): wait '
+                             f'for it to finish or stop it, or train in another --out_dir') from None
+        except OSError as e:  # a file system without locks, e.g. Lustre mounted without flock
+            print(f'warning: cannot lock {path} ({e.strerror}): nothing stops a second run in {cfg.out_dir}')
+        lock.truncate(0)
+        lock.write(f'process {os.getpid()} on {socket.gethostname()}, started {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+        lock.flush()
+        earlier = [name for name in ('ckpt.pt', 'best.pt') if os.path.exists(os.path.join(cfg.out_dir, name))]
+        if cfg.init_from == 'scratch' and earlier and not cfg.overwrite:
+            raise TrainError(f'{cfg.out_dir} holds {" and ".join(earlier)} of an earlier run, which this new run '
+                             f'would replace: continue that run with --init_from=resume, start this one in a new '
+                             f'--out_dir, or pass --overwrite=True to replace it')
+        yield
+
+
 @contextmanager
 def stop_requests(announce):
     """While active, Ctrl-C or SIGTERM sets stop[0] (the loop then finishes its step, saves and stops) instead of
@@ -313,7 +364,6 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     device_type = device.type
     dtype, ctx = precision(cfg.dtype, device_type)
     if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
         print(f'device {device} ({torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"}), '
               f'dtype {dtype}, world size {world_size}, tokens per step {tokens_per_iter:,} '
               f'({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})')
