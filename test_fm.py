@@ -1144,19 +1144,31 @@ def test_checkpoint_contents(trained):
     assert not any(k.startswith(('_orig_mod.', 'module.')) for k in ckpt['model'])
     best = torch.load(os.path.join(trained[0], 'best.pt'), weights_only=True)
     assert best['best_val_loss'] == min(v for i, v in trained[1]['val'] if i > 0)
+    ckpt_path, best_path = (os.path.join(trained[0], name) for name in ('ckpt.pt', 'best.pt'))
+    assert os.stat(best_path).st_nlink == 1 and not os.path.samefile(ckpt_path, best_path)  # a file of its own
 
 
 def test_missing_and_corrupt_checkpoints(data_dir, tmp_path, trained):
+    """Each is refused naming what is wrong; best.pt beside a damaged ckpt.pt is suggested only if it loads."""
     args = tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume')
     with pytest.raises(checkpoint.CheckpointError, match='no checkpoint at .*ckpt.pt: train one first'):
         train.main(args)
     good = open(os.path.join(trained[0], 'ckpt.pt'), 'rb').read()
-    for damaged in (b'not a checkpoint', good[:len(good) // 2]):
+    for damaged, cause in ((b'', 'it is empty'), (b'not a checkpoint', 'it is not a file written by torch.save'),
+                           (good[:len(good) // 2], 'it is cut short'), (good[:-10], 'it is cut short')):
         (tmp_path / 'ckpt.pt').write_bytes(damaged)
-        with pytest.raises(checkpoint.CheckpointError, match='is not a readable checkpoint .* --init_from=scratch'):
+        with pytest.raises(checkpoint.CheckpointError) as error:
             train.main(args)
-        with pytest.raises(checkpoint.CheckpointError, match='is not a readable checkpoint'):
+        assert f'ckpt.pt is not a readable checkpoint: {cause}' in str(error.value)
+        assert 'best.pt' not in str(error.value) and 'new run with --init_from=scratch' in str(error.value)
+        with pytest.raises(checkpoint.CheckpointError, match=f'is not a readable checkpoint: {cause}'):
             sample.main([f'--out_dir={tmp_path}'])
+    (tmp_path / 'best.pt').write_bytes(good)
+    with pytest.raises(checkpoint.CheckpointError, match=r'cut short .*best.pt beside it loads \(step 8\): use it'):
+        train.main(args)
+    (tmp_path / 'best.pt').write_bytes(good[:-10])  # damaged too: not suggested
+    with pytest.raises(checkpoint.CheckpointError, match=r'cut short .*\. Start a new run'):
+        train.main(args)
     torch.save({'model': {}}, tmp_path / 'ckpt.pt')
     with pytest.raises(checkpoint.CheckpointError, match='missing optimizer, model_config'):
         train.main(args)
@@ -1217,6 +1229,51 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
     monkeypatch.setattr(train.fcntl, 'flock', no_locks)
     train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 2}', '--init_from=resume'))
     assert 'warning: cannot lock' in capsys.readouterr().out
+
+
+def test_a_failed_save_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch):
+    """A disk that fills up during the save of step 8: the partial file is removed, ckpt.pt of step 4 stays, and
+    the message says how much space a checkpoint needs; after that, the run resumes."""
+    import errno
+    import io
+
+    partial = []
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            if self.tell() + memoryview(data).nbytes > 1000:
+                partial.append(os.path.getsize(self.name))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    opened = []
+
+    def open_on_a_disk_that_fills(path, mode):  # the saves of step 4 (ckpt.pt, best.pt) fit
+        opened.append(path)
+        return open(path, mode) if len(opened) <= 2 else FullDisk(path, 'w')
+
+    monkeypatch.setattr(checkpoint, 'open', open_on_a_disk_that_fills, raising=False)
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8'))
+    message, size = str(error.value), os.path.getsize(tmp_path / 'ckpt.pt')
+    assert partial and partial[0] > 0 and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'train.lock']
+    assert f'could not write {tmp_path / "ckpt.pt"}: the disk is full (No space left on device)' in message
+    assert f'MB free. {tmp_path / "ckpt.pt"} is unchanged: free some space, then continue with --init_from=resume' \
+        in message
+    needed = float(message.split('A checkpoint needs about ')[1].split(' MB')[0])
+    assert abs(needed - size / 1e6) < 0.1 * size / 1e6 + 0.05, (needed, size)
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+    monkeypatch.undo()
+    train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 8
+
+    def denied(path, mode):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(checkpoint, 'open', denied, raising=False)
+    with pytest.raises(checkpoint.CheckpointError, match=r'could not write .*ckpt.pt \(Permission denied\)\. .*ckpt.pt '
+                                                         r'is unchanged: make .* writable'):
+        checkpoint.save_checkpoint({'x': torch.zeros(3)}, tmp_path / 'ckpt.pt')
 
 
 def test_sample(trained, tmp_path):

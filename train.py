@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointError, link_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import ConfigError, help_text, load_config
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
@@ -462,11 +462,7 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
                         save_checkpoint(ckpt, ckpt_path)
                         saved_iter = iter_num
                     if master and new_best:
-                        best_path = os.path.join(cfg.out_dir, 'best.pt')
-                        if saved_iter == iter_num:
-                            link_checkpoint(ckpt_path, best_path, ckpt)
-                        else:
-                            save_checkpoint(ckpt, best_path)
+                        save_checkpoint(ckpt, os.path.join(cfg.out_dir, 'best.pt'))  # a file of its own
                     del ckpt
                 t_log = time.time()  # leave evaluation out of the timings
             if iter_num >= cfg.max_iters:
