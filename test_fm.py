@@ -1068,6 +1068,20 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
         train.main(tiny(data_dir, tmp_path, '--tokenizer=nope'))
 
 
+@pytest.mark.parametrize('arg, message', [
+    ('--batch_size=0', '--batch_size=0 is out of range: set it to at least 1 (sequences in a micro-batch'),
+    ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps=0 is out of range: set it to at least 1'),
+    ('--max_iters=-5', '--max_iters=-5 is out of range: set it to at least 1 (the step training ends at)'),
+    ('--device=cuda:99', '--device=cuda:99, but '),  # no CUDA here, or fewer GPUs
+    ('--device=gpu', "--device=gpu is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+])
+def test_bad_settings_are_refused(data_dir, tmp_path, arg, message):
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, tmp_path, arg))
+    assert message in str(error.value)
+    assert not os.listdir(tmp_path)  # before anything is written
+
+
 def test_command_line_errors_are_clear():
     run = subprocess.run([sys.executable, 'train.py', '--batch_sise=4'], cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 1

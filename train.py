@@ -223,12 +223,7 @@ def main(argv=()):
         return None
     config = load_config(default_config(), argv, optional_types())
     cfg = SimpleNamespace(**config)
-    if cfg.init_from not in ('scratch', 'resume'):
-        raise ConfigError(f"init_from must be 'scratch' or 'resume', not {cfg.init_from!r}")
-    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
-        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg.dtype!r}")
-    if cfg.eval_iters < 1 or cfg.eval_interval < 1 or cfg.log_interval < 1:
-        raise ConfigError('eval_iters, eval_interval and log_interval must be at least 1')
+    check_settings(cfg)
 
     rank, world_size, device_name = setup_ddp(cfg.device)
     # under DDP, a CPU process group for small messages (stop flag, eval sums, batch generator states): no GPU syncs
@@ -240,6 +235,48 @@ def main(argv=()):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_AT_LEAST = {  # setting: (its smallest value, what it counts)
+    'batch_size': (1, 'sequences in a micro-batch of each process'),
+    'block_size': (1, 'tokens in a sequence'),
+    'gradient_accumulation_steps': (1, 'micro-batches in a step'),
+    'max_iters': (1, 'the step training ends at'),
+    'warmup_iters': (0, 'steps of learning rate warmup'),
+    'lr_decay_iters': (0, 'the step the cosine ends at; 0: max_iters'),
+    'eval_interval': (1, 'steps between evaluations'),
+    'eval_iters': (1, 'validation batches'),
+    'log_interval': (1, 'steps between log lines'),
+}
+
+
+def check_settings(cfg):
+    """Raise ConfigError naming the first setting out of range, and what to set instead."""
+    if cfg.init_from not in ('scratch', 'resume'):
+        raise ConfigError(f"init_from must be 'scratch' or 'resume', not {cfg.init_from!r}")
+    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg.dtype!r}")
+    for key, (low, meaning) in _AT_LEAST.items():
+        if getattr(cfg, key) < low:
+            raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low} ({meaning})')
+    check_device(cfg.device)
+
+
+def check_device(name):
+    """Raise ConfigError if the device cannot be used here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device={name} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        reason = 'no CUDA GPU is visible' if torch.backends.cuda.is_built() else 'this PyTorch has no CUDA support'
+        raise ConfigError(f'--device={name}, but {reason}: use --device=cpu (the default where no GPU is found), '
+                          f'or install a PyTorch build for your GPU')
+    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f'--device={name}, but there are {torch.cuda.device_count()} GPUs: use cuda:0 to '
+                          f'cuda:{torch.cuda.device_count() - 1}')
+    if device.type == 'mps' and not torch.backends.mps.is_available():
+        raise ConfigError(f'--device={name}, but MPS is not available here: use --device=cpu')
 
 
 def precision(dtype, device_type):
