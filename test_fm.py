@@ -1290,6 +1290,23 @@ def test_a_failed_save_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch
         checkpoint.save_checkpoint({'x': torch.zeros(3)}, tmp_path / 'ckpt.pt')
 
 
+def test_resume_keeps_the_model_and_needs_steps_to_go(data_dir, tmp_path, trained):
+    """Resume refuses other model settings (naming them) and a max_iters the checkpoint has reached; changed
+    training settings are taken, and the saved configs agree."""
+    copy_run(trained, tmp_path, ['ckpt.pt'])
+    with pytest.raises(train.TrainError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume', '--n_memory=16', '--top_k=None'))
+    assert 'holds a model with n_memory=8, top_k=2; this run asks for n_memory=16, top_k=None' in str(error.value)
+    assert 'new --out_dir' in str(error.value)
+    with pytest.raises(train.TrainError, match='is at step 8, which --max_iters=8 does not pass: set --max_iters '
+                                               'above 8'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
+    train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume', '--learning_rate=5e-3'))
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 9 and ckpt['train_config']['learning_rate'] == 5e-3
+    assert all(ckpt['train_config'][k] == v for k, v in ckpt['model_config'].items() if k != 'vocab_size')
+
+
 def test_sample(trained, tmp_path):
     out_dir = trained[0]
     samples = sample.main([f'--out_dir={out_dir}', '--start=ROMEO:', '--num_samples=2', '--max_new_tokens=20'])

@@ -304,16 +304,21 @@ def new_model(cfg, config, vocab_size):
 
 
 def resumed_model(ckpt, ckpt_path, cfg, config, master):
-    """The checkpoint's model: its architecture wins; training settings (block_size too) are this run's."""
+    """The checkpoint's model, refused if this run's model settings differ from it; training settings (block_size
+    too) are this run's."""
     if ckpt['tokenizer'] != cfg.tokenizer:
         raise TrainError(f'{ckpt_path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
                          f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
+    saved = ckpt['model_config']
+    changed = [k for k, v in saved.items() if k in config and k != 'block_size' and config[k] != v]
+    if changed:
+        raise TrainError(f'{ckpt_path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run '
+                         f'asks for {", ".join(f"{k}={config[k]!r}" for k in changed)}. A run resumes with the model '
+                         f'it trained: drop those settings (or give the config file the run was started with), or '
+                         f'train the new model from scratch in a new --out_dir')
     if master:
-        for k, v in ckpt['model_config'].items():
-            if k in config and k != 'block_size' and config[k] != v:
-                print(f'resume: keeping the checkpoint\'s {k}={v!r} (this run says {config[k]!r})')
         for k, v in ckpt['train_config'].items():
-            if k in config and (k == 'block_size' or k not in ckpt['model_config']) and config[k] != v:
+            if k in config and (k == 'block_size' or k not in saved) and config[k] != v:
                 print(f'resume: {k}={config[k]!r} (the checkpoint\'s run had {v!r})')
     model = model_from_checkpoint(ckpt, ckpt_path)
     model.config.block_size = cfg.block_size  # the context trained from now on (the model has no limit)
@@ -417,6 +422,9 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
         ckpt = load_checkpoint(ckpt_path)
         raw_model = resumed_model(ckpt, ckpt_path, cfg, config, master)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+        if iter_num >= cfg.max_iters:
+            raise TrainError(f'{ckpt_path} is at step {iter_num}, which --max_iters={cfg.max_iters} does not pass: '
+                             f'set --max_iters above {iter_num} to train on')
     else:
         raw_model = new_model(cfg, config, tok.vocab_size)
     raw_model.to(device)
