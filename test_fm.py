@@ -821,6 +821,10 @@ def test_prepare_is_idempotent_and_repairs(default_bytes, capsys):
     prepare(data_dir=default_bytes.parent, num_proc=2)
     assert "wrote" in capsys.readouterr().out
     assert len(load_tokens(default_bytes / "long.bin").doc_offsets) == len(prepare_data.LONG_WORKS)
+    corrupt(default_bytes / "val.bin", 5000, b"?")  # changed in place: the same size, caught by the checksum
+    prepare(data_dir=default_bytes.parent, num_proc=2)
+    assert "wrote" in capsys.readouterr().out
+    load_tokens(default_bytes / "val.bin", verify=True)
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -863,6 +867,30 @@ def corrupt(path, offset, data):
 def test_load_tokens_refuses_damaged_files(token_file, damage, message):
     damage(token_file)
     with pytest.raises(ValueError, match=message) as error:
+        load_tokens(token_file, "bytes", 256)
+    assert RERUN in str(error.value)
+
+
+def test_checksum_catches_changes_of_the_same_size(token_file):
+    size, original = token_file.stat().st_size, token_file.read_bytes()
+    for offset, data in ((size - 1, b"?"), (HEADER.size + 8, (4).to_bytes(8, "little"))):  # a token; offset 5 -> 4
+        corrupt(token_file, offset, data)
+        assert token_file.stat().st_size == size and len(load_tokens(token_file, "bytes", 256)) == 11  # unchecked
+        with pytest.raises(ValueError, match="do not match the checksum in its header") as error:
+            load_tokens(token_file, "bytes", 256, verify=True)
+        assert RERUN in str(error.value)
+        token_file.write_bytes(original)
+    assert bytes(load_tokens(token_file, "bytes", 256, verify=True).tokens) == b"helloworld!"
+
+
+def test_token_files_of_format_1_are_refused_with_the_rebuild_command(token_file):
+    import struct
+
+    magic, _, *fields, checksum = HEADER.unpack_from(token_file.read_bytes())
+    version_1 = struct.pack("<8sHHIQQ64s", magic, 1, *fields)  # the header without the checksum
+    token_file.write_bytes(version_1 + token_file.read_bytes()[HEADER.size:])
+    with pytest.raises(ValueError, match=r"format version 1, this code reads version 2 \(it was written by an older "
+                                         r"prepare_data.py\)") as error:
         load_tokens(token_file, "bytes", 256)
     assert RERUN in str(error.value)
 
@@ -1305,6 +1333,21 @@ def test_resume_keeps_the_model_and_needs_steps_to_go(data_dir, tmp_path, traine
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 9 and ckpt['train_config']['learning_rate'] == 5e-3
     assert all(ckpt['train_config'][k] == v for k, v in ckpt['model_config'].items() if k != 'vocab_size')
+
+
+def test_changed_token_file_is_refused(tmp_path):
+    corpus = tmp_path / 'texts'
+    corpus.mkdir()
+    for i, text in enumerate(DOCUMENTS):
+        (corpus / f'{i:02d}.txt').write_text(text, encoding='utf-8')
+    folder = prepare(str(corpus), 'bytes', tmp_path / 'data', val_fraction=0.25, num_proc=1)
+    corrupt(folder / 'train.bin', 500, b'?')
+    args = tiny(tmp_path / 'data', tmp_path / 'out', f'--dataset={corpus}', '--max_iters=1')
+    with pytest.raises(train.TrainError) as error:
+        train.main(args)
+    assert 'train.bin is corrupt (its contents do not match the checksum' in str(error.value)
+    assert f're-run `python prepare_data.py --dataset {corpus} --tokenizer bytes' in str(error.value)
+    train.main(args + ['--verify_data=False'])  # the user's call
 
 
 def test_sample(trained, tmp_path):
