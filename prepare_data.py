@@ -376,7 +376,7 @@ def _read_documents(dataset, options):
     readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
     path = Path(dataset)
     if path.is_file() and path.suffix == ".txt":  # one text (nanoGPT's input.txt): documents of TXT_PIECE lines
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        lines = _read_utf8(path).splitlines(keepends=True)
         for start in range(0, len(lines), TXT_PIECE):
             yield "".join(lines[start:start + TXT_PIECE])
         return
@@ -398,14 +398,35 @@ def _corpus_files(path):
 
 
 def _read_txt(path, text_field):
-    yield path.read_text(encoding="utf-8", errors="replace")
+    yield _read_utf8(path)
+
+
+def _read_utf8(path):
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start:,} of {len(data):,} is 0x{data[e.start]:02x}): "
+                         "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or move it out of the corpus") from None
 
 
 def _read_jsonl(path, text_field):
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line_number, line in enumerate(f, 1):
             if line.strip():
-                yield _text_of(json.loads(line), text_field, f"{path}, line {line_number},")
+                where = f"{path}, line {line_number},"
+                yield _text_of(_json_record(line, where), text_field, where)
+
+
+def _json_record(line, where):
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}): "
+                         "fix or delete that line") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON ({e.msg.removesuffix(' at')} at column {e.colno}): fix or delete that "
+                         "line") from None
 
 
 def _read_parquet(path, text_field):
@@ -431,9 +452,16 @@ def _read_hf(name, config, split, text_field):
 
 
 def _text_of(record, text_field, where):
+    """record[text_field]: a string, or None (skipped like an empty text); anything else is refused."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with a {text_field!r} field")
     if text_field not in record:
         raise ValueError(f"{where} has no field {text_field!r} (it has {sorted(record)}): pass --text_field")
-    return record[text_field]
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where} has a {text_field!r} that is not a string ({type(text).__name__}: "
+                         f"{str(text)[:50]}): fix that record, or pass the --text_field that holds the text")
+    return text
 
 
 def build_default_corpus(archive, out=DEFAULT_CORPUS):

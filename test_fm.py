@@ -967,6 +967,21 @@ def test_corpus_errors(tmp_path):
     assert not list((tmp_path / "docs_bytes").iterdir())  # nothing half-written
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("docs.jsonl", b'{"text": "fine"}\n{text: "fine"}\n', r"docs.jsonl, line 2, is not JSON \(Expecting property "
+                                                         r"name enclosed in double quotes at column 2\)"),
+    ("docs.jsonl", b'{"text": "fine"}\n\n{"text": 5}\n', r"docs.jsonl, line 3, has a 'text' that is not a string "
+                                                       r"\(int: 5\): fix that record"),
+    ("docs.jsonl", b'["a", "list"]\n', r"docs.jsonl, line 1, is a JSON list, not an object"),
+    ("docs.jsonl", b'{"text": "caf\xe9"}\n', r"docs.jsonl, line 1, is not UTF-8 \(byte 0xe9 at column 14\)"),
+    ("noise.txt", np.random.default_rng(0).bytes(4096), r"noise.txt is not UTF-8 text \(byte [0-9]+ of 4,096 is 0x"),
+])
+def test_bad_corpus_records_are_named(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        prepare(str(tmp_path / name), "bytes", tmp_path / "data", num_proc=1)
+
+
 def test_parquet_corpus(tmp_path):
     pyarrow = pytest.importorskip("pyarrow")
     import pyarrow.parquet
