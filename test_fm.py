@@ -1169,11 +1169,20 @@ def test_resume_is_exact(data_dir, tmp_path, trained):
 
 
 def test_resume_in_another_dtype(data_dir, tmp_path):
-    """A float32 checkpoint resumes under float16 autocast (its gradient scaler starts fresh)."""
+    """A float32 checkpoint resumes under float16 autocast: its gradient scaler starts fresh (scale 2**16, counting
+    steps from the resume), and a float16 checkpoint resumes with the scaler it saved."""
     out_dir = str(tmp_path)
+
+    def scaler():
+        return torch.load(tmp_path / 'ckpt.pt', weights_only=True)['scaler']
+
     train.main(tiny(data_dir, out_dir, '--max_iters=2', '--dtype=float32'))
+    assert scaler() == {}  # a disabled scaler has no state
     history = train.main(tiny(data_dir, out_dir, '--max_iters=4', '--dtype=float16', '--init_from=resume'))
-    assert len(history['train']) == 2
+    assert len(history['train']) == 2 and all(math.isfinite(loss) for _, loss in history['train'])
+    assert scaler()['scale'] == 2.0 ** 16 and scaler()['_growth_tracker'] == 2  # fresh: two steps, no overflow
+    train.main(tiny(data_dir, out_dir, '--max_iters=6', '--dtype=float16', '--init_from=resume'))
+    assert scaler()['scale'] == 2.0 ** 16 and scaler()['_growth_tracker'] == 4  # went on from the saved 2
 
 
 def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):
@@ -1397,21 +1406,31 @@ def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
 
 
 def test_ddp_on_cpu(data_dir, tmp_path):
-    """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps."""
-    def torchrun(out_dir, *extra):
+    """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps, bit for bit; a scratch run into the
+    trained out_dir stops on both ranks with the message, not a traceback."""
+    def torchrun(out_dir, *extra, returncode=0):
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
                *tiny(data_dir, out_dir, '--device=cpu', '--gradient_accumulation_steps=2', '--lr_decay_iters=4',
                      '--eval_interval=2', *extra)]
         run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-        assert run.returncode == 0, run.stdout + run.stderr
-        return [line.split(',')[0] for line in run.stdout.splitlines() if line.startswith(('iter', 'step'))]
-    straight = torchrun(tmp_path / 'a', '--max_iters=4')
-    resumed = torchrun(tmp_path / 'b', '--max_iters=2')
-    resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume')
-    assert straight == resumed and len(straight) == 4 + 3
-    ckpt = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)
-    assert ckpt['data_state']['world_size'] == 2 and len(ckpt['rng']['batch']) == 2
-    assert ckpt['rng']['batch'][0] != ckpt['rng']['batch'][1]
+        assert run.returncode == returncode, run.stdout + run.stderr
+        return run
+    straight = torchrun(tmp_path / 'a', '--max_iters=4').stdout
+    resumed = torchrun(tmp_path / 'b', '--max_iters=2').stdout
+    refused = torchrun(tmp_path / 'b', '--max_iters=4', returncode=1).stderr
+    assert refused.count('error: ') == 2 and '--overwrite=True' in refused and '[rank' not in refused
+    resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume').stdout
+    logged = [[line.split(',')[0] for line in out.splitlines() if line.startswith(('iter', 'step'))]
+              for out in (straight, resumed)]
+    assert logged[0] == logged[1] and len(logged[0]) == 4 + 3
+    a, b = (torch.load(tmp_path / run / 'ckpt.pt', weights_only=True) for run in 'ab')
+    assert a['data_state']['world_size'] == 2 and len(a['rng']['batch']) == 2
+    assert a['rng']['batch'][0] != a['rng']['batch'][1] and a['rng']['batch'] == b['rng']['batch']
+    assert a['best_val_loss'] == b['best_val_loss']  # float, exactly
+    for name, tensor in a['model'].items():
+        assert torch.equal(tensor, b['model'][name]), name
+    for i, state in a['optimizer']['state'].items():
+        assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
 
 
 if __name__ == "__main__":
