@@ -621,7 +621,8 @@ def test_bf16_autocast_trains(name):
         logits, loss = model(idx, targets)
     loss.backward()
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
-    assert all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
+    bad = [n for n, p in model.named_parameters() if p.grad is None or not (p.grad.isfinite().all() and p.grad.any())]
+    assert not bad, bad  # every parameter gets a finite, nonzero gradient
     expected = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets[:, :-1].flatten())
     torch.testing.assert_close(loss, expected)
 
