@@ -976,7 +976,7 @@ def test_corpus_errors(tmp_path):
     ("docs.jsonl", b'["a", "list"]\n', r"docs.jsonl, line 1, is a JSON list, not an object"),
     ("docs.jsonl", b'{"text": "caf\xe9"}\n', r"docs.jsonl, line 1, is not UTF-8 \(byte 0xe9 at column 14\)"),
     ("noise.txt", np.random.default_rng(0).bytes(4096), r"noise.txt is not UTF-8 text \(byte [0-9]+ of 4,096 is 0x"),
-])
+], ids=["not JSON", "text not a string", "not an object", "line not UTF-8", "random bytes"])
 def test_bad_corpus_records_are_named(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
     with pytest.raises(ValueError, match=message):
@@ -1182,8 +1182,8 @@ def test_resume_in_another_dtype(data_dir, tmp_path):
     history = train.main(tiny(data_dir, out_dir, '--max_iters=4', '--dtype=float16', '--init_from=resume'))
     assert len(history['train']) == 2 and all(math.isfinite(loss) for _, loss in history['train'])
     assert scaler()['scale'] == 2.0 ** 16 and scaler()['_growth_tracker'] == 2  # fresh: two steps, no overflow
-    train.main(tiny(data_dir, out_dir, '--max_iters=6', '--dtype=float16', '--init_from=resume'))
-    assert scaler()['scale'] == 2.0 ** 16 and scaler()['_growth_tracker'] == 4  # went on from the saved 2
+    train.main(tiny(data_dir, out_dir, '--max_iters=5', '--dtype=float16', '--init_from=resume'))
+    assert scaler()['scale'] == 2.0 ** 16 and scaler()['_growth_tracker'] == 3  # went on from the saved 2
 
 
 def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):
@@ -1299,7 +1299,7 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
 
 
 def test_a_failed_save_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch):
-    """A disk that fills up during the save of step 8: the partial file is removed, ckpt.pt of step 4 stays, and
+    """A disk that fills up during the save of step 4: the partial file is removed, ckpt.pt of step 2 stays, and
     the message says how much space a checkpoint needs; after that, the run resumes."""
     import errno
     import io
@@ -1315,13 +1315,13 @@ def test_a_failed_save_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch
 
     opened = []
 
-    def open_on_a_disk_that_fills(path, mode):  # the saves of step 4 (ckpt.pt, best.pt) fit
+    def open_on_a_disk_that_fills(path, mode):  # the saves of step 2 (ckpt.pt, best.pt) fit
         opened.append(path)
         return open(path, mode) if len(opened) <= 2 else FullDisk(path, 'w')
 
     monkeypatch.setattr(checkpoint, 'open', open_on_a_disk_that_fills, raising=False)
     with pytest.raises(checkpoint.CheckpointError) as error:
-        train.main(tiny(data_dir, tmp_path, '--max_iters=8'))
+        train.main(tiny(data_dir, tmp_path, '--max_iters=4', '--eval_interval=2'))
     message, size = str(error.value), os.path.getsize(tmp_path / 'ckpt.pt')
     assert partial and partial[0] > 0 and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'train.lock']
     assert f'could not write {tmp_path / "ckpt.pt"}: the disk is full (No space left on device)' in message
@@ -1329,10 +1329,10 @@ def test_a_failed_save_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch
         in message
     needed = float(message.split('A checkpoint needs about ')[1].split(' MB')[0])
     assert abs(needed - size / 1e6) < 0.1 * size / 1e6 + 0.05, (needed, size)
-    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 2
     monkeypatch.undo()
-    train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
-    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 8
+    train.main(tiny(data_dir, tmp_path, '--max_iters=4', '--eval_interval=2', '--init_from=resume'))
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 4
 
     def denied(path, mode):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
