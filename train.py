@@ -422,11 +422,11 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     iter_num, best_val_loss, ckpt = 0, float('inf'), None
     if cfg.init_from == 'resume':
         ckpt = load_checkpoint(ckpt_path)
-        raw_model = resumed_model(ckpt, ckpt_path, cfg, config, master)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
         if iter_num >= cfg.max_iters:
             raise TrainError(f'{ckpt_path} is at step {iter_num}, which --max_iters={cfg.max_iters} does not pass: '
                              f'set --max_iters above {iter_num} to train on')
+        raw_model = resumed_model(ckpt, ckpt_path, cfg, config, master)
     else:
         raw_model = new_model(cfg, config, tok.vocab_size)
     raw_model.to(device)
