@@ -1,6 +1,9 @@
 """Checkpoints of train.py: atomic writes, and loading with errors that say what to do.
 sample.py, eval.py and bench.py load models through here without importing the training script."""
+import errno
 import os
+import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -16,45 +19,101 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(ckpt, path):
-    """Write atomically: to a temporary file beside path, then rename, so path is never half-written."""
+    """Write atomically: to a temporary file beside path, then rename, so path is never half-written. If the write
+    fails (disk full, no permission), remove the temporary file and raise CheckpointError; path stays as it was."""
     tmp = f'{path}.tmp'
-    with open(tmp, 'wb') as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def link_checkpoint(src, dst, ckpt):
-    """Make dst the file src without writing it again: a hard link (src is only ever replaced, never rewritten,
-    so dst stays intact), or a fresh save where the file system has no hard links."""
-    tmp = f'{dst}.tmp'
     try:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        os.link(src, tmp)
-        os.replace(tmp, dst)
-    except OSError:
-        save_checkpoint(ckpt, dst)
+        with open(tmp, 'wb') as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            raise CheckpointError(_write_error(ckpt, path, e)) from None
+        raise
+
+
+def _write_error(ckpt, path, error):
+    """What went wrong writing path, and what to do."""
+    cause = error if isinstance(error, OSError) else error.__context__
+    folder = os.path.dirname(os.path.abspath(path))
+    kept = f'{path} is unchanged' if os.path.exists(path) else f'Nothing was written to {path}'
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f'could not write {path}: the disk is full ({cause.strerror}). A checkpoint needs about '
+                f'{checkpoint_bytes(ckpt) / 1e6:,.1f} MB; {folder} has {shutil.disk_usage(folder).free / 1e6:,.1f} MB '
+                f'free. {kept}: free some space, then continue with --init_from=resume')
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(error)[:200]
+    return f'could not write {path} ({reason}). {kept}: make {folder} writable, then continue with --init_from=resume'
+
+
+def checkpoint_bytes(ckpt):
+    """Bytes of the distinct tensor storages in ckpt (tied weights count once): about the size of its file."""
+    storages, stack = {}, [ckpt]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return sum(storages.values())
 
 
 def load_checkpoint(path):
-    """Load a checkpoint onto the CPU; raise CheckpointError saying what to do if it is missing or unreadable."""
+    """Load a checkpoint onto the CPU; raise CheckpointError saying what is wrong and what to do if it is missing or
+    unreadable (best.pt beside it is suggested only if it loads)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f'no checkpoint at {path}: train one first (python train.py, which writes '
-                         f'out/ckpt.pt), or point --out_dir at the folder that holds it')
+                              f'out/ckpt.pt), or point --out_dir at the folder that holds it')
+    try:
+        return _read(path)
+    except CheckpointError as e:
+        raise CheckpointError(f'{e}. {_way_on(path)}') from None
+
+
+def _read(path):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # ranks share the pages
     except Exception as e:
-        raise CheckpointError(f'{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}). It may have '
-                         f'been cut short or written by another program: delete it and train again with '
-                         f'--init_from=scratch, or use best.pt beside it') from None
+        raise CheckpointError(f'{path} is not a readable checkpoint: {_damage(path, e)}') from None
     missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise CheckpointError(f'{path} is not a checkpoint of this train.py (missing {", ".join(missing)}): '
-                         f'train again with --init_from=scratch')
+        raise CheckpointError(f'{path} is not a checkpoint of this train.py (missing {", ".join(missing)})')
     return ckpt
+
+
+def _damage(path, error):
+    """What is wrong with a file torch.load could not read."""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(4)
+    except OSError as e:
+        return f'it cannot be read ({e.strerror})'
+    size = path.stat().st_size
+    if size == 0:
+        return 'it is empty'
+    if head != b'PK\x03\x04':
+        return 'it is not a file written by torch.save'
+    if not zipfile.is_zipfile(path):
+        return f'it is cut short ({size:,} bytes, the end of its archive is missing)'
+    return f'it is damaged ({type(error).__name__}: {str(error)[:200]})'
+
+
+def _way_on(path):
+    best = path.with_name('best.pt')
+    if best != path and best.exists():
+        try:
+            step = _read(best)['iter_num']
+            return (f'{best} beside it loads (step {step}): use it instead (sample.py --ckpt=best.pt; to train on '
+                    f'from it, copy it to {path} and resume)')
+        except CheckpointError:
+            pass
+    return (f'Start a new run with --init_from=scratch: in a new --out_dir, or with --overwrite=True to replace '
+            f'{path.parent}')
 
 
 def model_from_checkpoint(ckpt, path):
@@ -63,10 +122,10 @@ def model_from_checkpoint(ckpt, path):
         model = Model(ModelConfig(**ckpt['model_config']))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f'{path} holds a model config this model.py cannot build ({e}): use the model.py '
-                         f'version that wrote it, or train again with --init_from=scratch') from None
+                              f'version that wrote it, or train a new model in a new --out_dir') from None
     try:
         model.load_state_dict(ckpt['model'])
     except RuntimeError as e:
-        raise CheckpointError(f'the weights in {path} do not fit the model they describe ({str(e)[:500]}): '
-                         f'use the model.py version that wrote it, or train again') from None
+        raise CheckpointError(f'the weights in {path} do not fit the model they describe ({str(e)[:500]}): use the '
+                              f'model.py version that wrote it, or train a new model in a new --out_dir') from None
     return model

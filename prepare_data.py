@@ -8,9 +8,10 @@ Tokenize a corpus into token files for training and evaluation.
 
 Writes data/{dataset}_{tokenizer}/train.bin and val.bin (the default corpus also long.bin) and
 meta.json. A token file is, little-endian:
-    header   magic b"FMTOKENS", uint16 format version, uint16 bytes per token (1, 2 or 4),
+    header   magic b"FMTOKENS", uint16 format version (2), uint16 bytes per token (1, 2 or 4),
              uint32 vocabulary size, uint64 token count, uint64 document count,
-             tokenizer name (64 bytes, UTF-8, zero-padded)
+             tokenizer name (64 bytes, UTF-8, zero-padded), uint32 checksum: the CRC-32 of the
+             tokens, continued over the offsets (load_tokens(..., verify=True) checks it)
     offsets  int64[document count], where each document starts (the first is 0)
     tokens   uint8, uint16 or uint32[token count], the smallest type that holds the vocabulary
 With a tiktoken encoding each document is stored as [eot] + tokens: the end-of-text token
@@ -41,6 +42,7 @@ import struct
 import sys
 import tarfile
 import time
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -57,8 +59,8 @@ VALIDATION_WORKS = ("Hamlet", "King Richard III", "Paradise Lost", "Sonnets")
 LONG_WORKS = ("Paradise Lost", "King Richard III", "Hamlet")  # the longest validation works
 
 MAGIC = b"FMTOKENS"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sHHIQQ64s")  # magic, version, bytes per token, vocab, tokens, documents, tokenizer
+FORMAT_VERSION = 2  # 2 added the checksum
+HEADER = struct.Struct("<8sHHIQQ64sI")  # magic, version, bytes per token, vocab, tokens, documents, tokenizer, CRC-32
 TOKEN_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TXT_PIECE = 200  # a corpus that is one .txt file is cut into documents of this many lines, for the split
@@ -146,13 +148,14 @@ class TokenFile:
         return self.tokens[self.doc_offsets[i]:end]
 
 
-def load_tokens(path, tokenizer=None, vocab_size=None):
-    """Open a token file, refusing (with what to re-run) a missing, truncated, corrupt or mismatched one."""
+def load_tokens(path, tokenizer=None, vocab_size=None, verify=False):
+    """Open a token file, refusing (with what to re-run) a missing, truncated, corrupt or mismatched one;
+    verify: also check the checksum of its contents (reads the whole file, about 0.4 s per GB)."""
     path = Path(path)
     rerun = f"re-run `{_rerun_command(path, tokenizer)}`"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: {rerun}")
-    itemsize, vocab, n_tokens, n_docs, name = _read_header(path, rerun)
+    itemsize, vocab, n_tokens, n_docs, name, checksum = _read_header(path, rerun)
     if tokenizer is not None and name != tokenizer:
         raise ValueError(f"{path} holds tokens of {name!r}, not of the expected tokenizer {tokenizer!r}: {rerun}")
     if vocab_size is not None and vocab != vocab_size:
@@ -162,6 +165,9 @@ def load_tokens(path, tokenizer=None, vocab_size=None):
         raise ValueError(f"{path} is corrupt (invalid document offsets): {rerun}")
     tokens = np.memmap(path, dtype=TOKEN_DTYPES[itemsize], mode="r", offset=HEADER.size + 8 * n_docs,
                        shape=(n_tokens,))
+    if verify and zlib.crc32(offsets.tobytes(), zlib.crc32(tokens)) != checksum:
+        raise ValueError(f"{path} is corrupt (its contents do not match the checksum in its header: the file was "
+                         f"changed or damaged after prepare_data.py wrote it): {rerun}")
     return TokenFile(path, tokens, offsets, name, vocab)
 
 
@@ -170,18 +176,20 @@ def _read_header(path, rerun):
     if size < HEADER.size:
         raise ValueError(f"{path} is truncated ({size} bytes, shorter than the header): {rerun}")
     with open(path, "rb") as f:
-        magic, version, itemsize, vocab, n_tokens, n_docs, name = HEADER.unpack(f.read(HEADER.size))
+        magic, version, itemsize, vocab, n_tokens, n_docs, name, checksum = HEADER.unpack(f.read(HEADER.size))
     if magic != MAGIC:
         raise ValueError(f"{path} is not a token file (bad magic {magic!r}): {rerun}")
     if version != FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {version}, this code reads version {FORMAT_VERSION}: {rerun}")
+        age = "an older" if version < FORMAT_VERSION else "a newer"
+        raise ValueError(f"{path} has format version {version}, this code reads version {FORMAT_VERSION} (it was "
+                         f"written by {age} prepare_data.py): {rerun}")
     if itemsize not in TOKEN_DTYPES or token_dtype(vocab).itemsize != itemsize:
         raise ValueError(f"{path} is corrupt ({itemsize} bytes per token for vocabulary size {vocab}): {rerun}")
     expected = HEADER.size + 8 * n_docs + itemsize * n_tokens
     if size != expected:
         problem = "truncated" if size < expected else "corrupt"
         raise ValueError(f"{path} is {problem} ({size} bytes, its header says {expected}): {rerun}")
-    return itemsize, vocab, n_tokens, n_docs, name.rstrip(b"\0").decode("utf-8", errors="replace")
+    return itemsize, vocab, n_tokens, n_docs, name.rstrip(b"\0").decode("utf-8", errors="replace"), checksum
 
 
 def _rerun_command(path, tokenizer):
@@ -205,7 +213,7 @@ class _TokenWriter:
         self.path, self.tokenizer = Path(path), tokenizer
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.staging = self.path.with_name(f"{self.path.name}.{os.getpid()}.tokens.tmp")
-        self.offsets, self.n_tokens = [], 0
+        self.offsets, self.n_tokens, self.checksum = [], 0, 0
 
     def __enter__(self):
         self.file = open(self.staging, "wb")
@@ -213,7 +221,9 @@ class _TokenWriter:
 
     def add(self, tokens):
         self.offsets.append(self.n_tokens)
-        self.file.write(np.asarray(tokens, dtype=self.dtype).tobytes())
+        data = np.asarray(tokens, dtype=self.dtype).tobytes()
+        self.file.write(data)
+        self.checksum = zlib.crc32(data, self.checksum)
         self.n_tokens += len(tokens)
 
     def __exit__(self, exc_type, exc, traceback):
@@ -225,13 +235,14 @@ class _TokenWriter:
             self.staging.unlink(missing_ok=True)
 
     def _finish(self):
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.tokenizer.vocab_size,
-                             self.n_tokens, len(self.offsets), self.tokenizer.name.encode())
+        offsets = np.asarray(self.offsets, dtype="<i8").tobytes()
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.tokenizer.vocab_size, self.n_tokens,
+                             len(self.offsets), self.tokenizer.name.encode(), zlib.crc32(offsets, self.checksum))
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
             with open(temporary, "wb") as f, open(self.staging, "rb") as tokens:
                 f.write(header)
-                f.write(np.asarray(self.offsets, dtype="<i8").tobytes())
+                f.write(offsets)
                 shutil.copyfileobj(tokens, f, 1 << 24)
             os.replace(temporary, self.path)
         finally:
@@ -365,7 +376,7 @@ def _read_documents(dataset, options):
     readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
     path = Path(dataset)
     if path.is_file() and path.suffix == ".txt":  # one text (nanoGPT's input.txt): documents of TXT_PIECE lines
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        lines = _read_utf8(path).splitlines(keepends=True)
         for start in range(0, len(lines), TXT_PIECE):
             yield "".join(lines[start:start + TXT_PIECE])
         return
@@ -387,14 +398,35 @@ def _corpus_files(path):
 
 
 def _read_txt(path, text_field):
-    yield path.read_text(encoding="utf-8", errors="replace")
+    yield _read_utf8(path)
+
+
+def _read_utf8(path):
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start:,} of {len(data):,} is 0x{data[e.start]:02x}): "
+                         "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or move it out of the corpus") from None
 
 
 def _read_jsonl(path, text_field):
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line_number, line in enumerate(f, 1):
             if line.strip():
-                yield _text_of(json.loads(line), text_field, f"{path}, line {line_number},")
+                where = f"{path}, line {line_number},"
+                yield _text_of(_json_record(line, where), text_field, where)
+
+
+def _json_record(line, where):
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}): "
+                         "fix or delete that line") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON ({e.msg.removesuffix(' at')} at column {e.colno}): fix or delete that "
+                         "line") from None
 
 
 def _read_parquet(path, text_field):
@@ -420,9 +452,16 @@ def _read_hf(name, config, split, text_field):
 
 
 def _text_of(record, text_field, where):
+    """record[text_field]: a string, or None (skipped like an empty text); anything else is refused."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with a {text_field!r} field")
     if text_field not in record:
         raise ValueError(f"{where} has no field {text_field!r} (it has {sorted(record)}): pass --text_field")
-    return record[text_field]
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where} has a {text_field!r} that is not a string ({type(text).__name__}: "
+                         f"{str(text)[:50]}): fix that record, or pass the --text_field that holds the text")
+    return text
 
 
 def build_default_corpus(archive, out=DEFAULT_CORPUS):
@@ -515,7 +554,7 @@ def _is_prepared(out, tok, source):
     try:
         meta = json.loads((out / "meta.json").read_text())
         for name in meta["files"]:
-            load_tokens(out / name, tok.name, tok.vocab_size)
+            load_tokens(out / name, tok.name, tok.vocab_size, verify=True)
     except (OSError, ValueError, KeyError):
         return False
     return all(meta.get(key) == value for key, value in source.items())

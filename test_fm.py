@@ -776,7 +776,8 @@ def test_bf16_autocast_trains(name):
         logits, loss = model(idx, targets)
     loss.backward()
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
-    assert all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
+    bad = [n for n, p in model.named_parameters() if p.grad is None or not (p.grad.isfinite().all() and p.grad.any())]
+    assert not bad, bad  # every parameter gets a finite, nonzero gradient
     expected = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets[:, :-1].flatten())
     torch.testing.assert_close(loss, expected)
 
@@ -958,6 +959,10 @@ def test_prepare_is_idempotent_and_repairs(default_bytes, capsys):
     prepare(data_dir=default_bytes.parent, num_proc=2)
     assert "wrote" in capsys.readouterr().out
     assert len(load_tokens(default_bytes / "long.bin").doc_offsets) == len(prepare_data.LONG_WORKS)
+    corrupt(default_bytes / "val.bin", 5000, b"?")  # changed in place: the same size, caught by the checksum
+    prepare(data_dir=default_bytes.parent, num_proc=2)
+    assert "wrote" in capsys.readouterr().out
+    load_tokens(default_bytes / "val.bin", verify=True)
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -1000,6 +1005,30 @@ def corrupt(path, offset, data):
 def test_load_tokens_refuses_damaged_files(token_file, damage, message):
     damage(token_file)
     with pytest.raises(ValueError, match=message) as error:
+        load_tokens(token_file, "bytes", 256)
+    assert RERUN in str(error.value)
+
+
+def test_checksum_catches_changes_of_the_same_size(token_file):
+    size, original = token_file.stat().st_size, token_file.read_bytes()
+    for offset, data in ((size - 1, b"?"), (HEADER.size + 8, (4).to_bytes(8, "little"))):  # a token; offset 5 -> 4
+        corrupt(token_file, offset, data)
+        assert token_file.stat().st_size == size and len(load_tokens(token_file, "bytes", 256)) == 11  # unchecked
+        with pytest.raises(ValueError, match="do not match the checksum in its header") as error:
+            load_tokens(token_file, "bytes", 256, verify=True)
+        assert RERUN in str(error.value)
+        token_file.write_bytes(original)
+    assert bytes(load_tokens(token_file, "bytes", 256, verify=True).tokens) == b"helloworld!"
+
+
+def test_token_files_of_format_1_are_refused_with_the_rebuild_command(token_file):
+    import struct
+
+    magic, _, *fields, checksum = HEADER.unpack_from(token_file.read_bytes())
+    version_1 = struct.pack("<8sHHIQQ64s", magic, 1, *fields)  # the header without the checksum
+    token_file.write_bytes(version_1 + token_file.read_bytes()[HEADER.size:])
+    with pytest.raises(ValueError, match=r"format version 1, this code reads version 2 \(it was written by an older "
+                                         r"prepare_data.py\)") as error:
         load_tokens(token_file, "bytes", 256)
     assert RERUN in str(error.value)
 
@@ -1074,6 +1103,21 @@ def test_corpus_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no corpus at"):
         prepare(str(tmp_path / "missing"), "bytes", tmp_path)
     assert not list((tmp_path / "docs_bytes").iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("docs.jsonl", b'{"text": "fine"}\n{text: "fine"}\n', r"docs.jsonl, line 2, is not JSON \(Expecting property "
+                                                         r"name enclosed in double quotes at column 2\)"),
+    ("docs.jsonl", b'{"text": "fine"}\n\n{"text": 5}\n', r"docs.jsonl, line 3, has a 'text' that is not a string "
+                                                       r"\(int: 5\): fix that record"),
+    ("docs.jsonl", b'["a", "list"]\n', r"docs.jsonl, line 1, is a JSON list, not an object"),
+    ("docs.jsonl", b'{"text": "caf\xe9"}\n', r"docs.jsonl, line 1, is not UTF-8 \(byte 0xe9 at column 14\)"),
+    ("noise.txt", np.random.default_rng(0).bytes(4096), r"noise.txt is not UTF-8 text \(byte [0-9]+ of 4,096 is 0x"),
+], ids=["not JSON", "text not a string", "not an object", "line not UTF-8", "random bytes"])
+def test_bad_corpus_records_are_named(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        prepare(str(tmp_path / name), "bytes", tmp_path / "data", num_proc=1)
 
 
 def test_parquet_corpus(tmp_path):
@@ -1205,6 +1249,20 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
         train.main(tiny(data_dir, tmp_path, '--tokenizer=nope'))
 
 
+@pytest.mark.parametrize('arg, message', [
+    ('--batch_size=0', '--batch_size=0 is out of range: set it to at least 1 (sequences in a micro-batch'),
+    ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps=0 is out of range: set it to at least 1'),
+    ('--max_iters=-5', '--max_iters=-5 is out of range: set it to at least 1 (the step training ends at)'),
+    ('--device=cuda:99', '--device=cuda:99, but '),  # no CUDA here, or fewer GPUs
+    ('--device=gpu', "--device=gpu is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+])
+def test_bad_settings_are_refused(data_dir, tmp_path, arg, message):
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, tmp_path, arg))
+    assert message in str(error.value)
+    assert not os.listdir(tmp_path)  # before anything is written
+
+
 def test_command_line_errors_are_clear():
     run = subprocess.run([sys.executable, 'train.py', '--batch_sise=4'], cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 1
@@ -1249,11 +1307,20 @@ def test_resume_is_exact(data_dir, tmp_path, trained):
 
 
 def test_resume_in_another_dtype(data_dir, tmp_path):
-    """A float32 checkpoint resumes under float16 autocast (its gradient scaler starts fresh)."""
+    """A float32 checkpoint resumes under float16 autocast: its gradient scaler starts fresh (scale 2**16, counting
+    steps from the resume), and a float16 checkpoint resumes with the scaler it saved."""
     out_dir = str(tmp_path)
+
+    def scaler():
+        return torch.load(tmp_path / 'ckpt.pt', weights_only=True)['scaler']
+
     train.main(tiny(data_dir, out_dir, '--max_iters=2', '--dtype=float32'))
+    assert scaler() == {}  # a disabled scaler has no state
     history = train.main(tiny(data_dir, out_dir, '--max_iters=4', '--dtype=float16', '--init_from=resume'))
-    assert len(history['train']) == 2
+    assert len(history['train']) == 2 and all(math.isfinite(loss) for _, loss in history['train'])
+    assert scaler()['scale'] == 2.0 ** 16 and scaler()['_growth_tracker'] == 2  # fresh: two steps, no overflow
+    train.main(tiny(data_dir, out_dir, '--max_iters=5', '--dtype=float16', '--init_from=resume'))
+    assert scaler()['scale'] == 2.0 ** 16 and scaler()['_growth_tracker'] == 3  # went on from the saved 2
 
 
 def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):
@@ -1262,6 +1329,14 @@ def test_resume_with_gradient_accumulation_is_exact(data_dir, tmp_path):
     first = train.main(tiny(data_dir, tmp_path / 'b', '--max_iters=3', *args))
     second = train.main(tiny(data_dir, tmp_path / 'b', '--max_iters=6', '--init_from=resume', *args))
     assert first['train'] + second['train'] == straight['train']
+
+
+def copy_run(trained, out_dir, names=('ckpt.pt', 'best.pt')):
+    """Copy the checkpoints of the trained fixture into out_dir, to resume or damage them there."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in names:
+        with open(os.path.join(trained[0], name), 'rb') as f, open(os.path.join(out_dir, name), 'wb') as g:
+            g.write(f.read())
 
 
 def test_checkpoint_contents(trained):
@@ -1273,19 +1348,31 @@ def test_checkpoint_contents(trained):
     assert not any(k.startswith(('_orig_mod.', 'module.')) for k in ckpt['model'])
     best = torch.load(os.path.join(trained[0], 'best.pt'), weights_only=True)
     assert best['best_val_loss'] == min(v for i, v in trained[1]['val'] if i > 0)
+    ckpt_path, best_path = (os.path.join(trained[0], name) for name in ('ckpt.pt', 'best.pt'))
+    assert os.stat(best_path).st_nlink == 1 and not os.path.samefile(ckpt_path, best_path)  # a file of its own
 
 
 def test_missing_and_corrupt_checkpoints(data_dir, tmp_path, trained):
+    """Each is refused naming what is wrong; best.pt beside a damaged ckpt.pt is suggested only if it loads."""
     args = tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume')
     with pytest.raises(checkpoint.CheckpointError, match='no checkpoint at .*ckpt.pt: train one first'):
         train.main(args)
     good = open(os.path.join(trained[0], 'ckpt.pt'), 'rb').read()
-    for damaged in (b'not a checkpoint', good[:len(good) // 2]):
+    for damaged, cause in ((b'', 'it is empty'), (b'not a checkpoint', 'it is not a file written by torch.save'),
+                           (good[:len(good) // 2], 'it is cut short'), (good[:-10], 'it is cut short')):
         (tmp_path / 'ckpt.pt').write_bytes(damaged)
-        with pytest.raises(checkpoint.CheckpointError, match='is not a readable checkpoint .* --init_from=scratch'):
+        with pytest.raises(checkpoint.CheckpointError) as error:
             train.main(args)
-        with pytest.raises(checkpoint.CheckpointError, match='is not a readable checkpoint'):
+        assert f'ckpt.pt is not a readable checkpoint: {cause}' in str(error.value)
+        assert 'best.pt' not in str(error.value) and 'new run with --init_from=scratch' in str(error.value)
+        with pytest.raises(checkpoint.CheckpointError, match=f'is not a readable checkpoint: {cause}'):
             sample.main([f'--out_dir={tmp_path}'])
+    (tmp_path / 'best.pt').write_bytes(good)
+    with pytest.raises(checkpoint.CheckpointError, match=r'cut short .*best.pt beside it loads \(step 8\): use it'):
+        train.main(args)
+    (tmp_path / 'best.pt').write_bytes(good[:-10])  # damaged too: not suggested
+    with pytest.raises(checkpoint.CheckpointError, match=r'cut short .*\. Start a new run'):
+        train.main(args)
     torch.save({'model': {}}, tmp_path / 'ckpt.pt')
     with pytest.raises(checkpoint.CheckpointError, match='missing optimizer, model_config'):
         train.main(args)
@@ -1301,6 +1388,128 @@ def test_incompatible_checkpoints(trained, tmp_path):
         torch.save({**ckpt, **change}, tmp_path / 'ckpt.pt')
         with pytest.raises(checkpoint.CheckpointError, match=message):
             sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+
+
+def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
+    copy_run(trained, tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
+    with pytest.raises(train.TrainError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
+    assert 'holds ckpt.pt and best.pt of an earlier run' in str(error.value)
+    assert all(way in str(error.value) for way in ('--init_from=resume', 'a new --out_dir', '--overwrite=True'))
+    assert all((tmp_path / name).read_bytes() == data for name, data in before.items())
+    (tmp_path / 'ckpt.pt').unlink()
+    with pytest.raises(train.TrainError, match='holds best.pt of an earlier run'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
+    train.main(tiny(data_dir, tmp_path, '--max_iters=1', '--overwrite=True'))
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
+
+
+def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys):
+    """A run holds out_dir/train.lock: a second run is refused, naming the first; once the first is killed
+    (SIGKILL: nothing cleaned up), the next run takes the lock over."""
+    import errno
+
+    cmd = [sys.executable, 'train.py', *tiny(data_dir, tmp_path, '--max_iters=100000', '--eval_interval=2')]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith('iter 3:'):  # after the checkpoint of step 2
+                break
+        with pytest.raises(train.TrainError) as error:
+            train.main(tiny(data_dir, tmp_path, '--max_iters=100000', '--init_from=resume'))
+        assert f'is in use by another training run (process {proc.pid} on ' in str(error.value)
+    finally:
+        proc.kill()
+        proc.wait()
+    step = torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num']
+    history = train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 1}', '--init_from=resume'))
+    assert [i for i, _ in history['train']] == [step + 1]
+    assert (tmp_path / 'train.lock').read_text().startswith(f'process {os.getpid()} on ')
+
+    def no_locks(file, operation):  # e.g. Lustre mounted without flock
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(train.fcntl, 'flock', no_locks)
+    train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 2}', '--init_from=resume'))
+    assert 'warning: cannot lock' in capsys.readouterr().out
+
+
+def test_a_failed_save_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch):
+    """A disk that fills up during the save of step 4: the partial file is removed, ckpt.pt of step 2 stays, and
+    the message says how much space a checkpoint needs; after that, the run resumes."""
+    import errno
+    import io
+
+    partial = []
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            if self.tell() + memoryview(data).nbytes > 1000:
+                partial.append(os.path.getsize(self.name))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    opened = []
+
+    def open_on_a_disk_that_fills(path, mode):  # the saves of step 2 (ckpt.pt, best.pt) fit
+        opened.append(path)
+        return open(path, mode) if len(opened) <= 2 else FullDisk(path, 'w')
+
+    monkeypatch.setattr(checkpoint, 'open', open_on_a_disk_that_fills, raising=False)
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=4', '--eval_interval=2'))
+    message, size = str(error.value), os.path.getsize(tmp_path / 'ckpt.pt')
+    assert partial and partial[0] > 0 and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'train.lock']
+    assert f'could not write {tmp_path / "ckpt.pt"}: the disk is full (No space left on device)' in message
+    assert f'MB free. {tmp_path / "ckpt.pt"} is unchanged: free some space, then continue with --init_from=resume' \
+        in message
+    needed = float(message.split('A checkpoint needs about ')[1].split(' MB')[0])
+    assert abs(needed - size / 1e6) < 0.1 * size / 1e6 + 0.05, (needed, size)
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 2
+    monkeypatch.undo()
+    train.main(tiny(data_dir, tmp_path, '--max_iters=4', '--eval_interval=2', '--init_from=resume'))
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+
+    def denied(path, mode):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(checkpoint, 'open', denied, raising=False)
+    with pytest.raises(checkpoint.CheckpointError, match=r'could not write .*ckpt.pt \(Permission denied\)\. .*ckpt.pt '
+                                                         r'is unchanged: make .* writable'):
+        checkpoint.save_checkpoint({'x': torch.zeros(3)}, tmp_path / 'ckpt.pt')
+
+
+def test_resume_keeps_the_model_and_needs_steps_to_go(data_dir, tmp_path, trained):
+    """Resume refuses other model settings (naming them) and a max_iters the checkpoint has reached; changed
+    training settings are taken, and the saved configs agree."""
+    copy_run(trained, tmp_path, ['ckpt.pt'])
+    with pytest.raises(train.TrainError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume', '--n_memory=16', '--top_k=None'))
+    assert 'holds a model with n_memory=8, top_k=2; this run asks for n_memory=16, top_k=None' in str(error.value)
+    assert 'new --out_dir' in str(error.value)
+    with pytest.raises(train.TrainError, match='is at step 8, which --max_iters=8 does not pass: set --max_iters '
+                                               'above 8'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
+    train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume', '--learning_rate=5e-3'))
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 9 and ckpt['train_config']['learning_rate'] == 5e-3
+    assert all(ckpt['train_config'][k] == v for k, v in ckpt['model_config'].items() if k != 'vocab_size')
+
+
+def test_changed_token_file_is_refused(tmp_path):
+    corpus = tmp_path / 'texts'
+    corpus.mkdir()
+    for i, text in enumerate(DOCUMENTS):
+        (corpus / f'{i:02d}.txt').write_text(text, encoding='utf-8')
+    folder = prepare(str(corpus), 'bytes', tmp_path / 'data', val_fraction=0.25, num_proc=1)
+    corrupt(folder / 'train.bin', 500, b'?')
+    args = tiny(tmp_path / 'data', tmp_path / 'out', f'--dataset={corpus}', '--max_iters=1')
+    with pytest.raises(train.TrainError) as error:
+        train.main(args)
+    assert 'train.bin is corrupt (its contents do not match the checksum' in str(error.value)
+    assert f're-run `python prepare_data.py --dataset {corpus} --tokenizer bytes' in str(error.value)
+    train.main(args + ['--verify_data=False'])  # the user's call
 
 
 def test_sample(trained, tmp_path):
@@ -1351,21 +1560,31 @@ def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
 
 
 def test_ddp_on_cpu(data_dir, tmp_path):
-    """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps."""
-    def torchrun(out_dir, *extra):
+    """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps, bit for bit; a scratch run into the
+    trained out_dir stops on both ranks with the message, not a traceback."""
+    def torchrun(out_dir, *extra, returncode=0):
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
                *tiny(data_dir, out_dir, '--device=cpu', '--gradient_accumulation_steps=2', '--lr_decay_iters=4',
                      '--eval_interval=2', *extra)]
         run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-        assert run.returncode == 0, run.stdout + run.stderr
-        return [line.split(',')[0] for line in run.stdout.splitlines() if line.startswith(('iter', 'step'))]
-    straight = torchrun(tmp_path / 'a', '--max_iters=4')
-    resumed = torchrun(tmp_path / 'b', '--max_iters=2')
-    resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume')
-    assert straight == resumed and len(straight) == 4 + 3
-    ckpt = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=True)
-    assert ckpt['data_state']['world_size'] == 2 and len(ckpt['rng']['batch']) == 2
-    assert ckpt['rng']['batch'][0] != ckpt['rng']['batch'][1]
+        assert run.returncode == returncode, run.stdout + run.stderr
+        return run
+    straight = torchrun(tmp_path / 'a', '--max_iters=4').stdout
+    resumed = torchrun(tmp_path / 'b', '--max_iters=2').stdout
+    refused = torchrun(tmp_path / 'b', '--max_iters=4', returncode=1).stderr
+    assert refused.count('error: ') == 2 and '--overwrite=True' in refused and '[rank' not in refused
+    resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume').stdout
+    logged = [[line.split(',')[0] for line in out.splitlines() if line.startswith(('iter', 'step'))]
+              for out in (straight, resumed)]
+    assert logged[0] == logged[1] and len(logged[0]) == 4 + 3
+    a, b = (torch.load(tmp_path / run / 'ckpt.pt', weights_only=True) for run in 'ab')
+    assert a['data_state']['world_size'] == 2 and len(a['rng']['batch']) == 2
+    assert a['rng']['batch'][0] != a['rng']['batch'][1] and a['rng']['batch'] == b['rng']['batch']
+    assert a['best_val_loss'] == b['best_val_loss']  # float, exactly
+    for name, tensor in a['model'].items():
+        assert torch.equal(tensor, b['model'][name]), name
+    for i, state in a['optimizer']['state'].items():
+        assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
 
 
 if __name__ == "__main__":

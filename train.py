@@ -9,17 +9,20 @@ DDP on the GPUs of one node (NCCL; gloo with --device=cpu):
 Several nodes: run on each node
     torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py config/fm_1b.py
 Continue from out_dir/ckpt.pt: add --init_from=resume. Ctrl-C (or SIGTERM) finishes the current step, writes
-out_dir/ckpt.pt and exits; a second Ctrl-C exits at once without saving.
+out_dir/ckpt.pt and exits; a second Ctrl-C exits at once without saving. A new run refuses an out_dir that holds
+a checkpoint unless --overwrite=True, and a run holds out_dir/train.lock so that no second run trains there.
 """
+import fcntl
 import math
 import os
 import random
 import resource
 import signal
+import socket
 import sys
 import time
 import typing
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, fields
 from types import SimpleNamespace
 
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointError, link_checkpoint, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import ConfigError, help_text, load_config
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
@@ -42,6 +45,7 @@ eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10
 always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt is written whenever val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+overwrite = False  # True: a scratch run may replace the checkpoints of an earlier run in out_dir
 # wandb logging
 wandb_log = False
 wandb_project = 'factorization-memory'
@@ -51,6 +55,7 @@ dataset = 'default'  # 'default', or the --dataset given to prepare_data.py (a p
 tokenizer = 'bytes'
 data_dir = 'data'
 hf_config = ''  # the --hf_config given to prepare_data.py, if any
+verify_data = True  # check the checksums of train.bin and val.bin on opening them (0.4 s per GB); False: skip
 gradient_accumulation_steps = 1  # micro-batches per step over all processes (divided by the world size under DDP)
 batch_size = 16  # micro-batch size per process
 block_size = 256
@@ -137,9 +142,10 @@ def load_data(cfg, rank, cpu_group):
         hf_config = f' --hf_config {cfg.hf_config}' if cfg.hf_config else ''
         raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py '
                          f'--dataset {cfg.dataset} --tokenizer {cfg.tokenizer} --data_dir {cfg.data_dir}{hf_config}')
+    verify = cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'  # one process a node checks them
     try:
-        train = load_tokens(folder / 'train.bin', tokenizer=cfg.tokenizer, vocab_size=tok.vocab_size)
-        val = load_tokens(folder / 'val.bin', tokenizer=cfg.tokenizer, vocab_size=tok.vocab_size)
+        train = load_tokens(folder / 'train.bin', cfg.tokenizer, tok.vocab_size, verify=verify)
+        val = load_tokens(folder / 'val.bin', cfg.tokenizer, tok.vocab_size, verify=verify)
     except (ValueError, FileNotFoundError) as e:
         raise TrainError(str(e)) from None
     for name, data in (('train', train), ('val', val)):
@@ -219,21 +225,60 @@ def main(argv=()):
         return None
     config = load_config(default_config(), argv, optional_types())
     cfg = SimpleNamespace(**config)
-    if cfg.init_from not in ('scratch', 'resume'):
-        raise ConfigError(f"init_from must be 'scratch' or 'resume', not {cfg.init_from!r}")
-    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
-        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg.dtype!r}")
-    if cfg.eval_iters < 1 or cfg.eval_interval < 1 or cfg.log_interval < 1:
-        raise ConfigError('eval_iters, eval_interval and log_interval must be at least 1')
+    check_settings(cfg)
 
     rank, world_size, device_name = setup_ddp(cfg.device)
     # under DDP, a CPU process group for small messages (stop flag, eval sums, batch generator states): no GPU syncs
     cpu_group = dist.new_group(backend='gloo') if dist.is_initialized() else None
     try:
-        return train(cfg, config, rank, world_size, device_name, cpu_group)
+        with ExitStack() as stack:
+            on_rank_0(lambda: stack.enter_context(claim_out_dir(cfg)), rank, cpu_group)  # rank 0 writes checkpoints
+            return train(cfg, config, rank, world_size, device_name, cpu_group)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_AT_LEAST = {  # setting: (its smallest value, what it counts)
+    'batch_size': (1, 'sequences in a micro-batch of each process'),
+    'block_size': (1, 'tokens in a sequence'),
+    'gradient_accumulation_steps': (1, 'micro-batches in a step'),
+    'max_iters': (1, 'the step training ends at'),
+    'warmup_iters': (0, 'steps of learning rate warmup'),
+    'lr_decay_iters': (0, 'the step the cosine ends at; 0: max_iters'),
+    'eval_interval': (1, 'steps between evaluations'),
+    'eval_iters': (1, 'validation batches'),
+    'log_interval': (1, 'steps between log lines'),
+}
+
+
+def check_settings(cfg):
+    """Raise ConfigError naming the first setting out of range, and what to set instead."""
+    if cfg.init_from not in ('scratch', 'resume'):
+        raise ConfigError(f"init_from must be 'scratch' or 'resume', not {cfg.init_from!r}")
+    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg.dtype!r}")
+    for key, (low, meaning) in _AT_LEAST.items():
+        if getattr(cfg, key) < low:
+            raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low} ({meaning})')
+    check_device(cfg.device)
+
+
+def check_device(name):
+    """Raise ConfigError if the device cannot be used here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device={name} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        reason = 'no CUDA GPU is visible' if torch.backends.cuda.is_built() else 'this PyTorch has no CUDA support'
+        raise ConfigError(f'--device={name}, but {reason}: use --device=cpu (the default where no GPU is found), '
+                          f'or install a PyTorch build for your GPU')
+    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f'--device={name}, but there are {torch.cuda.device_count()} GPUs: use cuda:0 to '
+                          f'cuda:{torch.cuda.device_count() - 1}')
+    if device.type == 'mps' and not torch.backends.mps.is_available():
+        raise ConfigError(f'--device={name}, but MPS is not available here: use --device=cpu')
 
 
 def precision(dtype, device_type):
@@ -261,20 +306,70 @@ def new_model(cfg, config, vocab_size):
 
 
 def resumed_model(ckpt, ckpt_path, cfg, config, master):
-    """The checkpoint's model: its architecture wins; training settings (block_size too) are this run's."""
+    """The checkpoint's model, refused if this run's model settings differ from it; training settings (block_size
+    too) are this run's."""
     if ckpt['tokenizer'] != cfg.tokenizer:
         raise TrainError(f'{ckpt_path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
                          f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
+    saved = ckpt['model_config']
+    changed = [k for k, v in saved.items() if k in config and k != 'block_size' and config[k] != v]
+    if changed:
+        raise TrainError(f'{ckpt_path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run '
+                         f'asks for {", ".join(f"{k}={config[k]!r}" for k in changed)}. A run resumes with the model '
+                         f'it trained: drop those settings (or give the config file the run was started with), or '
+                         f'train the new model from scratch in a new --out_dir')
     if master:
-        for k, v in ckpt['model_config'].items():
-            if k in config and k != 'block_size' and config[k] != v:
-                print(f'resume: keeping the checkpoint\'s {k}={v!r} (this run says {config[k]!r})')
         for k, v in ckpt['train_config'].items():
-            if k in config and (k == 'block_size' or k not in ckpt['model_config']) and config[k] != v:
+            if k in config and (k == 'block_size' or k not in saved) and config[k] != v:
                 print(f'resume: {k}={config[k]!r} (the checkpoint\'s run had {v!r})')
     model = model_from_checkpoint(ckpt, ckpt_path)
     model.config.block_size = cfg.block_size  # the context trained from now on (the model has no limit)
     return model
+
+
+def on_rank_0(step, rank, cpu_group):
+    """Run step() on rank 0 only; a TrainError it raises is raised on every rank (under DDP the others would otherwise
+    wait for rank 0 and die of a closed connection)."""
+    error = None
+    if rank == 0:
+        try:
+            step()
+        except TrainError as e:
+            error = str(e)
+    if cpu_group is not None:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0, group=cpu_group)
+        error = shared[0]
+    if error is not None:
+        raise TrainError(error)
+
+
+@contextmanager
+def claim_out_dir(cfg):
+    """Hold out_dir/train.lock while the run trains, so that a second run refuses the same out_dir (the kernel
+    drops the lock of a process that dies, so a later run takes it over), and refuse a scratch run into an out_dir
+    that holds checkpoints unless --overwrite=True."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, 'train.lock')
+    with open(path, 'a+') as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or 'a process that is starting'
+            raise TrainError(f'{cfg.out_dir} is in use by another training run ({holder}; lock file {path}): wait '
+                             f'for it to finish or stop it, or train in another --out_dir') from None
+        except OSError as e:  # a file system without locks, e.g. Lustre mounted without flock
+            print(f'warning: cannot lock {path} ({e.strerror}): nothing stops a second run in {cfg.out_dir}')
+        lock.truncate(0)
+        lock.write(f'process {os.getpid()} on {socket.gethostname()}, started {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+        lock.flush()
+        earlier = [name for name in ('ckpt.pt', 'best.pt') if os.path.exists(os.path.join(cfg.out_dir, name))]
+        if cfg.init_from == 'scratch' and earlier and not cfg.overwrite:
+            raise TrainError(f'{cfg.out_dir} holds {" and ".join(earlier)} of an earlier run, which this new run '
+                             f'would replace: continue that run with --init_from=resume, start this one in a new '
+                             f'--out_dir, or pass --overwrite=True to replace it')
+        yield
 
 
 @contextmanager
@@ -313,7 +408,6 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     device_type = device.type
     dtype, ctx = precision(cfg.dtype, device_type)
     if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
         print(f'device {device} ({torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"}), '
               f'dtype {dtype}, world size {world_size}, tokens per step {tokens_per_iter:,} '
               f'({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})')
@@ -328,8 +422,11 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     iter_num, best_val_loss, ckpt = 0, float('inf'), None
     if cfg.init_from == 'resume':
         ckpt = load_checkpoint(ckpt_path)
-        raw_model = resumed_model(ckpt, ckpt_path, cfg, config, master)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+        if iter_num >= cfg.max_iters:
+            raise TrainError(f'{ckpt_path} is at step {iter_num}, which --max_iters={cfg.max_iters} does not pass: '
+                             f'set --max_iters above {iter_num} to train on')
+        raw_model = resumed_model(ckpt, ckpt_path, cfg, config, master)
     else:
         raw_model = new_model(cfg, config, tok.vocab_size)
     raw_model.to(device)
@@ -412,11 +509,7 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
                         save_checkpoint(ckpt, ckpt_path)
                         saved_iter = iter_num
                     if master and new_best:
-                        best_path = os.path.join(cfg.out_dir, 'best.pt')
-                        if saved_iter == iter_num:
-                            link_checkpoint(ckpt_path, best_path, ckpt)
-                        else:
-                            save_checkpoint(ckpt, best_path)
+                        save_checkpoint(ckpt, os.path.join(cfg.out_dir, 'best.pt'))  # a file of its own
                     del ckpt
                 t_log = time.time()  # leave evaluation out of the timings
             if iter_num >= cfg.max_iters:
