@@ -938,6 +938,21 @@ def test_harness_runs_a_local_task_offline(tmp_path, monkeypatch):
     assert json.loads((tmp_path / 'harness.json').read_text())['results']['count_choice']['acc,none'] == 1.0
 
 
+def test_reproduction_configs_differ_only_in_the_model():
+    """The extrapolation baselines have FM's parameter count (within 0.5%) and its data, context, tokens and
+    schedule."""
+    config, types = defaults()
+    architecture = {f.name for f in fields(ModelConfig)} - {'block_size'} | {'out_dir', 'wandb_run_name'}
+    paths = {name: os.path.join(REPO, 'config', f'extrapolation_{name}.py') for name in ('fm', 'transformer', 'mamba2')}
+    training = {name: {k: v for k, v in load_config(config, [path], types).items() if k not in architecture}
+                for name, path in paths.items()}
+    n_params = {name: build(path, meta=True).num_params(non_embedding=False) for name, path in paths.items()}
+    for name in paths:
+        assert abs(n_params[name] / n_params['fm'] - 1) < 0.005, n_params
+        assert training[name] == training['fm'], name
+    assert training['fm']['block_size'] == 512
+
+
 def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
     """Runs as checkpoints and as the .csv of an earlier machine: each series keeps, per m, its best finished run
     (m = 16, k = 4 is in both sparse series); unfinished runs are left out."""
