@@ -88,10 +88,11 @@ extrapolation() {
 scaling() {
     local done_before=" "
     [[ -n $PREVIOUS ]] && done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS")"
-    for m in 256 128 64 32 16; do  # the slowest first (m = 256 runs the PyTorch scan: the kernels take m <= 128)
-        for k in $m $(( m / 4 )) 4; do
-            (( k == 4 && m == 16 )) && continue  # k = 4 is k = m/4 there
-            for tau in 1 0.5 0.25 0.125; do
+    # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
+    # about 5 GB each, so only a few of those at a time
+    for tau in 1 0.5 0.25 0.125; do
+        for m in 256 128 64 32 16; do
+            for k in $m $(( m / 4 )) $( (( m / 4 != 4 )) && echo 4 ); do  # at m = 16, k = m/4 is k = 4
                 local name="m$m-$( (( k == m )) && echo dense || echo "k$k" )-tau$tau"
                 [[ $done_before == *" $name "* ]] && continue
                 echo "scaling/$name config/scaling_fm.py --n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) --tau=$tau"
