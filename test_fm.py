@@ -782,6 +782,222 @@ def test_bf16_autocast_trains(name):
     torch.testing.assert_close(loss, expected)
 
 
+# ----------------------------------------------------------------------------- eval.py
+
+import importlib.util
+
+import eval as evaluation
+
+
+def save_model_checkpoint(model, out_dir, tokenizer='bytes', **fields):
+    """A checkpoint of model as train.py writes one (without optimizer and random states) -> out_dir."""
+    from dataclasses import asdict
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt = {key: None for key in checkpoint.CKPT_KEYS}
+    ckpt.update(model=model.state_dict(), model_config=asdict(model.config), train_config={'max_iters': 0},
+                iter_num=0, best_val_loss=1.0, data_state={'tokens_seen': 0}, tokenizer=tokenizer)
+    ckpt.update(fields)
+    checkpoint.save_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
+    return str(out_dir)
+
+
+def increment_model(block_size=16):
+    """A hand-set byte model that predicts byte b + 1 after byte b (probability 1 - 4e-5): its blocks add nothing,
+    the embedding is one-hot and the head a shifted identity."""
+    model = Model(ModelConfig(vocab_size=256, block_size=block_size, n_layer=1, d_model=256, n_memory=4,
+                              tie_embeddings=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(('out_proj.weight', 'down_proj.weight')):
+                p.zero_()
+        model.embed.weight.copy_(torch.eye(256))
+        model.lm_head.weight.copy_(torch.eye(256).roll(1, 0))  # logit b + 1 reads input b
+    return model.eval()
+
+
+def test_position_buckets_and_loss_so_far():
+    """Two documents of 5 and 2 positions: buckets [1, 2), [2, 4), [4, 8) and loss so far at 1, 2, 4, by hand."""
+    buckets, so_far = evaluation.position_stats([np.array([1., 2., 3., 4., 5.]), np.array([10., 20.])])
+    assert [(b['start'], b['end'], b['positions'], b['documents']) for b in buckets] == [
+        (1, 2, 2, 2), (2, 4, 3, 2), (4, 8, 2, 1)]
+    assert [b['loss'] for b in buckets] == pytest.approx([(1 + 10) / 2, (2 + 3 + 20) / 3, (4 + 5) / 2])
+    assert [(s['t'], s['documents']) for s in so_far] == [(1, 2), (2, 2), (4, 1)]
+    assert [s['loss'] for s in so_far] == pytest.approx([(1 + 10) / 2, (1 + 2 + 10 + 20) / 4, (1 + 2 + 3 + 4) / 4])
+
+
+@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'mamba2'])
+def test_loss_by_position_chunked_equals_one_pass(name):
+    """eval.py's document_losses in chunks of 7 (each from the last one's state) gives the losses of one pass,
+    which are the model's forward cross-entropy."""
+    torch.manual_seed(6)
+    model = Model(tiny_config(init_std=0.1, **MIXERS[name])).double().eval()
+    tokens = torch.randint(0, 64, (60,))
+    chunked = evaluation.document_losses(model, tokens.numpy(), chunk_len=7)
+    whole = evaluation.document_losses(model, tokens.numpy(), chunk_len=1000)
+    with torch.no_grad():
+        forward = F.cross_entropy(model(tokens[None, :-1])[0][0], tokens[1:], reduction='none').numpy()
+    assert chunked.shape == (59,) and chunked.dtype == np.float64
+    np.testing.assert_allclose(chunked, whole, rtol=1e-12)
+    np.testing.assert_allclose(whole, forward, rtol=1e-12)
+
+
+def test_loss_by_position_end_to_end(tmp_path):
+    """Text files, an FM and an attention checkpoint: tables, .csv, .json; attention stops at --max_len."""
+    torch.manual_seed(7)
+    texts = tmp_path / 'texts'
+    texts.mkdir()
+    for i, n in enumerate((90, 40)):
+        (texts / f'{i}.txt').write_text(''.join(chr(97 + (j * 7 + i) % 26) for j in range(n)))
+    dirs = [save_model_checkpoint(Model(tiny_config(vocab_size=256, block_size=8, **MIXERS[name])),
+                                  tmp_path / name) for name in ('fm_sparse', 'attn')]
+    out = tmp_path / 'result' / 'positions'
+    results = evaluation.main([f'--out_dir={d}' for d in dirs] + [f'--data={texts}', '--max_len=32',
+                                                                  '--chunk_len=16', f'--out={out}'])
+    fm, attn = results
+    assert [b['start'] for b in fm['buckets']] == [1, 2, 4, 8, 16, 32, 64] and fm['max_positions'] is None
+    assert [b['start'] for b in attn['buckets']] == [1, 2, 4, 8, 16] and attn['max_positions'] == 32
+    assert [s['t'] for s in attn['loss_so_far']] == [1, 2, 4, 8, 16, 32]
+    assert fm['buckets'][-1]['positions'] == 89 - 63 and fm['buckets'][-1]['documents'] == 1
+    saved = json.loads(out.with_suffix('.json').read_text())
+    assert [c['label'] for c in saved['checkpoints']] == ['fm_sparse', 'attn']
+    rows = out.with_suffix('.csv').read_text().splitlines()
+    assert rows[0].startswith('checkpoint,model,measure') and len(rows) == 1 + 2 + 7 + 7 + 5 + 6
+
+
+def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path):
+    """A checkpoint of cl100k_base on the bytes of the default corpus's long.bin: refused before any work."""
+    ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
+    torch.save({**ckpt, 'tokenizer': 'cl100k_base'}, tmp_path / 'ckpt.pt')
+    long_bin = os.path.join(ckpt['data_state']['folder'], 'long.bin')
+    with pytest.raises(evaluation.EvalError, match=r"long.bin holds tokens of 'bytes', but .* was trained with "
+                                                   r"'cl100k_base': give data tokenized with 'cl100k_base'"):
+        evaluation.main([f'--out_dir={trained[0]}', f'--out_dir={tmp_path}', f'--data={long_bin}'])
+
+
+def test_rolling_windows_score_every_token_once():
+    tokens = list(range(100, 123))  # 23 tokens, windows of 8 predictions
+    pairs = evaluation.rolling_windows(tokens, prefix=7, max_len=8)
+    assert [t for _, continuation in pairs for t in continuation] == tokens
+    sequence = [7] + tokens
+    for context, continuation in pairs:
+        inputs = (context + continuation)[:-1]
+        assert len(inputs) == 8 and inputs == sequence[sequence.index(continuation[-1]) - 8:][:8]
+
+
+@torch.no_grad()
+def test_harness_loglikelihood_equals_the_forward():
+    """The Scorer (the lm-eval adapter's logic): batched requests of any length, an empty context, contexts cut
+    to the training context, rolling log-likelihoods; each against the model's own forward on that request."""
+    torch.manual_seed(8)
+    model = Model(tiny_config(vocab_size=256, block_size=12, init_std=0.3, mixer='fm', top_k=3)).double().eval()
+    tok = get_tokenizer('bytes')
+    scorer = evaluation.Scorer(model, tok, batch_size=2)
+    requests = [('To be', ', or not'), ('', 'Hamlet'), ('Now is the winter of our discontent', ' made'),
+                ('a', 'b'), ('ab \n ', 'cd')]
+    for (context, continuation), (logprob, greedy) in zip(requests, scorer.loglikelihood(requests)):
+        ids = tok.encode(context) or [scorer.prefix]
+        n = len(tok.encode(continuation)) + len(context) - len(context.rstrip())
+        ids = (ids + tok.encode(continuation))[-13:]  # at most 12 inputs
+        logits = model(torch.tensor([ids[:-1]]))[0][0, -n:]
+        want = logits.log_softmax(-1).gather(-1, torch.tensor(ids[-n:])[:, None]).sum().item()
+        assert logprob == pytest.approx(want, rel=1e-12, abs=1e-12)
+        assert greedy == (logits.argmax(-1) == torch.tensor(ids[-n:])).all().item()
+    short, long_text = 'Nymph, in', 'O, what a rogue and peasant slave am I!'  # 9 + 1 and 39 + 1 tokens
+    got = scorer.loglikelihood_rolling([short, long_text])
+    ids = [scorer.prefix] + tok.encode(short)
+    want = model(torch.tensor([ids[:-1]]))[0][0].log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None]).sum()
+    assert got[0] == pytest.approx(want.item(), rel=1e-12)
+    windows = evaluation.rolling_windows(tok.encode(long_text), scorer.prefix, 12)
+    assert got[1] == pytest.approx(sum(lp for lp, _ in scorer.loglikelihood_tokens(windows)), rel=1e-12)
+
+
+def test_harness_generation_cuts_at_stop_strings():
+    scorer = evaluation.Scorer(increment_model(), get_tokenizer('bytes'), batch_size=2)
+    requests = [('abc', {'until': ['g'], 'max_gen_toks': 6}), ('klm', {'until': 'q', 'max_gen_toks': 6}),
+                ('xy', {'until': [], 'max_gen_toks': 3, 'do_sample': False, 'temperature': 0.0})]
+    assert scorer.generate_until(requests) == ['def', 'nop', 'z{|']
+    with pytest.raises(ValueError, match='does not take: num_beams'):
+        scorer.generate_until([('abc', {'num_beams': 2})])
+
+
+HARNESS_TASKS = {  # name -> (examples, task YAML lines): hand-made examples the increment model gets right
+    'count_choice': ([{'context': 'abcd', 'choices': ['efgh', 'hgfe', 'xqzw'], 'label': 0},
+                      {'context': 'klm', 'choices': ['qrs', 'nop', 'mlk'], 'label': 1},
+                      {'context': 'n=1234', 'choices': ['5', '9', '0'], 'label': 0}],
+                     ['output_type: multiple_choice', 'doc_to_text: "{{context}}"', 'doc_to_choice: "{{choices}}"',
+                      'doc_to_target: "{{label}}"', 'target_delimiter: ""', 'metric_list:', '  - metric: acc']),
+    'count_generation': ([{'context': 'abcd', 'answer': 'efg'}, {'context': 'n=0123', 'answer': '456'},
+                          {'context': 'pq', 'answer': 'rs'}],
+                         ['output_type: generate_until', 'doc_to_text: "{{context}}"', 'doc_to_target: "{{answer}}"',
+                          'generation_kwargs:', '  until: ["7", "t"]', '  max_gen_toks: 3', '  do_sample: false',
+                          'metric_list:', '  - metric: exact_match']),
+    'count_text': ([{'text': 'abcdefghijklmnopqrstuvwxyz' * 2}, {'text': '0123456789'}],
+                   ['output_type: loglikelihood_rolling', 'doc_to_text: ""', 'doc_to_target: "{{text}}"',
+                    'metric_list:', '  - metric: bits_per_byte']),
+}
+
+
+@pytest.mark.skipif(importlib.util.find_spec('lm_eval') is None, reason='lm-eval is not installed')
+def test_harness_runs_a_local_task_offline(tmp_path, monkeypatch):
+    """python eval.py harness on tasks defined in local YAML files with JSON data, offline: the hand-set model
+    gets every multiple-choice and generation example right, and the harness's bits per byte are the Scorer's."""
+    monkeypatch.setenv('HF_DATASETS_OFFLINE', '1')
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    for name, (examples, lines) in HARNESS_TASKS.items():
+        data = tmp_path / f'{name}.jsonl'
+        data.write_text(''.join(json.dumps(example) + '\n' for example in examples))
+        (tmp_path / f'{name}.yaml').write_text('\n'.join([f'task: {name}', 'dataset_path: json', 'dataset_kwargs:',
+                                                          '  data_files:', f'    test: {data}', 'test_split: test',
+                                                          *lines]) + '\n')
+    out_dir = save_model_checkpoint(increment_model(), tmp_path / 'model')
+    results = evaluation.main(['harness', f'--out_dir={out_dir}', f'--tasks={",".join(HARNESS_TASKS)}',
+                               f'--include_path={tmp_path}', '--batch_size=2', f'--out={tmp_path / "harness"}'])
+    scores = results['results']
+    assert scores['count_choice']['acc,none'] == 1.0
+    assert scores['count_generation']['exact_match,none'] == 1.0
+    texts = [example['text'] for example in HARNESS_TASKS['count_text'][0]]
+    scorer = evaluation.Scorer(increment_model(), get_tokenizer('bytes'))
+    bits = -sum(scorer.loglikelihood_rolling(texts)) / sum(len(t) for t in texts) / math.log(2)
+    assert scores['count_text']['bits_per_byte,none'] == pytest.approx(bits, rel=1e-6)
+    assert json.loads((tmp_path / 'harness.json').read_text())['results']['count_choice']['acc,none'] == 1.0
+
+
+def test_reproduction_configs_differ_only_in_the_model():
+    """The extrapolation baselines have FM's parameter count (within 0.5%) and its data, context, tokens and
+    schedule."""
+    config, types = defaults()
+    architecture = {f.name for f in fields(ModelConfig)} - {'block_size'} | {'out_dir', 'wandb_run_name'}
+    paths = {name: os.path.join(REPO, 'config', f'extrapolation_{name}.py') for name in ('fm', 'transformer', 'mamba2')}
+    training = {name: {k: v for k, v in load_config(config, [path], types).items() if k not in architecture}
+                for name, path in paths.items()}
+    n_params = {name: build(path, meta=True).num_params(non_embedding=False) for name, path in paths.items()}
+    for name in paths:
+        assert abs(n_params[name] / n_params['fm'] - 1) < 0.005, n_params
+        assert training[name] == training['fm'], name
+    assert training['fm']['block_size'] == 512
+
+
+def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
+    """Runs as checkpoints and as the .csv of an earlier machine: each series keeps, per m, its best finished run
+    (m = 16, k = 4 is in both sparse series); unfinished runs are left out."""
+    runs = tmp_path / 'runs'
+    cases = {'m16-k4-tau1': (16, 4, 1.0, 2.0, 10), 'm16-k4-tau0.5': (16, 4, 0.5, 1.9, 10),
+             'm16-dense-tau1': (16, None, 1.0, 1.8, 10), 'm64-k16-tau1': (64, 16, 1.0, 1.5, 4)}
+    for name, (m, k, tau, loss, iters) in cases.items():
+        model = Model(tiny_config(n_memory=m, top_k=k, tau=tau))
+        save_model_checkpoint(model, runs / name, best_val_loss=loss, iter_num=iters, train_config={'max_iters': 10})
+    earlier = tmp_path / 'earlier.csv'
+    earlier.write_text('run,n_memory,top_k,tau,val_loss,iter_num,max_iters\n'
+                       'm64-k16-tau0.25,64,16,0.25,1.6,10,10\nm16-k4-tau1,16,4,1.0,9.9,10,10\n')
+    rows, best = evaluation.main(['scaling', f'--runs={earlier}', f'--runs={runs}', f'--out={tmp_path / "s"}'])
+    assert len(rows) == 5 and {r['run']: r['val_loss'] for r in rows}['m16-k4-tau1'] == 2.0  # the later source
+    assert {name: {m: r['run'] for m, r in series.items()} for name, series in best.items()} == {
+        'dense (k = m)': {16: 'm16-dense-tau1'}, 'k = m/4': {16: 'm16-k4-tau0.5', 64: 'm64-k16-tau0.25'},
+        'k = 4': {16: 'm16-k4-tau0.5'}}
+    again, _ = evaluation.main(['scaling', f'--runs={tmp_path / "s.csv"}', f'--out={tmp_path / "t"}'])
+    assert again == rows
+
+
 # ----------------------------------------------------------------------------- config and accounting
 
 @pytest.mark.parametrize('overrides, field', [
