@@ -232,7 +232,7 @@ def load_documents(data, data_dir, tokenizer, ckpt_path):
     path = Path(data)
     if path.suffix == '.bin':
         try:
-            token_file = load_tokens(path)
+            token_file = load_tokens(path, verify=True)
         except (ValueError, FileNotFoundError) as e:
             raise EvalError(str(e)) from None
         if token_file.tokenizer != tokenizer:
