@@ -88,7 +88,7 @@ def _pad_time(x, multiple):
 
 
 def _log_decay(theta):
-    """log(1 - theta), LOG_DECAY_FLOOR at theta = 1 (whose gradient then omits the decay term)."""
+    """log(1 - theta), LOG_DECAY_FLOOR at theta = 1 (forward only: _ChunkDecays differentiates the decays)."""
     below_one = theta < 1
     return torch.where(below_one, torch.log1p(-torch.where(below_one, theta, 0)), LOG_DECAY_FLOOR)
 
@@ -97,6 +97,37 @@ def _chunk_cumsum(log_decay, chunk):
     """Within-chunk inclusive cumsum of the log-decays (B, Tp, M): b (B, NC, C, M)."""
     B, Tp, M = log_decay.shape
     return log_decay.view(B, Tp // chunk, chunk, M).cumsum(2)
+
+
+class _ChunkDecays(torch.autograd.Function):
+    """The decays inside each chunk from theta (B, Tp, M), padded to whole chunks: e^{b_t} (B, NC, M, C), from the
+    chunk start to token t, and e^{b_t - b_s} (B, NC, M, C, C), from token s to token t (0 for s > t), with b the
+    within-chunk cumulative log(1 - theta). The backward differentiates the decays a = 1 - theta themselves, not
+    their logs: a factor e^{b_t - b_s} with s < v <= t is e^{b_t - b_v} a_v e^{b_{v-1} - b_s}, so
+
+        d loss / d a_v = sum_{t >= v} sum_{s < v} e^{b_t - b_v} G[t, s] e^{b_{v-1} - b_s},
+
+    G the gradient of e^{b_t - b_s} (s = -1 standing for the chunk start, e^{b_{-1}} = 1). Nothing divides by a_v,
+    so the gradient is exact where theta = 1 (a_v = 0, the row forgets), whose log-decay is floored."""
+
+    @staticmethod
+    def forward(ctx, theta, chunk):
+        b = _chunk_cumsum(_log_decay(theta), chunk).transpose(-1, -2)  # (B, NC, M, C)
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=theta.device).tril()
+        from_start = b.exp()  # (B, NC, M, C)
+        between = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, NC, M, C, C)
+        ctx.save_for_backward(from_start, between)
+        return from_start, between
+
+    @staticmethod
+    def backward(ctx, d_from_start, d_between):
+        from_start, between = ctx.saved_tensors
+        later = between.transpose(-1, -2)  # [v, t] = e^{b_t - b_v}
+        earlier = F.pad(between, (0, 0, 1, 0))[..., :-1, :]  # [v, s] = e^{b_{v-1} - b_s}, zeros at v = 0
+        earlier_start = F.pad(from_start, (1, 0), value=1.0)[..., :-1]  # [v] = e^{b_{v-1}}
+        d_decay = ((later @ d_between) * earlier).sum(-1) + (later @ d_from_start[..., None])[..., 0] * earlier_start
+        B, NC, M, C = d_decay.shape
+        return -d_decay.transpose(-1, -2).reshape(B, NC * C, M), None  # a = 1 - theta
 
 
 def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
@@ -110,15 +141,12 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     x = x.view(B, NC, C, D)
     th = _pad_time(theta.to(dtype), C)
     ph = _pad_time(phi.to(dtype), C).view(B, NC, C, M)
-    b = _chunk_cumsum(_log_decay(th), C).transpose(-1, -2)  # (B, NC, M, C)
+    eb, decays = _ChunkDecays.apply(th, C)  # e^b (B, NC, M, C), e^{b_t - b_s} (B, NC, M, C, C)
     th = th.view(B, NC, C, M).transpose(-1, -2)  # (B, NC, M, C)
-
-    causal = torch.ones(C, C, dtype=torch.bool, device=x.device).tril()
-    rel = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf"))  # (B, NC, M, C, C)
-    L = rel.exp() * th[..., None, :]  # (B, NC, M, C, C): L[i, t, s]
+    L = decays * th[..., None, :]  # (B, NC, M, C, C): L[i, t, s]
 
     chunk_write = torch.einsum("bnis,bnsd->bnid", L[..., -1, :], x)  # (B, NC, M, D)
-    chunk_decay = b[..., -1].exp()[..., None]  # (B, NC, M, 1)
+    chunk_decay = eb[..., -1:]  # (B, NC, M, 1)
     H = x.new_zeros(B, M, D) if h0 is None else h0.to(dtype)
     starts = []
     for n in range(NC):
@@ -128,7 +156,6 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 
     gram = x @ x.transpose(-1, -2)  # (B, NC, C, C)
     HX = Hs @ x.transpose(-1, -2)  # (B, NC, M, C)
-    eb = b.exp()  # (B, NC, M, C)
     quad = ((L @ gram[:, :, None]) * L).sum(-1)  # (B, NC, M, C)
     cross = (L * HX[..., None, :]).sum(-1)  # (B, NC, M, C)
     sq_norm = eb**2 * Hs.pow(2).sum(-1, keepdim=True) + 2 * eb * cross + quad
@@ -166,10 +193,13 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #           _chunk_dx_kernel        per (chunk, batch, D split): dxbar, and dH_end X^T for dk's chunk-end term
 #           _decay_grads_kernel     per (chunk, batch): dk's chunk-end term; d loss / d b and its in-chunk reverse sum
 #           _rate_grads_kernel      per (chunk, batch): dtheta (adding the later chunks' sums) and dphi
+#           _forget_grads_kernel    per (chunk, batch): dtheta's decay term where theta = 1 (chunks without such a
+#                                   token return at once)
 # With g_u = q_u dy_u + c_u h_u the gradient reaching h_u directly, the norm's part of the backward reduces to
 # Gamma_s = sum_{u>=s} c_u e^{2(b_u - b_s)}: sum_u L_i[u,s] c_u h_u[i] = omega_s[i] h_s[i] + sum_{s'>s} P_w[s', s] x_s'
 # with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T - diag P_w) X + (omega e^b) H + K_end^T dH_end.
-# The gradient wrt the log-decays follows from an identity (see _rate_grads).
+# The gradient wrt the log-decays follows from an identity (see _rate_grads); divided by a = 1 - theta it gives
+# dtheta's decay term d loss / d a, except where a = 0 (theta = 1), which _forget_grads_kernel computes directly.
 #
 # All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
 # CHUNK: theta, phi, a = 1 - theta (the decays), b (within-chunk cumulative log-decay), r (row rms), q, all
@@ -636,7 +666,8 @@ if triton is not None:
     def _rate_grads_kernel(theta_ptr, decay_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
                            T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
         """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
-        later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n."""
+        later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n. Where the memory
+        forgets, dtheta = dk: exact at document starts; at theta = 1 _forget_grads_kernel adds the decay term."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t, offs_m, tm_ptr, ok = _chunk_tile(bi, n, Tp, M, C, BM)
         later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
@@ -649,6 +680,72 @@ if triton is not None:
         out_ptr, out_ok = bi * T * M + offs_t[:, None] * M + offs_m[None, :], (offs_t < T)[:, None] & ok
         tl.store(dtheta_ptr + out_ptr, dtheta, mask=out_ok)
         tl.store(dphi_ptr + out_ptr, dphi, mask=out_ok)
+
+    @triton.jit
+    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, starts_ptr, b_ptr, q_ptr, omega_ptr, hs_ptr, dh_ptr,
+                             dtheta_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row forgets; document
+        starts aside, where h_{t-1} belongs to another document), which _rate_grads_kernel leaves out: it divides
+        d loss / d log(a_t) = a_t (d loss / d a_t) by a_t, 0 there. d loss / d a_t = G_t . h_{t-1}, G_t the gradient
+        at h_t; in the chunk, with H its start state, h_{t-1} = e^{b_{t-1}} H + sum_{s<t} e^{b_{t-1} - b_s} theta_s x_s
+        and, the norm's term a_t Gamma_t ||h_{t-1}||^2 being 0,
+            G_t . h_{t-1} = sum_{u>=t} e^{b_u - b_t} (q_u dy_u + omega_u x_u) . h_{t-1} + e^{b_C - b_t} dH_end . h_{t-1}:
+        the chunk's products over D of X, dY, H and dH_end, then two (rows, C) x (C, C) products a token. (At every
+        token this cross term would cost another walk a chunk; below 1 the division loses float32 precision like
+        1 / (1 - theta).) Programs of chunks without such a token return at once."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
+        tm = bi * Tp * M + n * C * M
+        forgets = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) >= 1.0  # (BM, C)
+        if HAS_STARTS:
+            forgets &= (tl.load(starts_ptr + n * C + offs_c) == 0)[None, :]
+        if tl.max(forgets.to(tl.int32)) > 0:
+            chunk = bi * NC + n
+            t_ok = n * C + offs_c < T
+            x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+            h_rows, dh_rows = _state_rows(hs_ptr, chunk, M, D, BM), _state_rows(dh_ptr, chunk, M, D, BM)  # (BM,)
+            gram = tl.zeros([C, C], dtype=tl.float32)  # x_u . x_s
+            dyx = tl.zeros([C, C], dtype=tl.float32)  # dy_u . x_s
+            hx = tl.zeros([BM, C], dtype=tl.float32)  # H . x_u
+            hdy = tl.zeros([BM, C], dtype=tl.float32)  # H . dy_u
+            dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end . x_s
+            dhh = tl.zeros([BM], dtype=tl.float32)  # dH_end . H
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+                h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+                dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
+                gram += _mm(x, tl.trans(x), PRECISION)
+                dyx += _mm(dy, tl.trans(x), PRECISION)
+                hx += _mm(h, tl.trans(x), PRECISION)
+                hdy += _mm(h, tl.trans(dy), PRECISION)
+                dhx += _mm(dh, tl.trans(x), PRECISION)
+                dhh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1)
+            b_end = _boundary(b_ptr, tm, offs_m, m_ok, C - 1, M)  # (BM,)
+            for t in range(C):
+                forget = _at(theta_ptr, tm, t, offs_m, m_ok, M) >= 1.0  # (BM,)
+                if HAS_STARTS:
+                    forget &= tl.load(starts_ptr + n * C + t) == 0
+                if tl.max(forget.to(tl.int32)) > 0:
+                    b = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
+                    b_t = _at(b_ptr, tm, t, offs_m, m_ok, M)  # (BM,)
+                    b_before = _boundary(b_ptr, tm, offs_m, m_ok, t - 1, M)  # 0 at t = 0
+                    before = offs_c[None, :] < t
+                    writes = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * tl.exp(
+                        tl.where(before, b_before[:, None] - b, float("-inf")))  # e^{b_{t-1} - b_s} theta_s, s < t
+                    reads = tl.exp(tl.where(before, float("-inf"), b - b_t[:, None]))  # e^{b_u - b_t}, u >= t
+                    start = tl.exp(b_before)  # (BM,) e^{b_{t-1}}
+                    h_dy = start[:, None] * hdy + _mm(writes, tl.trans(dyx), "ieee")  # (BM, C) h_{t-1} . dy_u
+                    h_x = start[:, None] * hx + _mm(writes, gram, "ieee")  # h_{t-1} . x_u
+                    h_dh = start * dhh + tl.sum(writes * dhx, axis=1)  # (BM,) h_{t-1} . dH_end
+                    d_decay = tl.sum(reads * (_tile(q_ptr, tm, offs_m, m_ok, offs_c, M) * h_dy
+                                              + _tile(omega_ptr, tm, offs_m, m_ok, offs_c, M) * h_x), axis=1)
+                    d_decay += tl.exp(b_end - b_t) * h_dh
+                    ptrs = dtheta_ptr + bi * T * M + (n * C + t) * M + offs_m
+                    tl.store(ptrs, tl.load(ptrs, mask=forget, other=0.0) - d_decay, mask=forget)
 
     @triton.jit
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
@@ -876,7 +973,8 @@ def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
     """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
     d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
     cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
-    first kernel, over the later chunks through the cumulative sum of the chunk totals."""
+    first kernel, over the later chunks through the cumulative sum of the chunk totals. Where theta = 1, dtheta
+    lacks its decay term until _forget_grads adds it."""
     B, Tp, M = theta.shape
     NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
     d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
@@ -894,15 +992,30 @@ def _padded(weights):
     return _pad_time(weights.float(), CHUNK).contiguous()
 
 
+def _document_starts(cu_seqlens, Tp):
+    """1 at the tokens where a packed document starts (and the memory forgets), int8 (Tp,); None without cu_seqlens."""
+    if cu_seqlens is None:
+        return None
+    starts = torch.zeros(Tp, dtype=torch.int8, device=cu_seqlens.device)
+    starts[cu_seqlens[1:-1].long()] = 1
+    return starts
+
+
+def _forget_grads(dtheta, x, dy, theta, starts, b, q, omega, states, dends):
+    """dtheta's decay term where theta = 1 (_forget_grads_kernel), in place."""
+    B, Tp, M = theta.shape
+    NC = Tp // CHUNK
+    _forget_grads_kernel[(NC, B)](x, dy, theta, starts, b, q, omega, states, dends, dtheta, x.shape[1], Tp,
+                                  x.shape[-1], M, NC, BD=32, HAS_STARTS=starts is not None, OP=_operand(x),
+                                  **_meta(x, M, num_warps=4))
+
+
 def _decays(theta_p, cu_seqlens):
     """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative sum b of
     log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys to its end state
     (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
-    starts = None
-    if cu_seqlens is not None:  # a document start forgets the memory
-        starts = torch.zeros(Tp, dtype=torch.int8, device=theta_p.device)
-        starts[cu_seqlens[1:-1].long()] = 1
+    starts = _document_starts(cu_seqlens, Tp)
     decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
     keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
     _decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
@@ -946,8 +1059,8 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
 def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, decay: Tensor,
-                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, hx: Tensor,
-                   eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, hx: Tensor, eps: float,
+                   cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
     x, dy = xbar.contiguous(), dy.contiguous()
     dhT = None if dhT is None else dhT.float().contiguous()
@@ -962,26 +1075,27 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps)
+    _forget_grads(dtheta, x, dy, theta, _document_starts(cu_seqlens, theta.shape[1]), b, q, omega, states, dends)
     return dx, dtheta, dphi, dh0
 
 
 @_scan_backward.register_fake
-def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps):
+def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps, cu_seqlens):
     dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
     return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
 
 
 def _scan_setup_context(ctx, inputs, output):
     xbar, theta, phi, h0, eps, cu_seqlens = inputs
-    ctx.save_for_backward(xbar, theta, *output[1:])
+    ctx.save_for_backward(xbar, theta, cu_seqlens, *output[1:])
     ctx.eps, ctx.has_h0, ctx.phi_dtype = eps, h0 is not None, phi.dtype
     ctx.set_materialize_grads(False)  # no zero gradients for the seven outputs only the backward reads
 
 
 def _scan_grads(ctx, dy, dhT, *unused):
-    xbar, theta, hT, *saved = ctx.saved_tensors
+    xbar, theta, cu_seqlens, hT, *saved = ctx.saved_tensors
     dy = torch.zeros_like(xbar) if dy is None else dy
-    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
+    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps, cu_seqlens)
     return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None, None
 
 
