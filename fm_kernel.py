@@ -51,6 +51,7 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts, i
 # (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
 CHUNK = 64  # tokens per chunk in the Triton scan
 MAX_ROWS = 128  # memory rows fm_scan takes: the state tiles of m = 256 overflow shared memory (an H200, 227 KB)
+STEP_TILE = 16384  # elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
 
 
 # ----------------------------------------------------------------------------- references
@@ -748,32 +749,48 @@ if triton is not None:
                     tl.store(ptrs, tl.load(ptrs, mask=forget, other=0.0) - d_decay, mask=forget)
 
     @triton.jit
+    def _step_rows(row_ptrs, x_ptr, write, offs_d, k_ok, D):
+        """Columns offs_d (BK, BD) of a step's rows after its write, h <- (1 - theta) h + theta x, stored back."""
+        mask = k_ok[:, None] & (offs_d < D)[None, :]
+        x = tl.load(x_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)  # (BD,)
+        h = tl.load(row_ptrs + offs_d[None, :], mask=mask, other=0.0)
+        h = (1.0 - write) * h + write * x[None, :]
+        tl.store(row_ptrs + offs_d[None, :], h, mask=mask)
+        return h
+
+    @triton.jit
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
-                     BK: tl.constexpr, BD: tl.constexpr):
+                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr):
+        """One decode step of sequence bi on its K rows idx: h_k <- (1 - theta_k) h_k + theta_k x, then
+        y = sum_k phi_k h_k / rms(h_k). ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
+        and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows."""
         bi = tl.program_id(0)
         offs_k = tl.arange(0, BK)
         k_ok = offs_k < K
-        rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)
+        rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)  # (BK,)
         write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]  # (BK, 1)
-        row_base = h_ptr + bi * M * D + rows[:, None] * D
-        sq_norm = tl.zeros([BK], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            mask = k_ok[:, None] & (offs_d < D)[None, :]
-            x = tl.load(x_ptr + bi * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            h = tl.load(row_base + offs_d[None, :], mask=mask, other=0.0)
-            h = (1.0 - write) * h + write * x[None, :]  # (BK, BD)
-            tl.store(row_base + offs_d[None, :], h, mask=mask)
-            sq_norm += tl.sum(h * h, axis=1)
-        tl.debug_barrier()
+        row_ptrs = h_ptr + bi * M * D + rows[:, None] * D  # (BK, 1)
+        if ONE_PASS:
+            offs_d = tl.arange(0, BD)
+            h = _step_rows(row_ptrs, x_ptr + bi * D, write, offs_d, k_ok, D)  # (BK, BD)
+            sq_norm = tl.sum(h * h, axis=1)
+        else:
+            sq_norm = tl.zeros([BK], dtype=tl.float32)
+            for d0 in range(0, D, BD):
+                h = _step_rows(row_ptrs, x_ptr + bi * D, write, d0 + tl.arange(0, BD), k_ok, D)  # (BK, BD)
+                sq_norm += tl.sum(h * h, axis=1)
+            tl.debug_barrier()  # the second pass reads rows that other threads stored
         phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            mask = k_ok[:, None] & (offs_d < D)[None, :]
-            h = tl.load(row_base + offs_d[None, :], mask=mask, other=0.0)
-            y = tl.sum(read[:, None] * h, axis=0)
-            tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+        if ONE_PASS:
+            tl.store(y_ptr + bi * D + offs_d, tl.sum(read[:, None] * h, axis=0).to(y_ptr.dtype.element_ty),
+                     mask=offs_d < D)
+        else:
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+                tl.store(y_ptr + bi * D + offs_d, tl.sum(read[:, None] * h, axis=0).to(y_ptr.dtype.element_ty),
+                         mask=offs_d < D)
 
 
 # ----------------------------------------------------------------------------- Triton wrappers
@@ -1132,15 +1149,34 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
     return y, hT
 
 
-@torch.compiler.disable
-def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
-    """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D)."""
+def _step_meta(K, D):
+    """Launch settings of _step_kernel: a sequence's rows in one tile when it holds at most STEP_TILE elements (one
+    pass, 8 warps), else two passes of 8192 elements at a time on 4 warps (dense K = M = 64 at D = 2048)."""
+    BK, width = max(2, triton.next_power_of_2(K)), triton.next_power_of_2(D)
+    if BK * width <= STEP_TILE:
+        return dict(BK=BK, BD=width, ONE_PASS=True, num_warps=8)
+    return dict(BK=BK, BD=min(width, max(64, 8192 // BK)), ONE_PASS=False, num_warps=4)
+
+
+@torch.library.custom_op("fm::step", mutates_args={"h"})
+def _step(h: Tensor, xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, eps: float) -> Tensor:
+    """y (B, D); rows idx of h updated in place."""
     B, M, D = h.shape
-    K = idx.shape[1]
+    x = xbar.contiguous()
+    y = torch.empty_like(x)
+    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), y, eps, D, M, idx.shape[1],
+                       **_step_meta(idx.shape[1], D))
+    return y
+
+
+@_step.register_fake
+def _(h, xbar, idx, theta, phi, eps):
+    return torch.empty_like(xbar, memory_format=torch.contiguous_format)
+
+
+def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
+    """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D). A custom op (fm::step):
+    torch.compile traces a decode step through it and CUDA graphs capture it."""
     if h.dtype != torch.float32 or not h.is_contiguous():
         raise ValueError("the decode state h must be a contiguous float32 tensor (B, M, D)")
-    y = torch.empty_like(xbar)
-    BD = min(triton.next_power_of_2(D), max(64, 8192 // triton.next_power_of_2(K)))
-    _step_kernel[(B,)](h, xbar.contiguous(), idx.contiguous(), theta.contiguous(), phi.contiguous(), y, eps,
-                       D, M, K, BK=max(2, triton.next_power_of_2(K)), BD=BD)
-    return y
+    return _step(h, xbar, idx, theta, phi, float(eps))

@@ -389,15 +389,23 @@ def test_triton_scan_saturated_rates_at_document_boundaries(poisoned_outputs):
     assert rel_err(got[3][:, tokens], want[3][:, tokens]) < 2e-5
 
 
-@needs_triton
-@pytest.mark.parametrize("K,M,D", [(1, 4, 16), (3, 10, 40), (8, 8, 100)])
-def test_triton_step_matches_naive(K, M, D, poisoned_outputs):
-    torch.manual_seed(K + M)
-    B = 3
+def step_inputs(B, K, M, D):
+    """A decode step's h (B, M, D), xbar (B, D), idx (B, K) distinct rows, theta, phi (B, K), float32."""
     h = torch.randn(B, M, D, device=DEVICE)
     x = torch.randn(B, D, device=DEVICE)
     idx = torch.stack([torch.randperm(M)[:K] for _ in range(B)]).to(DEVICE)
-    theta, phi = torch.rand(B, K, device=DEVICE), torch.rand(B, K, device=DEVICE)
+    return h, x, idx, torch.rand(B, K, device=DEVICE), torch.rand(B, K, device=DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("K, M, D, one_pass", [(1, 4, 16, True), (3, 10, 40, True), (8, 8, 100, True),
+                                               (5, 12, 3000, False), (11, 16, 1100, False)])  # looped: 2 passes
+def test_triton_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
+    """The decode step in one pass (the rows fit in one tile) and in two passes over D (the last columns masked)."""
+    assert fm_kernel._step_meta(K, D)["ONE_PASS"] == one_pass
+    torch.manual_seed(K + M)
+    B = 3
+    h, x, idx, theta, phi = step_inputs(B, K, M, D)
     h_naive = h.clone()
     y_naive = fm_step_naive(h_naive, x, idx, theta, phi)
     y = fm_step(h, x, idx, theta, phi)
@@ -405,6 +413,24 @@ def test_triton_step_matches_naive(K, M, D, poisoned_outputs):
     assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6)
     untouched = torch.ones(B, M, dtype=torch.bool, device=DEVICE).scatter(1, idx, False)
     assert torch.equal(h[untouched], h_naive[untouched])
+
+
+@needs_triton
+def test_fm_step_compiles_without_graph_break():
+    """fm_step is a registered custom op (fm::step, mutating h; schema and fake tensors checked by opcheck), so
+    torch.compile(fullgraph=True) traces a decode step through it, with the eager step's output and state."""
+    torch.manual_seed(1)
+    h, x, idx, theta, phi = step_inputs(2, 3, 10, 40)
+    torch.library.opcheck(fm_kernel._step, (h.clone(), x, idx, theta, phi, 1e-6))
+
+    def decode(h, x, idx, theta, phi):
+        return fm_step(h, 2 * x, idx, theta.softmax(-1), phi).sum(-1)
+
+    h_compiled = h.clone()
+    backend = "inductor" if CUDA else "aot_eager"  # inductor on the CPU needs a C++ compiler
+    got = torch.compile(decode, backend=backend, fullgraph=True)(h_compiled, x, idx, theta, phi)
+    assert torch.equal(got, decode(h, x, idx, theta, phi))
+    assert torch.equal(h_compiled, h)
 
 
 @needs_triton
