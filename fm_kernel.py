@@ -728,8 +728,8 @@ if triton is not None:
             b_end = _boundary(b_ptr, tm, offs_m, m_ok, C - 1, M)  # (BM,)
             for t in range(C):
                 forget = _at(theta_ptr, tm, t, offs_m, m_ok, M) >= 1.0  # (BM,)
-                if HAS_STARTS:
-                    forget &= tl.load(starts_ptr + n * C + t) == 0
+                if HAS_STARTS:  # (a vector & a scalar mask fails in Triton 3.9's interpreter)
+                    forget = tl.where(tl.load(starts_ptr + n * C + t) != 0, False, forget)
                 if tl.max(forget.to(tl.int32)) > 0:
                     b = _tile(b_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
                     b_t = _at(b_ptr, tm, t, offs_m, m_ok, M)  # (BM,)
