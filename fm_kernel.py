@@ -267,90 +267,10 @@ if triton is not None:
         return offs_t, offs_m, bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]
 
     @triton.jit
-    def _decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
-                      BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
-        """The decays a = e^{log(1 - theta)} (0 at theta = 1 and at document starts), the within-chunk cumulative
-        sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
-        (BM, C) a chunk (0 on padded rows)."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t, offs_m, ptrs, ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        theta = tl.load(theta_ptr + ptrs, mask=ok, other=0.0)
-        kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
-        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
-        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / tl.where(kept == 1.0, -1.0, kept - 1.0)))
-        forget = theta >= 1.0
-        if HAS_STARTS:
-            forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
-        tl.store(decay_ptr + ptrs, tl.where(forget, 0.0, tl.exp(log_decay)), mask=ok)
-        log_decay = tl.where(forget, FLOOR, log_decay)
-        b = tl.cumsum(log_decay, axis=0)  # (C, BM)
-        tl.store(b_ptr + ptrs, b, mask=ok)
-        offs_c = tl.arange(0, C)
-        b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
-        keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
-        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None], keys)
-
-    @triton.jit
-    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, starts_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
-                             HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD columns:
-        carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start state, or h0 for one
-        group), stores the carry entering each chunk and, from the last group, hT; the first (several groups)
-        starts from zero and stores only the group's end carry, its own contribution to the next group's start."""
-        bi, g, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_m, offs_d = tl.arange(0, BM), pd * BD + tl.arange(0, BD)
-        state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
-        state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
-        keys_at = offs_m[:, None] * C + tl.arange(0, C)[None, :]  # (BM, C) offsets in one chunk's keys
-        if HAS_INIT:
-            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + state, mask=state_ok, other=0.0)
-        else:
-            carry = tl.zeros([BM, BD], dtype=tl.float32)
-        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):  # loads pipelined num_stages deep
-            k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + keys_at), OP)
-            b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)  # (C, BD)
-            if FINAL:
-                tl.store(starts_ptr + (bi * NC + n) * M * D + state, carry.to(starts_ptr.dtype.element_ty),
-                         mask=state_ok)
-            carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
-        if not FINAL:
-            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + state, carry, mask=state_ok)
-        elif g == tl.num_programs(1) - 1:
-            tl.store(end_ptr + bi * M * D + state, carry, mask=state_ok)
-
-    @triton.jit
     def _chunk_at(step, NC, REVERSE: tl.constexpr):
         """The chunk a scan visits at `step`; steps past the end give the last one (prefetches re-read it)."""
         step = tl.minimum(step, NC - 1)
         return NC - 1 - step if REVERSE else step
-
-    @triton.jit
-    def _chunk_scan_kernel(s_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
-                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
-                           REVERSE: tl.constexpr):
-        """out[n] <- carry; carry <- e^{b_end[n]} * carry + s[n], over n. Loads run two chunks ahead: at batch 1
-        a program walks 256 chunks, which one ahead left waiting on memory at each."""
-        bi, pe = tl.program_id(0), tl.program_id(1)
-        offs = pe * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < M * D
-        own_ptrs, out_ptrs = s_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs  # chunk 0
-        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D  # b at chunk 0's last token, on each element's row
-        if HAS_INIT:
-            carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
-        else:
-            carry = tl.zeros([BLOCK], dtype=tl.float32)
-        n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
-        own0, log_decay0 = tl.load(own_ptrs + n0 * M * D, mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
-        own1, log_decay1 = tl.load(own_ptrs + n1 * M * D, mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
-        for step in range(NC):
-            n2 = _chunk_at(step + 2, NC, REVERSE)
-            own2, log_decay2 = tl.load(own_ptrs + n2 * M * D, mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
-            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D, carry.to(out_ptr.dtype.element_ty), mask=ok)
-            carry = tl.exp(log_decay0) * carry + own0
-            own0, log_decay0, own1, log_decay1 = own1, log_decay1, own2, log_decay2
-        tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
 
     @triton.jit
     def _tile(ptr, base, offs_m, m_ok, offs_t, M, other=0.0):
@@ -426,6 +346,266 @@ if triton is not None:
                 query = _at(query_ptr, tm, t, offs_m, m_ok, M)
                 reads = tl.where(offs_c[:, None] == t, tl.sum(query[:, None] * weights, axis=0)[None, :], reads)
         tl.store(p_base + offs_c[:, None] * C + offs_c[None, :], reads)
+
+
+# ----------------------------------------------------------------------------- launch settings
+
+
+def _precision(x):
+    """tf32 products for 16-bit inputs; exact float32 ('ieee', CUDA cores) for float32 inputs."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _operand(x):
+    """Operand dtype of the products with X, dY and the states. bfloat16 inputs (and their bfloat16 states) are
+    exact in bfloat16, and float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11), but
+    in the products of y and dxbar, which are rounded to bfloat16, as single bfloat16 tiles; float16 (whose range
+    is too narrow for such pairs) and float32 inputs take float32 products at _precision."""
+    return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
+
+
+def _block_m(M):
+    """Padded row count: a power of two, at least 32 (Triton 3.6 once faulted on 16-row products)."""
+    return max(32, triton.next_power_of_2(M))
+
+
+def _start_dtype(x):
+    """Storage dtype of the chunk-start states and of the state gradients (each chunk's own and those at the
+    chunk ends): bfloat16 for bfloat16 inputs, else float32 (half the bytes of the largest tensors of the scan;
+    the products take them as single bfloat16 operands, the scans add them into float32 carries, and hT and dh0
+    stay float32). Gradients in bfloat16: forward+backward 0.74 -> 0.67 ms, dtheta 4.5e-3 -> 6.9e-3 from float64
+    at T = 16384 (bench.py kernels)."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+
+
+def _sm_count(x):
+    """Streaming multiprocessors of x's GPU (1 off the GPU)."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+
+
+def _meta(x, M, num_warps, num_stages=1):
+    """Launch settings shared by the per-chunk kernels."""
+    return dict(C=CHUNK, BM=_block_m(M), PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
+
+
+def _walk_meta(x, M, unroll, warps):
+    """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
+    `warps` at m = 64, scaled with the padded rows (_block_m). On an H200 at T = 1024, since the decays are stored
+    (change 55): the output stage 0.140 ms with 16 steps and 4 warps for the norms, 0.139 to 0.154 with 2 to 16
+    steps and 4 or 8 warps (a sweep of a copy with the same walks); the gradient factors with their products 0.152 ms
+    with 4 steps and 8 warps, 0.160 to 0.172 with 8 or 16 steps or 4 warps."""
+    return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
+
+
+def _columns_per_program(x):
+    """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up, a few
+    (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs. On an
+    H200 at 256 chunks of D = 2048: dstate 0.124 / 0.110 / 0.104 ms and dx 0.154 / 0.140 / 0.132 ms with 512 /
+    1024 / 2048 columns a program."""
+    chunks = x.shape[0] * triton.cdiv(x.shape[1], CHUNK)
+    return triton.cdiv(x.shape[-1], triton.cdiv(_sm_count(x), chunks))
+
+
+def _streaming(x, M, num_stages=3):
+    """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time
+    (num_stages: tiles in flight; on an H200 at T = 1024, 2 / 3 / 4 / 5 stages: dstate 0.105 / 0.088 / 0.090 /
+    0.109 ms, dx 0.105 / 0.104 / 0.101 / 0.101)."""
+    split = 64 * triton.cdiv(_columns_per_program(x), 64)  # whole steps of BD = 64 columns
+    return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
+                                                 **_meta(x, M, num_warps=4, num_stages=num_stages))
+
+
+def _scratch(theta, NC, *rows):
+    """Per-chunk float32 work space (B, NC, *rows, CHUNK)."""
+    return theta.new_empty(theta.shape[0], NC, *rows, CHUNK)
+
+
+# ----------------------------------------------------------------------------- forward: decays
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
+                      BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
+        """The decays a = e^{log(1 - theta)} (0 at theta = 1 and at document starts), the within-chunk cumulative
+        sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
+        (BM, C) a chunk (0 on padded rows)."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, ptrs, ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        theta = tl.load(theta_ptr + ptrs, mask=ok, other=0.0)
+        kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
+        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
+        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / tl.where(kept == 1.0, -1.0, kept - 1.0)))
+        forget = theta >= 1.0
+        if HAS_STARTS:
+            forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
+        tl.store(decay_ptr + ptrs, tl.where(forget, 0.0, tl.exp(log_decay)), mask=ok)
+        log_decay = tl.where(forget, FLOOR, log_decay)
+        b = tl.cumsum(log_decay, axis=0)  # (C, BM)
+        tl.store(b_ptr + ptrs, b, mask=ok)
+        offs_c = tl.arange(0, C)
+        b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
+        keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
+        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None], keys)
+
+
+def _padded(weights):
+    """theta or phi as float32 (B, Tp, M), zero-padded in time to a multiple of CHUNK (no copy when it is)."""
+    return _pad_time(weights.float(), CHUNK).contiguous()
+
+
+def _document_starts(cu_seqlens, Tp):
+    """1 at the tokens where a packed document starts (and the memory forgets), int8 (Tp,); None without cu_seqlens."""
+    if cu_seqlens is None:
+        return None
+    starts = torch.zeros(Tp, dtype=torch.int8, device=cu_seqlens.device)
+    starts[cu_seqlens[1:-1].long()] = 1
+    return starts
+
+
+def _decays(theta_p, cu_seqlens):
+    """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative sum b of
+    log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys to its end state
+    (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
+    B, Tp, M = theta_p.shape
+    starts = _document_starts(cu_seqlens, Tp)
+    decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
+    keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
+    _decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
+                                    HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
+    return decay, b, keys
+
+
+def _prepare(theta, phi, cu_seqlens):
+    """What the forward makes of theta and phi first: padded theta and phi, the decays, b and the keys."""
+    theta_p = _padded(theta)
+    return (theta_p, _padded(phi), *_decays(theta_p, cu_seqlens))
+
+
+# ----------------------------------------------------------------------------- forward: chunk-start states
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, starts_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
+                             HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD columns:
+        carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start state, or h0 for one
+        group), stores the carry entering each chunk and, from the last group, hT; the first (several groups)
+        starts from zero and stores only the group's end carry, its own contribution to the next group's start."""
+        bi, g, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m, offs_d = tl.arange(0, BM), pd * BD + tl.arange(0, BD)
+        state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
+        state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
+        keys_at = offs_m[:, None] * C + tl.arange(0, C)[None, :]  # (BM, C) offsets in one chunk's keys
+        if HAS_INIT:
+            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + state, mask=state_ok, other=0.0)
+        else:
+            carry = tl.zeros([BM, BD], dtype=tl.float32)
+        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):  # loads pipelined num_stages deep
+            k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + keys_at), OP)
+            b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
+            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)  # (C, BD)
+            if FINAL:
+                tl.store(starts_ptr + (bi * NC + n) * M * D + state, carry.to(starts_ptr.dtype.element_ty),
+                         mask=state_ok)
+            carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
+        if not FINAL:
+            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + state, carry, mask=state_ok)
+        elif g == tl.num_programs(1) - 1:
+            tl.store(end_ptr + bi * M * D + state, carry, mask=state_ok)
+
+    @triton.jit
+    def _chunk_scan_kernel(s_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
+                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+                           REVERSE: tl.constexpr):
+        """out[n] <- carry; carry <- e^{b_end[n]} * carry + s[n], over n. Loads run two chunks ahead: at batch 1
+        a program walks 256 chunks, which one ahead left waiting on memory at each."""
+        bi, pe = tl.program_id(0), tl.program_id(1)
+        offs = pe * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * D
+        own_ptrs, out_ptrs = s_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs  # chunk 0
+        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D  # b at chunk 0's last token, on each element's row
+        if HAS_INIT:
+            carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
+        else:
+            carry = tl.zeros([BLOCK], dtype=tl.float32)
+        n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
+        own0, log_decay0 = tl.load(own_ptrs + n0 * M * D, mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
+        own1, log_decay1 = tl.load(own_ptrs + n1 * M * D, mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
+        for step in range(NC):
+            n2 = _chunk_at(step + 2, NC, REVERSE)
+            own2, log_decay2 = tl.load(own_ptrs + n2 * M * D, mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
+            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D, carry.to(out_ptr.dtype.element_ty), mask=ok)
+            carry = tl.exp(log_decay0) * carry + own0
+            own0, log_decay0, own1, log_decay1 = own1, log_decay1, own2, log_decay2
+        tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
+
+
+def _state_groups(x, NC, columns):
+    """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
+    least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
+    first each group's own end state, then a scan over groups, then the states from the group starts. On an H200
+    at D = 2048, 16K tokens (ms): B = 8: 0.057 / 0.086 with 1 / 2 groups; B = 4: 0.092 / 0.085 / 0.107 / 0.097
+    with 1 / 4 / 5 / 8; B = 2: 0.170 / 0.104 / 0.084 / 0.102 / 0.096 with 1 / 4 / 8 / 9 / 16 (9: 288 programs, a
+    second wave); B = 1: 0.352 / 0.103 / 0.083 / 0.095 with 1 / 8 / 16 / 32. 64 columns a program instead of 128:
+    slower at every B (B = 16: 0.075 vs 0.046)."""
+    programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], columns), _sm_count(x)
+    return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
+
+
+def _state_columns(M):
+    """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above 64 rows, so
+    that its float32 carry stays 8K elements (on an H200 at m = 128: 0.288 / 0.140 / 0.144 ms with 128 / 64 / 32
+    columns)."""
+    return 128 if _block_m(M) <= 64 else 64
+
+
+def _chunk_states(x, keys, b, h0):
+    """Chunk-start states (B, NC, M, D) in _start_dtype(x) and the final state (B, M, D) float32."""
+    B, Tp, M = b.shape
+    D = x.shape[-1]
+    NC = Tp // CHUNK
+    columns = _state_columns(M)
+    group = triton.cdiv(NC, _state_groups(x, NC, columns))  # chunks a group
+    groups = triton.cdiv(NC, group)
+    starts = x.new_empty(B, NC, M, D, dtype=_start_dtype(x))
+    final = x.new_empty(B, M, D, dtype=torch.float32)
+    grid = (B, groups, triton.cdiv(D, columns))
+    meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
+    init = h0
+    if groups > 1:
+        own = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero
+        _chunk_states_kernel[grid](x, keys, b, x, x, own, x.shape[1], Tp, D, M, NC, group, FINAL=False,
+                                   HAS_INIT=False, **meta)
+        chunk_decays = F.pad(b[:, CHUNK - 1::CHUNK], (0, 0, 0, groups * group - NC))  # (B, groups * group, M)
+        group_decays = chunk_decays.view(B, groups, group, M).sum(2)  # (B, groups, M) log-decay over each group
+        init = torch.empty_like(own)
+        _scan_states(own, init, group_decays, h0, final, reverse=False)
+    _chunk_states_kernel[grid](x, keys, b, x if init is None else init, starts, final, x.shape[1], Tp, D, M, NC,
+                               group, FINAL=True, HAS_INIT=init is not None, **meta)
+    return starts, final
+
+
+def _scan_states(own, carries, b, init, final, reverse):
+    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from own[n], each chunk's own
+    contribution, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the gradients at the
+    chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in place: in place,
+    the loads ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
+    B, NC, M, D = own.shape
+    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
+    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
+        own, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
+        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
+
+
+# ----------------------------------------------------------------------------- forward: output
+
+
+if triton is not None:
 
     @triton.jit
     def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hv_ptr, hsq_ptr, dyx_ptr, T, D, M, NC,
@@ -516,6 +696,38 @@ if triton is not None:
             tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
 
+
+def _products(x, states, theta, dy=None):
+    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H dY^T, dY X^T)."""
+    B, NC, M, D = states.shape
+    BM = _block_m(M)
+    gram, hv = _scratch(theta, NC, CHUNK), theta.new_empty(B, NC, CHUNK, BM)  # H X^T or H dY^T as [t, i] (_rows_first)
+    third = theta.new_empty(B, NC, BM) if dy is None else _scratch(theta, NC, CHUNK)  # ||H||^2 or dY X^T
+    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hv, third, third, x.shape[1], D, M, NC,
+                                    BD=64, OP=_operand(x), BACKWARD=dy is not None,
+                                    **_meta(x, M, num_warps=4, num_stages=3))
+    return gram, hv, third
+
+
+def _chunk_out(x, theta, phi, decay, b, states, eps):
+    """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the within-chunk
+    reads, and h_t . x_t (B, NC, C, BM), tokens first."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    gram, hx, h_sq = _products(x, states, theta)
+    P, rms, q, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
+    _chunk_norms_kernel[(NC, B)](theta, phi, decay, gram, hx, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
+                                 **_walk_meta(x, M, unroll=16, warps=4))
+    splits, meta = _streaming(x, M)
+    _chunk_y_kernel[(NC, B, splits)](x, q, b, states, P, y, T, theta.shape[1], D, M, NC, **meta)
+    return y, rms, q, P, hx
+
+
+# ----------------------------------------------------------------------------- backward: per-token factors
+
+
+if triton is not None:
+
     @triton.jit
     def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
                             dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
@@ -567,6 +779,24 @@ if triton is not None:
         _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C,
                      S)
 
+
+def _chunk_grads(x, dy, theta, q, decay, states, rms, hx):
+    """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
+    B, _, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    gram, hdy, dyx = _products(x, states, theta, dy)
+    dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
+    kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
+    _chunk_grads_kernel[(NC, B)](theta, q, decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
+                                 theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=4, warps=8))
+    return dq, c, omega, kappa, dk, p_w
+
+
+# ----------------------------------------------------------------------------- backward: state gradients
+
+
+if triton is not None:
+
     @triton.jit
     def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, hs_ptr, omega_ptr, kappa_ptr, ds_ptr,
                              T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
@@ -592,6 +822,23 @@ if triton is not None:
                   + kappa[:, None] * h.to(tl.float32))
             tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
                      ds.to(ds_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < D)[None, :])
+
+
+def _chunk_dstate(x, dy, q, b, states, omega, kappa):
+    """Each chunk's gradient to its start state (B, NC, M, D)."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], q.shape[-1]
+    dstates = torch.empty_like(states)  # in the states' dtype (_start_dtype)
+    splits, meta = _streaming(x, M)
+    _chunk_dstate_kernel[(NC, B, splits)](x, dy, q, b, states, omega, kappa, dstates, T, q.shape[1], D, M, NC,
+                                          **meta)
+    return dstates
+
+
+# ----------------------------------------------------------------------------- backward: dxbar
+
+
+if triton is not None:
 
     @triton.jit
     def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, hs_ptr, dh_ptr, omega_ptr, p_ptr, pw_ptr, dhx_ptr, dx_ptr,
@@ -632,6 +879,27 @@ if triton is not None:
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
             dhx += _mm(dh, tl.trans(x), PRECISION)
         tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
+
+
+def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
+    """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory only for bfloat16
+    # states of at most 64 rows (128 rows: 254 KB, measured)
+    deep = states.element_size() == 2 and _block_m(M) <= 64
+    splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
+    dhx = _scratch(theta, NC, splits, _block_m(M))
+    dx = torch.empty_like(x)
+    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, omega, P, p_w, dhx, dx,
+                                      T, theta.shape[1], D, M, NC, **meta)
+    return dx, dhx
+
+
+# ----------------------------------------------------------------------------- backward: dtheta and dphi
+
+
+if triton is not None:
 
     @triton.jit
     def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, r_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr, end_ptr, db_ptr, tot_ptr,
@@ -681,6 +949,27 @@ if triton is not None:
         out_ptr, out_ok = bi * T * M + offs_t[:, None] * M + offs_m[None, :], (offs_t < T)[:, None] & ok
         tl.store(dtheta_ptr + out_ptr, dtheta, mask=out_ok)
         tl.store(dphi_ptr + out_ptr, dphi, mask=out_ok)
+
+
+def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
+    """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
+    d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
+    cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
+    first kernel, over the later chunks through the cumulative sum of the chunk totals. Where theta = 1, dtheta
+    lacks its decay term until _forget_grads adds it."""
+    B, Tp, M = theta.shape
+    NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
+    d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
+    meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill
+    _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
+                                 splits, **meta)
+    later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
+    dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
+    _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
+    return dtheta, dphi
+
+
+if triton is not None:
 
     @triton.jit
     def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, starts_ptr, b_ptr, q_ptr, omega_ptr, hs_ptr, dh_ptr,
@@ -748,6 +1037,21 @@ if triton is not None:
                     ptrs = dtheta_ptr + bi * T * M + (n * C + t) * M + offs_m
                     tl.store(ptrs, tl.load(ptrs, mask=forget, other=0.0) - d_decay, mask=forget)
 
+
+def _forget_grads(dtheta, x, dy, theta, starts, b, q, omega, states, dends):
+    """dtheta's decay term where theta = 1 (_forget_grads_kernel), in place."""
+    B, Tp, M = theta.shape
+    NC = Tp // CHUNK
+    _forget_grads_kernel[(NC, B)](x, dy, theta, starts, b, q, omega, states, dends, dtheta, x.shape[1], Tp,
+                                  x.shape[-1], M, NC, BD=32, HAS_STARTS=starts is not None, OP=_operand(x),
+                                  **_meta(x, M, num_warps=4))
+
+
+# ----------------------------------------------------------------------------- decode step
+
+
+if triton is not None:
+
     @triton.jit
     def _step_rows(row_ptrs, x_ptr, write, offs_d, k_ok, D):
         """Columns offs_d (BK, BD) of a step's rows after its write, h <- (1 - theta) h + theta x, stored back."""
@@ -793,258 +1097,16 @@ if triton is not None:
                          mask=offs_d < D)
 
 
-# ----------------------------------------------------------------------------- Triton wrappers
+def _step_meta(K, D):
+    """Launch settings of _step_kernel: a sequence's rows in one tile when it holds at most STEP_TILE elements (one
+    pass, 8 warps), else two passes of 8192 elements at a time on 4 warps (dense K = M = 64 at D = 2048)."""
+    BK, width = max(2, triton.next_power_of_2(K)), triton.next_power_of_2(D)
+    if BK * width <= STEP_TILE:
+        return dict(BK=BK, BD=width, ONE_PASS=True, num_warps=8)
+    return dict(BK=BK, BD=min(width, max(64, 8192 // BK)), ONE_PASS=False, num_warps=4)
 
 
-def _precision(x):
-    """tf32 products for 16-bit inputs; exact float32 ('ieee', CUDA cores) for float32 inputs."""
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
-def _operand(x):
-    """Operand dtype of the products with X, dY and the states. bfloat16 inputs (and their bfloat16 states) are
-    exact in bfloat16, and float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11), but
-    in the products of y and dxbar, which are rounded to bfloat16, as single bfloat16 tiles; float16 (whose range
-    is too narrow for such pairs) and float32 inputs take float32 products at _precision."""
-    return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
-
-
-def _block_m(M):
-    """Padded row count: a power of two, at least 32 (Triton 3.6 once faulted on 16-row products)."""
-    return max(32, triton.next_power_of_2(M))
-
-
-def _start_dtype(x):
-    """Storage dtype of the chunk-start states and of the state gradients (each chunk's own and those at the
-    chunk ends): bfloat16 for bfloat16 inputs, else float32 (half the bytes of the largest tensors of the scan;
-    the products take them as single bfloat16 operands, the scans add them into float32 carries, and hT and dh0
-    stay float32). Gradients in bfloat16: forward+backward 0.74 -> 0.67 ms, dtheta 4.5e-3 -> 6.9e-3 from float64
-    at T = 16384 (bench.py kernels)."""
-    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-
-
-def _state_groups(x, NC, columns):
-    """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
-    least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
-    first each group's own end state, then a scan over groups, then the states from the group starts. On an H200
-    at D = 2048, 16K tokens (ms): B = 8: 0.057 / 0.086 with 1 / 2 groups; B = 4: 0.092 / 0.085 / 0.107 / 0.097
-    with 1 / 4 / 5 / 8; B = 2: 0.170 / 0.104 / 0.084 / 0.102 / 0.096 with 1 / 4 / 8 / 9 / 16 (9: 288 programs, a
-    second wave); B = 1: 0.352 / 0.103 / 0.083 / 0.095 with 1 / 8 / 16 / 32. 64 columns a program instead of 128:
-    slower at every B (B = 16: 0.075 vs 0.046)."""
-    programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], columns), _sm_count(x)
-    return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
-
-
-def _state_columns(M):
-    """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above 64 rows, so
-    that its float32 carry stays 8K elements (on an H200 at m = 128: 0.288 / 0.140 / 0.144 ms with 128 / 64 / 32
-    columns)."""
-    return 128 if _block_m(M) <= 64 else 64
-
-
-def _chunk_states(x, keys, b, h0):
-    """Chunk-start states (B, NC, M, D) in _start_dtype(x) and the final state (B, M, D) float32."""
-    B, Tp, M = b.shape
-    D = x.shape[-1]
-    NC = Tp // CHUNK
-    columns = _state_columns(M)
-    group = triton.cdiv(NC, _state_groups(x, NC, columns))  # chunks a group
-    groups = triton.cdiv(NC, group)
-    starts = x.new_empty(B, NC, M, D, dtype=_start_dtype(x))
-    final = x.new_empty(B, M, D, dtype=torch.float32)
-    grid = (B, groups, triton.cdiv(D, columns))
-    meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
-    init = h0
-    if groups > 1:
-        own = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero
-        _chunk_states_kernel[grid](x, keys, b, x, x, own, x.shape[1], Tp, D, M, NC, group, FINAL=False,
-                                   HAS_INIT=False, **meta)
-        chunk_decays = F.pad(b[:, CHUNK - 1::CHUNK], (0, 0, 0, groups * group - NC))  # (B, groups * group, M)
-        group_decays = chunk_decays.view(B, groups, group, M).sum(2)  # (B, groups, M) log-decay over each group
-        init = torch.empty_like(own)
-        _scan_states(own, init, group_decays, h0, final, reverse=False)
-    _chunk_states_kernel[grid](x, keys, b, x if init is None else init, starts, final, x.shape[1], Tp, D, M, NC,
-                               group, FINAL=True, HAS_INIT=init is not None, **meta)
-    return starts, final
-
-
-def _scan_states(own, carries, b, init, final, reverse):
-    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from own[n], each chunk's own
-    contribution, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the gradients at the
-    chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in place: in place,
-    the loads ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
-    B, NC, M, D = own.shape
-    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
-    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
-        own, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
-        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
-
-
-def _meta(x, M, num_warps, num_stages=1):
-    """Launch settings shared by the per-chunk kernels."""
-    return dict(C=CHUNK, BM=_block_m(M), PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
-
-
-def _walk_meta(x, M, unroll, warps):
-    """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
-    `warps` at m = 64, scaled with the padded rows (_block_m). On an H200 at T = 1024, since the decays are stored
-    (change 55): the output stage 0.140 ms with 16 steps and 4 warps for the norms, 0.139 to 0.154 with 2 to 16
-    steps and 4 or 8 warps (a sweep of a copy with the same walks); the gradient factors with their products 0.152 ms
-    with 4 steps and 8 warps, 0.160 to 0.172 with 8 or 16 steps or 4 warps."""
-    return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
-
-
-def _columns_per_program(x):
-    """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up, a few
-    (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs. On an
-    H200 at 256 chunks of D = 2048: dstate 0.124 / 0.110 / 0.104 ms and dx 0.154 / 0.140 / 0.132 ms with 512 /
-    1024 / 2048 columns a program."""
-    chunks = x.shape[0] * triton.cdiv(x.shape[1], CHUNK)
-    return triton.cdiv(x.shape[-1], triton.cdiv(_sm_count(x), chunks))
-
-
-def _sm_count(x):
-    """Streaming multiprocessors of x's GPU (1 off the GPU)."""
-    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-
-
-def _streaming(x, M, num_stages=3):
-    """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time
-    (num_stages: tiles in flight; on an H200 at T = 1024, 2 / 3 / 4 / 5 stages: dstate 0.105 / 0.088 / 0.090 /
-    0.109 ms, dx 0.105 / 0.104 / 0.101 / 0.101)."""
-    split = 64 * triton.cdiv(_columns_per_program(x), 64)  # whole steps of BD = 64 columns
-    return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
-                                                 **_meta(x, M, num_warps=4, num_stages=num_stages))
-
-
-def _scratch(theta, NC, *rows):
-    """Per-chunk float32 work space (B, NC, *rows, CHUNK)."""
-    return theta.new_empty(theta.shape[0], NC, *rows, CHUNK)
-
-
-def _products(x, states, theta, dy=None):
-    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H dY^T, dY X^T)."""
-    B, NC, M, D = states.shape
-    BM = _block_m(M)
-    gram, hv = _scratch(theta, NC, CHUNK), theta.new_empty(B, NC, CHUNK, BM)  # H X^T or H dY^T as [t, i] (_rows_first)
-    third = theta.new_empty(B, NC, BM) if dy is None else _scratch(theta, NC, CHUNK)  # ||H||^2 or dY X^T
-    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hv, third, third, x.shape[1], D, M, NC,
-                                    BD=64, OP=_operand(x), BACKWARD=dy is not None,
-                                    **_meta(x, M, num_warps=4, num_stages=3))
-    return gram, hv, third
-
-
-def _chunk_out(x, theta, phi, decay, b, states, eps):
-    """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the within-chunk
-    reads, and h_t . x_t (B, NC, C, BM), tokens first."""
-    B, T, D = x.shape
-    NC, M = states.shape[1], theta.shape[-1]
-    gram, hx, h_sq = _products(x, states, theta)
-    P, rms, q, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
-    _chunk_norms_kernel[(NC, B)](theta, phi, decay, gram, hx, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
-                                 **_walk_meta(x, M, unroll=16, warps=4))
-    splits, meta = _streaming(x, M)
-    _chunk_y_kernel[(NC, B, splits)](x, q, b, states, P, y, T, theta.shape[1], D, M, NC, **meta)
-    return y, rms, q, P, hx
-
-
-def _chunk_grads(x, dy, theta, q, decay, states, rms, hx):
-    """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
-    B, _, D = x.shape
-    NC, M = states.shape[1], theta.shape[-1]
-    gram, hdy, dyx = _products(x, states, theta, dy)
-    dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
-    kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
-    _chunk_grads_kernel[(NC, B)](theta, q, decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
-                                 theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=4, warps=8))
-    return dq, c, omega, kappa, dk, p_w
-
-
-def _chunk_dstate(x, dy, q, b, states, omega, kappa):
-    """Each chunk's gradient to its start state (B, NC, M, D)."""
-    B, T, D = x.shape
-    NC, M = states.shape[1], q.shape[-1]
-    dstates = torch.empty_like(states)  # in the states' dtype (_start_dtype)
-    splits, meta = _streaming(x, M)
-    _chunk_dstate_kernel[(NC, B, splits)](x, dy, q, b, states, omega, kappa, dstates, T, q.shape[1], D, M, NC,
-                                          **meta)
-    return dstates
-
-
-def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
-    """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
-    B, T, D = x.shape
-    NC, M = states.shape[1], theta.shape[-1]
-    # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory only for bfloat16
-    # states of at most 64 rows (128 rows: 254 KB, measured)
-    deep = states.element_size() == 2 and _block_m(M) <= 64
-    splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
-    dhx = _scratch(theta, NC, splits, _block_m(M))
-    dx = torch.empty_like(x)
-    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, omega, P, p_w, dhx, dx,
-                                      T, theta.shape[1], D, M, NC, **meta)
-    return dx, dhx
-
-
-def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
-    """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
-    d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
-    cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
-    first kernel, over the later chunks through the cumulative sum of the chunk totals. Where theta = 1, dtheta
-    lacks its decay term until _forget_grads adds it."""
-    B, Tp, M = theta.shape
-    NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
-    d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
-    meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill
-    _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
-                                 splits, **meta)
-    later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
-    dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
-    _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
-    return dtheta, dphi
-
-
-def _padded(weights):
-    """theta or phi as float32 (B, Tp, M), zero-padded in time to a multiple of CHUNK (no copy when it is)."""
-    return _pad_time(weights.float(), CHUNK).contiguous()
-
-
-def _document_starts(cu_seqlens, Tp):
-    """1 at the tokens where a packed document starts (and the memory forgets), int8 (Tp,); None without cu_seqlens."""
-    if cu_seqlens is None:
-        return None
-    starts = torch.zeros(Tp, dtype=torch.int8, device=cu_seqlens.device)
-    starts[cu_seqlens[1:-1].long()] = 1
-    return starts
-
-
-def _forget_grads(dtheta, x, dy, theta, starts, b, q, omega, states, dends):
-    """dtheta's decay term where theta = 1 (_forget_grads_kernel), in place."""
-    B, Tp, M = theta.shape
-    NC = Tp // CHUNK
-    _forget_grads_kernel[(NC, B)](x, dy, theta, starts, b, q, omega, states, dends, dtheta, x.shape[1], Tp,
-                                  x.shape[-1], M, NC, BD=32, HAS_STARTS=starts is not None, OP=_operand(x),
-                                  **_meta(x, M, num_warps=4))
-
-
-def _decays(theta_p, cu_seqlens):
-    """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative sum b of
-    log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys to its end state
-    (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
-    B, Tp, M = theta_p.shape
-    starts = _document_starts(cu_seqlens, Tp)
-    decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
-    keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
-    _decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
-                                    HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
-    return decay, b, keys
-
-
-def _prepare(theta, phi, cu_seqlens):
-    """What the forward makes of theta and phi first: padded theta and phi, the decays, b and the keys."""
-    theta_p = _padded(theta)
-    return (theta_p, _padded(phi), *_decays(theta_p, cu_seqlens))
-
+# ----------------------------------------------------------------------------- custom ops and public API
 
 # The scan is a pair of torch.library custom ops, so torch.compile traces models through it without a graph
 # break (it runs the kernels as they are). The forward returns what the backward reads besides its inputs.
@@ -1147,15 +1209,6 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
     _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens)
     y, hT, *_ = _scan_forward(xbar, theta, phi, h0, float(eps), cu_seqlens)
     return y, hT
-
-
-def _step_meta(K, D):
-    """Launch settings of _step_kernel: a sequence's rows in one tile when it holds at most STEP_TILE elements (one
-    pass, 8 warps), else two passes of 8192 elements at a time on 4 warps (dense K = M = 64 at D = 2048)."""
-    BK, width = max(2, triton.next_power_of_2(K)), triton.next_power_of_2(D)
-    if BK * width <= STEP_TILE:
-        return dict(BK=BK, BD=width, ONE_PASS=True, num_warps=8)
-    return dict(BK=BK, BD=min(width, max(64, 8192 // BK)), ONE_PASS=False, num_warps=4)
 
 
 @torch.library.custom_op("fm::step", mutates_args={"h"})
