@@ -18,6 +18,32 @@ theta and phi are zero outside a token's top-k rows, so one code path serves den
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
 Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D).
 
+The file in order: the references; the Triton device helpers; launch settings; the forward pass, the backward
+pass and the decode step, each kernel beside the function that launches it; the custom ops and the public API.
+The calls, in order (grid of each kernel; NC chunks of CHUNK tokens, columns of D split among programs):
+
+fm_scan, forward (fm::scan_forward)
+    _prepare       _decay_kernel           (chunk, batch)          decays a = 1 - theta, b, each chunk's keys K
+    _chunk_states  _chunk_states_kernel    (batch, group, columns) chunk-start states H and hT (with several
+                                                                    groups of chunks: each group's own end state,
+                   _chunk_scan_kernel      (batch, elements)       a scan over the groups, then the states from
+                   _chunk_states_kernel                            the group starts)
+    _chunk_out     _chunk_products_kernel  (chunk, batch)          X X^T, H X^T, ||H_i||^2
+                   _chunk_norms_kernel     (chunk, batch)          row rms, q = phi / rms, P, h_t . x_t
+                   _chunk_y_kernel         (chunk, batch, split)   y = P X + (q e^b) H
+fm_scan, backward (fm::scan_backward)
+    _chunk_grads   _chunk_products_kernel  (chunk, batch)          X X^T, dY X^T, H dY^T
+                   _chunk_grads_kernel     (chunk, batch)          dq, c, omega, kappa, dk (less its chunk-end term),
+                                                                    P_w
+    _chunk_dstate  _chunk_dstate_kernel    (chunk, batch, split)   each chunk's gradient to its start state
+    _scan_states   _chunk_scan_kernel      (batch, elements)       reversed: the gradients at the chunk ends, dh0
+    _chunk_dx      _chunk_dx_kernel        (chunk, batch, split)   dxbar, and dH_end X^T for dk's chunk-end term
+    _rate_grads    _decay_grads_kernel     (chunk, batch)          dk's chunk-end term, d loss / d b summed back
+                   _rate_grads_kernel      (chunk, batch)          dtheta and dphi
+    _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where theta = 1
+fm_step (fm::step)
+    _step          _step_kernel            (batch)                 the K rows' update, their norms and y
+
 The chunked algorithm (chunk of C tokens, chunk-start state H, b = within-chunk cumulative
 log(1 - theta)). Row i inside a chunk is a gated linear recurrence:
 
@@ -50,7 +76,9 @@ LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts, i
 # start in a chunk adds -80 to its cumulative log-decay, which costs float32 precision in the relative decays
 # (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
 CHUNK = 64  # tokens per chunk in the Triton scan
-MAX_ROWS = 128  # memory rows fm_scan takes: the state tiles of m = 256 overflow shared memory (an H200, 227 KB)
+MAX_ROWS = 128  # memory rows fm_scan takes: at m = 256 some kernels' tiles overflow shared memory
+# (docs/kernel_log.md, change 46)
+STEP_TILE = 16384  # elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
 
 
 # ----------------------------------------------------------------------------- references
@@ -88,7 +116,7 @@ def _pad_time(x, multiple):
 
 
 def _log_decay(theta):
-    """log(1 - theta), LOG_DECAY_FLOOR at theta = 1 (whose gradient then omits the decay term)."""
+    """log(1 - theta), LOG_DECAY_FLOOR at theta = 1 (forward only: _ChunkDecays differentiates the decays)."""
     below_one = theta < 1
     return torch.where(below_one, torch.log1p(-torch.where(below_one, theta, 0)), LOG_DECAY_FLOOR)
 
@@ -97,6 +125,37 @@ def _chunk_cumsum(log_decay, chunk):
     """Within-chunk inclusive cumsum of the log-decays (B, Tp, M): b (B, NC, C, M)."""
     B, Tp, M = log_decay.shape
     return log_decay.view(B, Tp // chunk, chunk, M).cumsum(2)
+
+
+class _ChunkDecays(torch.autograd.Function):
+    """The decays inside each chunk from theta (B, Tp, M), padded to whole chunks: e^{b_t} (B, NC, M, C), from the
+    chunk start to token t, and e^{b_t - b_s} (B, NC, M, C, C), from token s to token t (0 for s > t), with b the
+    within-chunk cumulative log(1 - theta). The backward differentiates the decays a = 1 - theta themselves, not
+    their logs: a factor e^{b_t - b_s} with s < v <= t is e^{b_t - b_v} a_v e^{b_{v-1} - b_s}, so
+
+        d loss / d a_v = sum_{t >= v} sum_{s < v} e^{b_t - b_v} G[t, s] e^{b_{v-1} - b_s},
+
+    G the gradient of e^{b_t - b_s} (s = -1 standing for the chunk start, e^{b_{-1}} = 1). Nothing divides by a_v,
+    so the gradient is exact where theta = 1 (a_v = 0, the row forgets), whose log-decay is floored."""
+
+    @staticmethod
+    def forward(ctx, theta, chunk):
+        b = _chunk_cumsum(_log_decay(theta), chunk).transpose(-1, -2)  # (B, NC, M, C)
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=theta.device).tril()
+        from_start = b.exp()  # (B, NC, M, C)
+        between = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, NC, M, C, C)
+        ctx.save_for_backward(from_start, between)
+        return from_start, between
+
+    @staticmethod
+    def backward(ctx, d_from_start, d_between):
+        from_start, between = ctx.saved_tensors
+        later = between.transpose(-1, -2)  # [v, t] = e^{b_t - b_v}
+        earlier = F.pad(between, (0, 0, 1, 0))[..., :-1, :]  # [v, s] = e^{b_{v-1} - b_s}, zeros at v = 0
+        earlier_start = F.pad(from_start, (1, 0), value=1.0)[..., :-1]  # [v] = e^{b_{v-1}}
+        d_decay = ((later @ d_between) * earlier).sum(-1) + (later @ d_from_start[..., None])[..., 0] * earlier_start
+        B, NC, M, C = d_decay.shape
+        return -d_decay.transpose(-1, -2).reshape(B, NC * C, M), None  # a = 1 - theta
 
 
 def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
@@ -110,25 +169,21 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     x = x.view(B, NC, C, D)
     th = _pad_time(theta.to(dtype), C)
     ph = _pad_time(phi.to(dtype), C).view(B, NC, C, M)
-    b = _chunk_cumsum(_log_decay(th), C).transpose(-1, -2)  # (B, NC, M, C)
+    eb, decays = _ChunkDecays.apply(th, C)  # e^b (B, NC, M, C), e^{b_t - b_s} (B, NC, M, C, C)
     th = th.view(B, NC, C, M).transpose(-1, -2)  # (B, NC, M, C)
-
-    causal = torch.ones(C, C, dtype=torch.bool, device=x.device).tril()
-    rel = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf"))  # (B, NC, M, C, C)
-    L = rel.exp() * th[..., None, :]  # (B, NC, M, C, C): L[i, t, s]
+    L = decays * th[..., None, :]  # (B, NC, M, C, C): L[i, t, s]
 
     chunk_write = torch.einsum("bnis,bnsd->bnid", L[..., -1, :], x)  # (B, NC, M, D)
-    chunk_decay = b[..., -1].exp()[..., None]  # (B, NC, M, 1)
+    chunk_decay = eb[..., -1:]  # (B, NC, M, 1)
     H = x.new_zeros(B, M, D) if h0 is None else h0.to(dtype)
-    starts = []
+    start_states = []
     for n in range(NC):
-        starts.append(H)
+        start_states.append(H)
         H = chunk_decay[:, n] * H + chunk_write[:, n]
-    Hs = torch.stack(starts, 1)  # (B, NC, M, D) chunk-start states
+    Hs = torch.stack(start_states, 1)  # (B, NC, M, D) chunk-start states
 
     gram = x @ x.transpose(-1, -2)  # (B, NC, C, C)
     HX = Hs @ x.transpose(-1, -2)  # (B, NC, M, C)
-    eb = b.exp()  # (B, NC, M, C)
     quad = ((L @ gram[:, :, None]) * L).sum(-1)  # (B, NC, M, C)
     cross = (L * HX[..., None, :]).sum(-1)  # (B, NC, M, C)
     sq_norm = eb**2 * Hs.pow(2).sum(-1, keepdim=True) + 2 * eb * cross + quad
@@ -140,7 +195,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     return y.reshape(B, NC * C, D)[:, :T].to(xbar.dtype), H
 
 
-# ----------------------------------------------------------------------------- Triton kernels
+# ----------------------------------------------------------------------------- Triton device helpers
 #
 # The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
 # chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at document starts and
@@ -152,24 +207,11 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 #                  read matrix sum_i query_t[i] W[i, :]: P with q = phi / rms, P_w with omega
 # plus one scan over the tokens for the squared norms (forward) and one for Gamma (backward).
 #
-# Forward:  _chunk_states_kernel    per (batch, group of chunks, columns): sequential over the group's chunks,
-#                                   chunk-start states H; with several groups, first each group's own end state,
-#                                   then _chunk_scan_kernel over the groups, then the states from the group starts
-#           _chunk_products_kernel  per (chunk, batch): X X^T, H X^T, ||H_i||^2 (sums over D)
-#           _chunk_norms_kernel     per (chunk, batch): row rms and q of every token, P (C, C), and h_t . x_t
-#           _chunk_y_kernel         per (chunk, batch, D split): y = P X + (q e^b) H
-# Backward: _chunk_products_kernel  X X^T, dY X^T, H dY^T
-#           _chunk_grads_kernel     per (chunk, batch): dq, c, omega, kappa, dk (less its chunk-end term), P_w,
-#                                   from the forward's h_t . x_t
-#           _chunk_dstate_kernel    per (chunk, batch, D split): the chunk's gradient to its start state
-#           _chunk_scan_kernel      per (batch, state block), reversed: gradient at every chunk end
-#           _chunk_dx_kernel        per (chunk, batch, D split): dxbar, and dH_end X^T for dk's chunk-end term
-#           _decay_grads_kernel     per (chunk, batch): dk's chunk-end term; d loss / d b and its in-chunk reverse sum
-#           _rate_grads_kernel      per (chunk, batch): dtheta (adding the later chunks' sums) and dphi
 # With g_u = q_u dy_u + c_u h_u the gradient reaching h_u directly, the norm's part of the backward reduces to
 # Gamma_s = sum_{u>=s} c_u e^{2(b_u - b_s)}: sum_u L_i[u,s] c_u h_u[i] = omega_s[i] h_s[i] + sum_{s'>s} P_w[s', s] x_s'
 # with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T - diag P_w) X + (omega e^b) H + K_end^T dH_end.
-# The gradient wrt the log-decays follows from an identity (see _rate_grads).
+# The gradient wrt the log-decays follows from an identity (see _rate_grads); divided by a = 1 - theta it gives
+# dtheta's decay term d loss / d a, except where a = 0 (theta = 1), which _forget_grads_kernel computes directly.
 #
 # All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
 # CHUNK: theta, phi, a = 1 - theta (the decays), b (within-chunk cumulative log-decay), r (row rms), q, all
@@ -221,11 +263,11 @@ if triton is not None:
         return ptr + chunk * M * D + tl.arange(0, BM) * D
 
     @triton.jit
-    def _start_factor(v_ptr, b_ptr, tm_ptr, m_ok):
-        """v e^b at the (C, BM) offsets tm_ptr, a per-token factor onto the chunk-start state: q e^b, how much each
+    def _start_factor(v_ptr, b_ptr, offs_tile, m_ok):
+        """v e^b at the (C, BM) offsets offs_tile, a per-token factor onto the chunk-start state: q e^b, how much each
         token reads of it, or omega e^b, the norm's share of its gradient."""
-        v = tl.load(v_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        return v * tl.exp(tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0))
+        v = tl.load(v_ptr + offs_tile, mask=m_ok[None, :], other=0.0)
+        return v * tl.exp(tl.load(b_ptr + offs_tile, mask=m_ok[None, :], other=0.0))
 
     @triton.jit
     def _chunk_tile(bi, n, Tp, M, C: tl.constexpr, BM: tl.constexpr):
@@ -236,90 +278,10 @@ if triton is not None:
         return offs_t, offs_m, bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]
 
     @triton.jit
-    def _decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
-                      BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
-        """The decays a = e^{log(1 - theta)} (0 at theta = 1 and at document starts), the within-chunk cumulative
-        sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
-        (BM, C) a chunk (0 on padded rows)."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t, offs_m, ptrs, ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        theta = tl.load(theta_ptr + ptrs, mask=ok, other=0.0)
-        kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
-        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
-        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / tl.where(kept == 1.0, -1.0, kept - 1.0)))
-        forget = theta >= 1.0
-        if HAS_STARTS:
-            forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
-        tl.store(decay_ptr + ptrs, tl.where(forget, 0.0, tl.exp(log_decay)), mask=ok)
-        log_decay = tl.where(forget, FLOOR, log_decay)
-        b = tl.cumsum(log_decay, axis=0)  # (C, BM)
-        tl.store(b_ptr + ptrs, b, mask=ok)
-        offs_c = tl.arange(0, C)
-        b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
-        keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
-        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None], keys)
-
-    @triton.jit
-    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, starts_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
-                             HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD columns:
-        carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start state, or h0 for one
-        group), stores the carry entering each chunk and, from the last group, hT; the first (several groups)
-        starts from zero and stores only the group's end carry, its own contribution to the next group's start."""
-        bi, g, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_m, offs_d = tl.arange(0, BM), pd * BD + tl.arange(0, BD)
-        state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
-        state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
-        keys_at = offs_m[:, None] * C + tl.arange(0, C)[None, :]  # (BM, C) offsets in one chunk's keys
-        if HAS_INIT:
-            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + state, mask=state_ok, other=0.0)
-        else:
-            carry = tl.zeros([BM, BD], dtype=tl.float32)
-        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):  # loads pipelined num_stages deep
-            k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + keys_at), OP)
-            b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)  # (C, BD)
-            if FINAL:
-                tl.store(starts_ptr + (bi * NC + n) * M * D + state, carry.to(starts_ptr.dtype.element_ty),
-                         mask=state_ok)
-            carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
-        if not FINAL:
-            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + state, carry, mask=state_ok)
-        elif g == tl.num_programs(1) - 1:
-            tl.store(end_ptr + bi * M * D + state, carry, mask=state_ok)
-
-    @triton.jit
     def _chunk_at(step, NC, REVERSE: tl.constexpr):
         """The chunk a scan visits at `step`; steps past the end give the last one (prefetches re-read it)."""
         step = tl.minimum(step, NC - 1)
         return NC - 1 - step if REVERSE else step
-
-    @triton.jit
-    def _chunk_scan_kernel(s_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
-                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
-                           REVERSE: tl.constexpr):
-        """out[n] <- carry; carry <- e^{b_end[n]} * carry + s[n], over n. Loads run two chunks ahead: at batch 1
-        a program walks 256 chunks, which one ahead left waiting on memory at each."""
-        bi, pe = tl.program_id(0), tl.program_id(1)
-        offs = pe * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < M * D
-        own_ptrs, out_ptrs = s_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs  # chunk 0
-        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D  # b at chunk 0's last token, on each element's row
-        if HAS_INIT:
-            carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
-        else:
-            carry = tl.zeros([BLOCK], dtype=tl.float32)
-        n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
-        own0, log_decay0 = tl.load(own_ptrs + n0 * M * D, mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
-        own1, log_decay1 = tl.load(own_ptrs + n1 * M * D, mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
-        for step in range(NC):
-            n2 = _chunk_at(step + 2, NC, REVERSE)
-            own2, log_decay2 = tl.load(own_ptrs + n2 * M * D, mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
-            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D, carry.to(out_ptr.dtype.element_ty), mask=ok)
-            carry = tl.exp(log_decay0) * carry + own0
-            own0, log_decay0, own1, log_decay1 = own1, log_decay1, own2, log_decay2
-        tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
 
     @triton.jit
     def _tile(ptr, base, offs_m, m_ok, offs_t, M, other=0.0):
@@ -360,326 +322,44 @@ if triton is not None:
         return tl.load(ptr + offs_c[None, :] * BM + offs_m[:, None])
 
     @triton.jit
-    def _walk_dots(dots, decay_ptr, theta_ptr, dot_ptr, dot_step, dot_stride, tm, offs_m, m_ok, M,
+    def _walk_dots(dots, decay_ptr, theta_ptr, dot_ptr, dot_step, dot_stride, chunk_base, offs_m, m_ok, M,
                    C: tl.constexpr, S: tl.constexpr):
         """dots[i, t] = H_i . v_t at the chunk start (BM, C), for vectors v_t (x_t or dy_t), walked through the
         chunk's writes: h_s[i] . v_t = a_s h_{s-1}[i] . v_t + theta_s x_s . v_t, where x_s . v_t is at
         dot_ptr + s * dot_step + t * dot_stride. Returns h_t[i] . v_t, each row at its own token."""
         offs_c = tl.arange(0, C)
-        own = tl.zeros_like(dots)
+        diagonal = tl.zeros_like(dots)
         for s0 in range(0, C, S):  # S steps unrolled: their loads do not wait on the walk
             for ds in tl.static_range(S):
                 s = s0 + ds
-                decay = _at(decay_ptr, tm, s, offs_m, m_ok, M, 1.0)  # (BM,) a_s
-                write = _at(theta_ptr, tm, s, offs_m, m_ok, M)
+                decay = _at(decay_ptr, chunk_base, s, offs_m, m_ok, M, 1.0)  # (BM,) a_s
+                write = _at(theta_ptr, chunk_base, s, offs_m, m_ok, M)
                 dot_x = tl.load(dot_ptr + s * dot_step + offs_c * dot_stride)  # (C,) x_s . v_t
                 dots = decay[:, None] * dots + write[:, None] * dot_x[None, :]
-                own = tl.where(offs_c[None, :] == s, dots, own)
-        return own
+                diagonal = tl.where(offs_c[None, :] == s, dots, diagonal)
+        return diagonal
 
     @triton.jit
-    def _store_reads(p_base, query_ptr, decay_ptr, theta_ptr, weights, tm, offs_m, m_ok, M, C: tl.constexpr,
-                     S: tl.constexpr):
+    def _store_reads(matrix_ptr, query_ptr, decay_ptr, theta_ptr, weights, chunk_base, offs_m, m_ok, M,
+                     C: tl.constexpr, S: tl.constexpr):
         """A chunk's read matrix (C, C), P[t, s] = sum_i query_t[i] L_i[t, s], row by row: the write weights
         L_i[t, s] = e^{b_t - b_s} theta_s of every earlier token s into row i (`weights`, zeros (BM, C) in the walks'
-        layout) walk with t. The rows collect in registers and go out in one store (a store a row: norms 0.047 ms
-        instead of 0.039 on an H200)."""
+        layout) walk with t. The rows collect in registers and go out in one store, cheaper than a store a row
+        (docs/kernel_log.md, change 47)."""
         offs_c = tl.arange(0, C)
         reads = tl.zeros([C, C], dtype=tl.float32)
         for t0 in range(0, C, S):
             for dt in tl.static_range(S):
                 t = t0 + dt
-                decay = _at(decay_ptr, tm, t, offs_m, m_ok, M, 1.0)
-                write = _at(theta_ptr, tm, t, offs_m, m_ok, M)
+                decay = _at(decay_ptr, chunk_base, t, offs_m, m_ok, M, 1.0)
+                write = _at(theta_ptr, chunk_base, t, offs_m, m_ok, M)
                 weights = tl.where(offs_c[None, :] == t, write[:, None], decay[:, None] * weights)
-                query = _at(query_ptr, tm, t, offs_m, m_ok, M)
+                query = _at(query_ptr, chunk_base, t, offs_m, m_ok, M)
                 reads = tl.where(offs_c[:, None] == t, tl.sum(query[:, None] * weights, axis=0)[None, :], reads)
-        tl.store(p_base + offs_c[:, None] * C + offs_c[None, :], reads)
-
-    @triton.jit
-    def _chunk_products_kernel(x_ptr, dy_ptr, hs_ptr, g_ptr, hv_ptr, hsq_ptr, dyx_ptr, T, D, M, NC,
-                               C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
-                               OP: tl.constexpr, BACKWARD: tl.constexpr):
-        """A chunk's inner products over D, H its start state: X X^T, H X^T and ||H_i||^2, or for the backward
-        X X^T, H dY^T and dY X^T."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
-        h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        gram = tl.zeros([C, C], dtype=tl.float32)
-        hv = tl.zeros([BM, C], dtype=tl.float32)  # H X^T, or H dY^T
-        h_sq = tl.zeros([BM], dtype=tl.float32)
-        dyx = tl.zeros([C, C], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)  # the states' own dtype (_start_dtype)
-            gram += _mm(x, tl.trans(x), PRECISION)
-            if BACKWARD:
-                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-                dyx += _mm(dy, tl.trans(x), PRECISION)
-                hv += _mm(h, tl.trans(dy), PRECISION)
-            else:
-                hv += _mm(h, tl.trans(x), PRECISION)
-                h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
-        chunk = bi * NC + n
-        square, rows = offs_c[:, None] * C + offs_c[None, :], offs_c[None, :] * BM + offs_m[:, None]  # rows: [t, i]
-        tl.store(g_ptr + chunk * C * C + square, gram)
-        tl.store(hv_ptr + chunk * BM * C + rows, hv)
-        if BACKWARD:
-            tl.store(dyx_ptr + chunk * C * C + square, dyx)
-        else:
-            tl.store(hsq_ptr + chunk * BM + offs_m, h_sq)
-
-    @triton.jit
-    def _chunk_norms_kernel(theta_ptr, phi_ptr, decay_ptr, g_ptr, hx_ptr, hsq_ptr, q_ptr, p_ptr, r_ptr, eps,
-                            Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
-        """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms
-        follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t (a scan over the chunk
-        from ||H_i||^2), with h_t . x_t from the walk of H . x_t through the chunk's writes (_walk_dots); h_t . x_t
-        replaces H . x_t in place, for the backward (_chunk_grads_kernel)."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
-        m_ok = offs_m < M
-        chunk = bi * NC + n
-        g_base = g_ptr + chunk * C * C
-        tm = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
-        hx = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) H_i . x_t
-        own = _walk_dots(hx, decay_ptr, theta_ptr, g_base, C, 1, tm, offs_m, m_ok, M, C, S)  # h_t . x_t
-        tl.store(hx_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], own)  # tokens first
-        theta = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
-        decay = _tile(decay_ptr, tm, offs_m, m_ok, offs_c, M, 1.0)
-        decay2 = decay * decay  # a_t^2
-        growth = theta * (2.0 * own - theta * tl.load(g_base + offs_c * (C + 1))[None, :])
-        growth += tl.where(offs_c[None, :] == 0, decay2 * tl.load(hsq_ptr + chunk * BM + offs_m)[:, None], 0.0)
-        _, sq_norm = tl.associative_scan((decay2, growth), 1, _linear)
-        rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
-        _store_tile(r_ptr, tm, offs_m, m_ok, offs_c, M, rms)
-        _store_tile(q_ptr, tm, offs_m, m_ok, offs_c, M, _tile(phi_ptr, tm, offs_m, m_ok, offs_c, M) / rms)
-        tl.debug_barrier()  # the rows of P read q token by token
-        _store_reads(p_ptr + chunk * C * C, q_ptr, decay_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C, S)
-
-    @triton.jit
-    def _chunk_y_kernel(x_ptr, q_ptr, b_ptr, hs_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
-                        C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
-                        PRECISION: tl.constexpr, OP: tl.constexpr):
-        """y = P X + (q e^b) H for the SPLIT columns of D of program axis 2."""
-        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)  # (C,)
-        h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
-        tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_eb = _start_factor(q_ptr, b_ptr, tm_ptr, m_ok).to(OP)  # (C, BM) q e^b
-        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
-            y = _mm(p, x, PRECISION) + _mm(q_eb, h, PRECISION)  # (C, BD)
-            tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & (offs_d < D)[None, :])
-
-    @triton.jit
-    def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, r_ptr, g_ptr, hx_ptr, dyx_ptr, hdy_ptr,
-                            dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
-                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
-        """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the chunk's products
-        with dy: dq = dy . h, the norm's factor c, omega = theta Gamma with
-        Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u}, and
-        P_w, the read matrix with omega as the query."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
-        m_ok = offs_m < M
-        chunk = bi * NC + n
-        g_base, dyx_base = g_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
-        tm = bi * Tp * M + n * C * M
-        own = _rows_first(hx_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) h_t . x_t (_chunk_norms_kernel)
-        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), decay_ptr, theta_ptr, dyx_base, 1,
-                        C, tm, offs_m, m_ok, M, C, S)  # h_t . dy_t
-        rms = _tile(r_ptr, tm, offs_m, m_ok, offs_c, M, 1.0)  # 1 on padded rows, where q is 0
-        query = _tile(q_ptr, tm, offs_m, m_ok, offs_c, M)  # (BM, C)
-        c = -dq * query / (D * rms * rms)
-        _store_tile(dq_ptr, tm, offs_m, m_ok, offs_c, M, dq)
-        _store_tile(c_ptr, tm, offs_m, m_ok, offs_c, M, c)
-        # Gamma_s = c_s + a_{s+1}^2 Gamma_{s+1}
-        next_decays = tl.load(decay_ptr + tm + (offs_c[None, :] + 1) * M + offs_m[:, None],
-                              mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=1.0)  # (BM, C) a_{s+1}
-        _, gamma = tl.associative_scan((next_decays * next_decays, c), 1, _linear, reverse=True)
-        first_decay = _at(decay_ptr, tm, 0, offs_m, m_ok, M, 1.0)
-        first_decay2 = first_decay * first_decay  # a_0^2
-        kappa = first_decay2 * tl.sum(tl.where(offs_c[None, :] == 0, gamma, 0.0), axis=1)
-        tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
-        omega = _tile(theta_ptr, tm, offs_m, m_ok, offs_c, M) * gamma
-        _store_tile(omega_ptr, tm, offs_m, m_ok, offs_c, M, omega)
-        tl.debug_barrier()  # the walks below read omega token by token
-        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end; kept at u = s
-        later = own * 0.0  # zeros in the walks' layout (_rows_first); tl.zeros would take a layout of 32 rows a thread
-        reads = own * 0.0
-        for j in range(C // S):
-            for du in tl.static_range(S):
-                u = C - 1 - j * S - du
-                next_decay = _at(decay_ptr, tm, (u + 1) % C, offs_m, m_ok, M, 1.0)  # a_{u+1} (at u = C - 1: unused)
-                q_u = _at(q_ptr, tm, u, offs_m, m_ok, M)
-                omega_u = _at(omega_ptr, tm, u, offs_m, m_ok, M)
-                later = (next_decay[:, None] * later + q_u[:, None] * tl.load(dyx_base + u * C + offs_c)[None, :]
-                         + omega_u[:, None] * tl.load(g_base + u * C + offs_c)[None, :])
-                reads = tl.where(offs_c[None, :] == u, later, reads)
-        diag = tl.load(g_base + offs_c * (C + 1))  # x_t . x_t
-        dk = reads - omega * diag[None, :] + gamma * own
-        _store_tile(dk_ptr, tm, offs_m, m_ok, offs_c, M, dk)
-        _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, own * 0.0, tm, offs_m, m_ok, M, C,
-                     S)
-
-    @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, hs_ptr, omega_ptr, kappa_ptr, ds_ptr,
-                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, on SPLIT columns."""
-        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
-        h_rows = _state_rows(hs_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        tm_ptr = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        qe_hi, qe_lo = _split(tl.trans(_start_factor(q_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C) q e^b
-        ws_hi, ws_lo = _split(tl.trans(_start_factor(omega_ptr, b_ptr, tm_ptr, m_ok)), OP)  # (BM, C) omega e^b
-        kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
-        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
-            ds = (_mm_split(qe_hi, qe_lo, dy, PRECISION) + _mm_split(ws_hi, ws_lo, x, PRECISION)
-                  + kappa[:, None] * h.to(tl.float32))
-            tl.store(ds_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
-                     ds.to(ds_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < D)[None, :])
-
-    @triton.jit
-    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, hs_ptr, dh_ptr, omega_ptr, p_ptr, pw_ptr, dhx_ptr, dx_ptr,
-                         T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                         SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
-        program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and only ever meets
-        weights of that dtype, so its products take single OP operands; dH_end is stored in the states' dtype
-        (_start_dtype), exact in OP."""
-        n, bi, pd = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        chunk = bi * NC + n
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
-        dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
-        h_rows, dh_rows = _state_rows(hs_ptr, chunk, M, D, BM), _state_rows(dh_ptr, chunk, M, D, BM)  # (BM,)
-        pw = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
-        w = (pw + tl.trans(pw) - tl.where(offs_c[:, None] == offs_c[None, :], pw, 0.0)).to(OP)  # (C, C)
-        pt = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)).to(OP)
-        tm = bi * Tp * M + n * C * M
-        tm_ptr = tm + offs_c[:, None] * M + offs_m[None, :]
-        b = tl.load(b_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)  # (C, BM)
-        theta = tl.load(theta_ptr + tm_ptr, mask=m_ok[None, :], other=0.0)
-        ws = (tl.load(omega_ptr + tm_ptr, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
-        b_end = _boundary(b_ptr, tm, offs_m, m_ok, C - 1, M)  # (BM,)
-        we = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
-        dhx = tl.zeros([BM, C], dtype=tl.float32)
-        for d0 in range(pd * SPLIT, pd * SPLIT + SPLIT, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
-            dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
-            dx = _mm(pt, dy, PRECISION) + _mm(w, x, PRECISION) + _mm(ws, h, PRECISION) + _mm(we, dh, PRECISION)
-            tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & (offs_d < D)[None, :])
-            dhx += _mm(dh, tl.trans(x), PRECISION)
-        tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + pd) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
-
-    @triton.jit
-    def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, r_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr, end_ptr, db_ptr, tot_ptr,
-                            eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr, BM: tl.constexpr):
-        """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t =
-        q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum within the chunk
-        and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose index 0 is 0."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t, offs_m, tm_ptr, ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        offs_c = tl.arange(0, C)
-        chunk = bi * NC + n
-        dhx = tl.zeros([BM, C], dtype=tl.float32)
-        for split in range(SPLITS):
-            dhx += tl.load(dhx_ptr + ((chunk * SPLITS + split) * BM + offs_m[:, None]) * C + offs_c[None, :])
-        b = tl.load(b_ptr + tm_ptr, mask=ok, other=0.0)
-        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-        dk = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
-        tl.store(dk_ptr + tm_ptr, dk, mask=ok)
-        rms = tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
-        q_dq = tl.load(q_ptr + tm_ptr, mask=ok, other=0.0) * tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0)
-        sq_norm = D * (rms * rms - eps)
-        theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
-        d_b = q_dq + tl.load(c_ptr + tm_ptr, mask=ok, other=0.0) * sq_norm - theta * dk
-        end = tl.load(end_ptr + bi * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,) dhT . hT
-        d_b += tl.where((offs_t == T - 1)[:, None], end[None, :], 0.0)
-        tl.store(db_ptr + tm_ptr, tl.cumsum(d_b, axis=0, reverse=True), mask=ok)
-        tot_base = tot_ptr + (bi * BM + offs_m) * (NC + 1)
-        tl.store(tot_base + NC - n, tl.sum(d_b, axis=0))
-        if n == NC - 1:
-            tl.store(tot_base, tl.zeros([BM], dtype=tl.float32))
-
-    @triton.jit
-    def _rate_grads_kernel(theta_ptr, decay_ptr, r_ptr, dq_ptr, dk_ptr, db_ptr, later_ptr, dtheta_ptr, dphi_ptr,
-                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
-        """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
-        later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t, offs_m, tm_ptr, ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
-        d_log_decay = tl.load(db_ptr + tm_ptr, mask=ok, other=0.0) + later[None, :]
-        theta = tl.load(theta_ptr + tm_ptr, mask=ok, other=0.0)
-        decaying = tl.load(decay_ptr + tm_ptr, mask=ok, other=0.0) > 0.0  # theta < 1, not a document start
-        dtheta = tl.load(dk_ptr + tm_ptr, mask=ok, other=0.0) - tl.where(
-            decaying, d_log_decay / tl.where(decaying, 1.0 - theta, 1.0), 0.0)
-        dphi = tl.load(dq_ptr + tm_ptr, mask=ok, other=0.0) / tl.load(r_ptr + tm_ptr, mask=ok, other=1.0)
-        out_ptr, out_ok = bi * T * M + offs_t[:, None] * M + offs_m[None, :], (offs_t < T)[:, None] & ok
-        tl.store(dtheta_ptr + out_ptr, dtheta, mask=out_ok)
-        tl.store(dphi_ptr + out_ptr, dphi, mask=out_ok)
-
-    @triton.jit
-    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
-                     BK: tl.constexpr, BD: tl.constexpr):
-        bi = tl.program_id(0)
-        offs_k = tl.arange(0, BK)
-        k_ok = offs_k < K
-        rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)
-        write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]  # (BK, 1)
-        row_base = h_ptr + bi * M * D + rows[:, None] * D
-        sq_norm = tl.zeros([BK], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            mask = k_ok[:, None] & (offs_d < D)[None, :]
-            x = tl.load(x_ptr + bi * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            h = tl.load(row_base + offs_d[None, :], mask=mask, other=0.0)
-            h = (1.0 - write) * h + write * x[None, :]  # (BK, BD)
-            tl.store(row_base + offs_d[None, :], h, mask=mask)
-            sq_norm += tl.sum(h * h, axis=1)
-        tl.debug_barrier()
-        phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            mask = k_ok[:, None] & (offs_d < D)[None, :]
-            h = tl.load(row_base + offs_d[None, :], mask=mask, other=0.0)
-            y = tl.sum(read[:, None] * h, axis=0)
-            tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+        tl.store(matrix_ptr + offs_c[:, None] * C + offs_c[None, :], reads)
 
 
-# ----------------------------------------------------------------------------- Triton wrappers
+# ----------------------------------------------------------------------------- launch settings
 
 
 def _precision(x):
@@ -704,66 +384,13 @@ def _start_dtype(x):
     """Storage dtype of the chunk-start states and of the state gradients (each chunk's own and those at the
     chunk ends): bfloat16 for bfloat16 inputs, else float32 (half the bytes of the largest tensors of the scan;
     the products take them as single bfloat16 operands, the scans add them into float32 carries, and hT and dh0
-    stay float32). Gradients in bfloat16: forward+backward 0.74 -> 0.67 ms, dtheta 4.5e-3 -> 6.9e-3 from float64
-    at T = 16384 (bench.py kernels)."""
+    stay float32), for bfloat16-level errors in the float32 gradients (docs/kernel_log.md, changes 31 and 49)."""
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-def _state_groups(x, NC, columns):
-    """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
-    least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
-    first each group's own end state, then a scan over groups, then the states from the group starts. On an H200
-    at D = 2048, 16K tokens (ms): B = 8: 0.057 / 0.086 with 1 / 2 groups; B = 4: 0.092 / 0.085 / 0.107 / 0.097
-    with 1 / 4 / 5 / 8; B = 2: 0.170 / 0.104 / 0.084 / 0.102 / 0.096 with 1 / 4 / 8 / 9 / 16 (9: 288 programs, a
-    second wave); B = 1: 0.352 / 0.103 / 0.083 / 0.095 with 1 / 8 / 16 / 32. 64 columns a program instead of 128:
-    slower at every B (B = 16: 0.075 vs 0.046)."""
-    programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], columns), _sm_count(x)
-    return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
-
-
-def _state_columns(M):
-    """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above 64 rows, so
-    that its float32 carry stays 8K elements (on an H200 at m = 128: 0.288 / 0.140 / 0.144 ms with 128 / 64 / 32
-    columns)."""
-    return 128 if _block_m(M) <= 64 else 64
-
-
-def _chunk_states(x, keys, b, h0):
-    """Chunk-start states (B, NC, M, D) in _start_dtype(x) and the final state (B, M, D) float32."""
-    B, Tp, M = b.shape
-    D = x.shape[-1]
-    NC = Tp // CHUNK
-    columns = _state_columns(M)
-    group = triton.cdiv(NC, _state_groups(x, NC, columns))  # chunks a group
-    groups = triton.cdiv(NC, group)
-    starts = x.new_empty(B, NC, M, D, dtype=_start_dtype(x))
-    final = x.new_empty(B, M, D, dtype=torch.float32)
-    grid = (B, groups, triton.cdiv(D, columns))
-    meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
-    init = h0
-    if groups > 1:
-        own = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero
-        _chunk_states_kernel[grid](x, keys, b, x, x, own, x.shape[1], Tp, D, M, NC, group, FINAL=False,
-                                   HAS_INIT=False, **meta)
-        chunk_decays = F.pad(b[:, CHUNK - 1::CHUNK], (0, 0, 0, groups * group - NC))  # (B, groups * group, M)
-        group_decays = chunk_decays.view(B, groups, group, M).sum(2)  # (B, groups, M) log-decay over each group
-        init = torch.empty_like(own)
-        _scan_states(own, init, group_decays, h0, final, reverse=False)
-    _chunk_states_kernel[grid](x, keys, b, x if init is None else init, starts, final, x.shape[1], Tp, D, M, NC,
-                               group, FINAL=True, HAS_INIT=init is not None, **meta)
-    return starts, final
-
-
-def _scan_states(own, carries, b, init, final, reverse):
-    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from own[n], each chunk's own
-    contribution, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the gradients at the
-    chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in place: in place,
-    the loads ahead wait on the stores before them (0.33 instead of 0.08 ms at batch 1, T = 16384)."""
-    B, NC, M, D = own.shape
-    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs, 1024 at B = 1
-    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
-        own, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
-        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
+def _sm_count(x):
+    """Streaming multiprocessors of x's GPU (1 off the GPU)."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
 
 
 def _meta(x, M, num_warps, num_stages=1):
@@ -773,31 +400,22 @@ def _meta(x, M, num_warps, num_stages=1):
 
 def _walk_meta(x, M, unroll, warps):
     """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
-    `warps` at m = 64, scaled with the padded rows (_block_m). On an H200 at T = 1024, since the decays are stored
-    (change 55): the output stage 0.140 ms with 16 steps and 4 warps for the norms, 0.139 to 0.154 with 2 to 16
-    steps and 4 or 8 warps (a sweep of a copy with the same walks); the gradient factors with their products 0.152 ms
-    with 4 steps and 8 warps, 0.160 to 0.172 with 8 or 16 steps or 4 warps."""
+    `warps` at m = 64, scaled with the padded rows (_block_m); the callers' values are the best of sweeps
+    (docs/kernel_log.md, changes 47 and 55)."""
     return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
 
 
 def _columns_per_program(x):
     """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up, a few
-    (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs. On an
-    H200 at 256 chunks of D = 2048: dstate 0.124 / 0.110 / 0.104 ms and dx 0.154 / 0.140 / 0.132 ms with 512 /
-    1024 / 2048 columns a program."""
+    (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs
+    (docs/kernel_log.md, change 38)."""
     chunks = x.shape[0] * triton.cdiv(x.shape[1], CHUNK)
     return triton.cdiv(x.shape[-1], triton.cdiv(_sm_count(x), chunks))
 
 
-def _sm_count(x):
-    """Streaming multiprocessors of x's GPU (1 off the GPU)."""
-    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-
-
 def _streaming(x, M, num_stages=3):
     """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time
-    (num_stages: tiles in flight; on an H200 at T = 1024, 2 / 3 / 4 / 5 stages: dstate 0.105 / 0.088 / 0.090 /
-    0.109 ms, dx 0.105 / 0.104 / 0.101 / 0.101)."""
+    (num_stages: tiles in flight, swept in docs/kernel_log.md, changes 33 and 49)."""
     split = 64 * triton.cdiv(_columns_per_program(x), 64)  # whole steps of BD = 64 columns
     return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
                                                  **_meta(x, M, num_warps=4, num_stages=num_stages))
@@ -808,85 +426,34 @@ def _scratch(theta, NC, *rows):
     return theta.new_empty(theta.shape[0], NC, *rows, CHUNK)
 
 
-def _products(x, states, theta, dy=None):
-    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H dY^T, dY X^T)."""
-    B, NC, M, D = states.shape
-    BM = _block_m(M)
-    gram, hv = _scratch(theta, NC, CHUNK), theta.new_empty(B, NC, CHUNK, BM)  # H X^T or H dY^T as [t, i] (_rows_first)
-    third = theta.new_empty(B, NC, BM) if dy is None else _scratch(theta, NC, CHUNK)  # ||H||^2 or dY X^T
-    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, hv, third, third, x.shape[1], D, M, NC,
-                                    BD=64, OP=_operand(x), BACKWARD=dy is not None,
-                                    **_meta(x, M, num_warps=4, num_stages=3))
-    return gram, hv, third
+# ----------------------------------------------------------------------------- forward: decays
 
 
-def _chunk_out(x, theta, phi, decay, b, states, eps):
-    """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the within-chunk
-    reads, and h_t . x_t (B, NC, C, BM), tokens first."""
-    B, T, D = x.shape
-    NC, M = states.shape[1], theta.shape[-1]
-    gram, hx, h_sq = _products(x, states, theta)
-    P, rms, q, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
-    _chunk_norms_kernel[(NC, B)](theta, phi, decay, gram, hx, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
-                                 **_walk_meta(x, M, unroll=16, warps=4))
-    splits, meta = _streaming(x, M)
-    _chunk_y_kernel[(NC, B, splits)](x, q, b, states, P, y, T, theta.shape[1], D, M, NC, **meta)
-    return y, rms, q, P, hx
+if triton is not None:
 
-
-def _chunk_grads(x, dy, theta, q, decay, states, rms, hx):
-    """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
-    B, _, D = x.shape
-    NC, M = states.shape[1], theta.shape[-1]
-    gram, hdy, dyx = _products(x, states, theta, dy)
-    dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
-    kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
-    _chunk_grads_kernel[(NC, B)](theta, q, decay, rms, gram, hx, dyx, hdy, dq, c, omega, kappa, dk, p_w,
-                                 theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=4, warps=8))
-    return dq, c, omega, kappa, dk, p_w
-
-
-def _chunk_dstate(x, dy, q, b, states, omega, kappa):
-    """Each chunk's gradient to its start state (B, NC, M, D)."""
-    B, T, D = x.shape
-    NC, M = states.shape[1], q.shape[-1]
-    dstates = torch.empty_like(states)  # in the states' dtype (_start_dtype)
-    splits, meta = _streaming(x, M)
-    _chunk_dstate_kernel[(NC, B, splits)](x, dy, q, b, states, omega, kappa, dstates, T, q.shape[1], D, M, NC,
-                                          **meta)
-    return dstates
-
-
-def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
-    """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
-    B, T, D = x.shape
-    NC, M = states.shape[1], theta.shape[-1]
-    # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory only for bfloat16
-    # states of at most 64 rows (128 rows: 254 KB, measured)
-    deep = states.element_size() == 2 and _block_m(M) <= 64
-    splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
-    dhx = _scratch(theta, NC, splits, _block_m(M))
-    dx = torch.empty_like(x)
-    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, omega, P, p_w, dhx, dx,
-                                      T, theta.shape[1], D, M, NC, **meta)
-    return dx, dhx
-
-
-def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
-    """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
-    d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
-    cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
-    first kernel, over the later chunks through the cumulative sum of the chunk totals."""
-    B, Tp, M = theta.shape
-    NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
-    d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
-    meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill
-    _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
-                                 splits, **meta)
-    later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
-    dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
-    _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
-    return dtheta, dphi
+    @triton.jit
+    def _decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
+                      BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
+        """The decays a = e^{log(1 - theta)} (0 at theta = 1 and at document starts), the within-chunk cumulative
+        sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
+        (BM, C) a chunk (0 on padded rows)."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
+        kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
+        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
+        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / tl.where(kept == 1.0, -1.0, kept - 1.0)))
+        forget = theta >= 1.0
+        if HAS_STARTS:
+            forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
+        tl.store(decay_ptr + offs_tile, tl.where(forget, 0.0, tl.exp(log_decay)), mask=rows_ok)
+        log_decay = tl.where(forget, FLOOR, log_decay)
+        b = tl.cumsum(log_decay, axis=0)  # (C, BM)
+        tl.store(b_ptr + offs_tile, b, mask=rows_ok)
+        offs_c = tl.arange(0, C)
+        b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
+        keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
+        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None], keys)
 
 
 def _padded(weights):
@@ -894,15 +461,21 @@ def _padded(weights):
     return _pad_time(weights.float(), CHUNK).contiguous()
 
 
+def _document_starts(cu_seqlens, Tp):
+    """1 at the tokens where a packed document starts (and the memory forgets), int8 (Tp,); None without cu_seqlens."""
+    if cu_seqlens is None:
+        return None
+    starts = torch.zeros(Tp, dtype=torch.int8, device=cu_seqlens.device)
+    starts[cu_seqlens[1:-1].long()] = 1
+    return starts
+
+
 def _decays(theta_p, cu_seqlens):
     """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative sum b of
     log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys to its end state
     (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
-    starts = None
-    if cu_seqlens is not None:  # a document start forgets the memory
-        starts = torch.zeros(Tp, dtype=torch.int8, device=theta_p.device)
-        starts[cu_seqlens[1:-1].long()] = 1
+    starts = _document_starts(cu_seqlens, Tp)
     decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
     keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
     _decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
@@ -916,8 +489,641 @@ def _prepare(theta, phi, cu_seqlens):
     return (theta_p, _padded(phi), *_decays(theta_p, cu_seqlens))
 
 
-# The scan is a pair of torch.library custom ops, so torch.compile traces models through it without a graph
-# break (it runs the kernels as they are). The forward returns what the backward reads besides its inputs.
+# ----------------------------------------------------------------------------- forward: chunk-start states
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, states_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
+                             HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD columns:
+        carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start state, or h0 for one
+        group), stores the carry entering each chunk in states and, from the last group, hT; the first (several
+        groups) starts from zero and stores only the group's end carry, its own contribution to the next group's
+        start."""
+        bi, g, column_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m, offs_d = tl.arange(0, BM), column_block * BD + tl.arange(0, BD)
+        offs_state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
+        state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
+        offs_keys = offs_m[:, None] * C + tl.arange(0, C)[None, :]  # (BM, C) offsets in one chunk's keys
+        if HAS_INIT:
+            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state, mask=state_ok, other=0.0)
+        else:
+            carry = tl.zeros([BM, BD], dtype=tl.float32)
+        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):  # loads pipelined num_stages deep
+            k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + offs_keys), OP)
+            b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
+            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)  # (C, BD)
+            if FINAL:
+                tl.store(states_ptr + (bi * NC + n) * M * D + offs_state, carry.to(states_ptr.dtype.element_ty),
+                         mask=state_ok)
+            carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
+        if not FINAL:
+            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state, carry, mask=state_ok)
+        elif g == tl.num_programs(1) - 1:
+            tl.store(end_ptr + bi * M * D + offs_state, carry, mask=state_ok)
+
+    @triton.jit
+    def _chunk_scan_kernel(added_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
+                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+                           REVERSE: tl.constexpr):
+        """out[n] <- carry; carry <- e^{b_end[n]} * carry + added[n], over n. Loads run two chunks ahead, so
+        that a program walking many chunks (batch 1) does not wait on memory at each (docs/kernel_log.md,
+        change 35)."""
+        bi, block = tl.program_id(0), tl.program_id(1)
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * D
+        added_ptrs, out_ptrs = added_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs  # chunk 0
+        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D  # b at chunk 0's last token, on each element's row
+        if HAS_INIT:
+            carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
+        else:
+            carry = tl.zeros([BLOCK], dtype=tl.float32)
+        n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
+        added0, log_decay0 = tl.load(added_ptrs + n0 * M * D, mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
+        added1, log_decay1 = tl.load(added_ptrs + n1 * M * D, mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
+        for step in range(NC):
+            n2 = _chunk_at(step + 2, NC, REVERSE)
+            added2, log_decay2 = tl.load(added_ptrs + n2 * M * D, mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
+            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D, carry.to(out_ptr.dtype.element_ty), mask=ok)
+            carry = tl.exp(log_decay0) * carry + added0
+            added0, log_decay0, added1, log_decay1 = added1, log_decay1, added2, log_decay2
+        tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
+
+
+def _state_groups(x, NC, columns):
+    """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
+    least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
+    first each group's own end state, then a scan over groups, then the states from the group starts
+    (docs/kernel_log.md, changes 41 and 45)."""
+    programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], columns), _sm_count(x)
+    return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
+
+
+def _state_columns(M):
+    """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above 64 rows, so
+    that its float32 carry stays 8K elements and does not spill (docs/kernel_log.md, changes 42 and 46)."""
+    return 128 if _block_m(M) <= 64 else 64
+
+
+def _chunk_states(x, keys, b, h0):
+    """Chunk-start states (B, NC, M, D) in _start_dtype(x) and the final state (B, M, D) float32."""
+    B, Tp, M = b.shape
+    D = x.shape[-1]
+    NC = Tp // CHUNK
+    columns = _state_columns(M)
+    group = triton.cdiv(NC, _state_groups(x, NC, columns))  # chunks a group
+    groups = triton.cdiv(NC, group)
+    states = x.new_empty(B, NC, M, D, dtype=_start_dtype(x))
+    final = x.new_empty(B, M, D, dtype=torch.float32)
+    grid = (B, groups, triton.cdiv(D, columns))
+    meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
+    init = h0
+    if groups > 1:
+        group_ends = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero
+        _chunk_states_kernel[grid](x, keys, b, x, x, group_ends, x.shape[1], Tp, D, M, NC, group, FINAL=False,
+                                   HAS_INIT=False, **meta)
+        chunk_decays = F.pad(b[:, CHUNK - 1::CHUNK], (0, 0, 0, groups * group - NC))  # (B, groups * group, M)
+        group_decays = chunk_decays.view(B, groups, group, M).sum(2)  # (B, groups, M) log-decay over each group
+        init = torch.empty_like(group_ends)
+        _scan_states(group_ends, init, group_decays, h0, final, reverse=False)
+    _chunk_states_kernel[grid](x, keys, b, x if init is None else init, states, final, x.shape[1], Tp, D, M, NC,
+                               group, FINAL=True, HAS_INIT=init is not None, **meta)
+    return states, final
+
+
+def _scan_states(added, carries, b, init, final, reverse):
+    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC, M, D), what
+    each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the
+    gradients at the chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in
+    place: in place, the loads ahead would wait on the stores before them (docs/kernel_log.md, change 35)."""
+    B, NC, M, D = added.shape
+    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs (change 18)
+    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
+        added, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
+        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
+
+
+# ----------------------------------------------------------------------------- forward: output
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_products_kernel(x_ptr, dy_ptr, states_ptr, gram_ptr, h_dots_ptr, h_sq_ptr, dyx_ptr, T, D, M, NC,
+                               C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                               OP: tl.constexpr, BACKWARD: tl.constexpr):
+        """A chunk's inner products over D, H its start state: X X^T, H X^T and ||H_i||^2, or for the backward
+        X X^T, H dY^T and dY X^T."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
+        gram = tl.zeros([C, C], dtype=tl.float32)
+        h_dots = tl.zeros([BM, C], dtype=tl.float32)  # H X^T, or H dY^T
+        h_sq = tl.zeros([BM], dtype=tl.float32)
+        dyx = tl.zeros([C, C], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)  # the states' own dtype (_start_dtype)
+            gram += _mm(x, tl.trans(x), PRECISION)
+            if BACKWARD:
+                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+                dyx += _mm(dy, tl.trans(x), PRECISION)
+                h_dots += _mm(h, tl.trans(dy), PRECISION)
+            else:
+                h_dots += _mm(h, tl.trans(x), PRECISION)
+                h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
+        chunk = bi * NC + n
+        offs_square, offs_tokens_first = offs_c[:, None] * C + offs_c[None, :], offs_c[None, :] * BM + offs_m[:, None]
+        tl.store(gram_ptr + chunk * C * C + offs_square, gram)
+        tl.store(h_dots_ptr + chunk * BM * C + offs_tokens_first, h_dots)
+        if BACKWARD:
+            tl.store(dyx_ptr + chunk * C * C + offs_square, dyx)
+        else:
+            tl.store(h_sq_ptr + chunk * BM + offs_m, h_sq)
+
+    @triton.jit
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, decay_ptr, gram_ptr, h_dot_x_ptr, h_sq_ptr, q_ptr, p_ptr, rms_ptr, eps,
+                            Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
+        """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms
+        follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t (a scan over the chunk
+        from ||H_i||^2), with h_t . x_t from the walk of H . x_t through the chunk's writes (_walk_dots); h_t . x_t
+        replaces H . x_t in place, for the backward (_chunk_grads_kernel)."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
+        chunk = bi * NC + n
+        gram_chunk = gram_ptr + chunk * C * C
+        chunk_base = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
+        start_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) H_i . x_t
+        h_dot_x = _walk_dots(start_dot_x, decay_ptr, theta_ptr, gram_chunk, C, 1, chunk_base, offs_m, m_ok, M, C,
+                             S)  # (BM, C) h_t . x_t
+        tl.store(h_dot_x_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], h_dot_x)  # tokens first
+        theta = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
+        decay = _tile(decay_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)
+        decay2 = decay * decay  # a_t^2
+        growth = theta * (2.0 * h_dot_x - theta * tl.load(gram_chunk + offs_c * (C + 1))[None, :])
+        growth += tl.where(offs_c[None, :] == 0, decay2 * tl.load(h_sq_ptr + chunk * BM + offs_m)[:, None], 0.0)
+        _, sq_norm = tl.associative_scan((decay2, growth), 1, _linear)
+        rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
+        _store_tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, rms)
+        phi = _tile(phi_ptr, chunk_base, offs_m, m_ok, offs_c, M)
+        _store_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M, phi / rms)
+        tl.debug_barrier()  # the rows of P read q token by token
+        _store_reads(p_ptr + chunk * C * C, q_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0, chunk_base, offs_m, m_ok, M,
+                     C, S)
+
+    @triton.jit
+    def _chunk_y_kernel(x_ptr, q_ptr, b_ptr, states_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
+                        C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
+                        PRECISION: tl.constexpr, OP: tl.constexpr):
+        """y = P X + (q e^b) H for the SPLIT columns of D of program axis 2."""
+        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)  # (C,)
+        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
+        p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
+        offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
+        q_eb = _start_factor(q_ptr, b_ptr, offs_tile, m_ok).to(OP)  # (C, BM) q e^b
+        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+            y = _mm(p, x, PRECISION) + _mm(q_eb, h, PRECISION)  # (C, BD)
+            tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
+
+
+def _products(x, states, theta, dy=None):
+    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H dY^T, dY X^T)."""
+    B, NC, M, D = states.shape
+    BM = _block_m(M)
+    gram = _scratch(theta, NC, CHUNK)  # (B, NC, C, C)
+    h_dots = theta.new_empty(B, NC, CHUNK, BM)  # H X^T or H dY^T as [t, i] (_rows_first)
+    norms_or_dyx = theta.new_empty(B, NC, BM) if dy is None else _scratch(theta, NC, CHUNK)  # ||H||^2 or dY X^T
+    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, h_dots, norms_or_dyx, norms_or_dyx,
+                                    x.shape[1], D, M, NC, BD=64, OP=_operand(x), BACKWARD=dy is not None,
+                                    **_meta(x, M, num_warps=4, num_stages=3))
+    return gram, h_dots, norms_or_dyx
+
+
+def _chunk_out(x, theta, phi, decay, b, states, eps):
+    """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the within-chunk
+    reads, and h_t . x_t (B, NC, C, BM), tokens first."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    gram, h_dot_x, h_sq = _products(x, states, theta)
+    P, rms, q, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
+    _chunk_norms_kernel[(NC, B)](theta, phi, decay, gram, h_dot_x, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
+                                 **_walk_meta(x, M, unroll=16, warps=4))
+    splits, meta = _streaming(x, M)
+    _chunk_y_kernel[(NC, B, splits)](x, q, b, states, P, y, T, theta.shape[1], D, M, NC, **meta)
+    return y, rms, q, P, h_dot_x
+
+
+# ----------------------------------------------------------------------------- backward: per-token factors
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, rms_ptr, gram_ptr, h_dot_x_ptr, dyx_ptr, hdy_ptr,
+                            dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
+                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
+        """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the chunk's products
+        with dy: dq = dy . h, the norm's factor c, omega = theta Gamma with
+        Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u}, and
+        P_w, the read matrix with omega as the query."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
+        chunk = bi * NC + n
+        gram_chunk, dyx_chunk = gram_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
+        chunk_base = bi * Tp * M + n * C * M
+        h_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) h_t . x_t, the forward's
+        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), decay_ptr, theta_ptr, dyx_chunk, 1,
+                        C, chunk_base, offs_m, m_ok, M, C, S)  # h_t . dy_t
+        rms = _tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)  # 1 on padded rows, where q is 0
+        query = _tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
+        c = -dq * query / (D * rms * rms)
+        _store_tile(dq_ptr, chunk_base, offs_m, m_ok, offs_c, M, dq)
+        _store_tile(c_ptr, chunk_base, offs_m, m_ok, offs_c, M, c)
+        # Gamma_s = c_s + a_{s+1}^2 Gamma_{s+1}
+        next_decays = tl.load(decay_ptr + chunk_base + (offs_c[None, :] + 1) * M + offs_m[:, None],
+                              mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=1.0)  # (BM, C) a_{s+1}
+        _, gamma = tl.associative_scan((next_decays * next_decays, c), 1, _linear, reverse=True)
+        first_decay = _at(decay_ptr, chunk_base, 0, offs_m, m_ok, M, 1.0)
+        first_decay2 = first_decay * first_decay  # a_0^2
+        kappa = first_decay2 * tl.sum(tl.where(offs_c[None, :] == 0, gamma, 0.0), axis=1)
+        tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
+        omega = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * gamma
+        _store_tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c, M, omega)
+        tl.debug_barrier()  # the walks below read omega token by token
+        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end; kept at u = s
+        later = h_dot_x * 0.0  # zeros in the walks' layout (_rows_first): tl.zeros would put 32 rows on a thread
+        reads = h_dot_x * 0.0
+        for j in range(C // S):
+            for du in tl.static_range(S):
+                u = C - 1 - j * S - du
+                next_decay = _at(decay_ptr, chunk_base, (u + 1) % C, offs_m, m_ok, M, 1.0)  # a_{u+1} (unused at C - 1)
+                q_u = _at(q_ptr, chunk_base, u, offs_m, m_ok, M)
+                omega_u = _at(omega_ptr, chunk_base, u, offs_m, m_ok, M)
+                later = (next_decay[:, None] * later + q_u[:, None] * tl.load(dyx_chunk + u * C + offs_c)[None, :]
+                         + omega_u[:, None] * tl.load(gram_chunk + u * C + offs_c)[None, :])
+                reads = tl.where(offs_c[None, :] == u, later, reads)
+        diag = tl.load(gram_chunk + offs_c * (C + 1))  # x_t . x_t
+        dk = reads - omega * diag[None, :] + gamma * h_dot_x
+        _store_tile(dk_ptr, chunk_base, offs_m, m_ok, offs_c, M, dk)
+        _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0, chunk_base, offs_m, m_ok,
+                     M, C, S)
+
+
+def _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x):
+    """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
+    B, _, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    gram, hdy, dyx = _products(x, states, theta, dy)
+    dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
+    kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
+    _chunk_grads_kernel[(NC, B)](theta, q, decay, rms, gram, h_dot_x, dyx, hdy, dq, c, omega, kappa, dk, p_w,
+                                 theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=4, warps=8))
+    return dq, c, omega, kappa, dk, p_w
+
+
+# ----------------------------------------------------------------------------- backward: state gradients
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, states_ptr, omega_ptr, kappa_ptr, dstates_ptr,
+                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, on SPLIT columns."""
+        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
+        offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
+        q_eb_hi, q_eb_lo = _split(tl.trans(_start_factor(q_ptr, b_ptr, offs_tile, m_ok)), OP)  # (BM, C) q e^b
+        omega_eb_hi, omega_eb_lo = _split(tl.trans(_start_factor(omega_ptr, b_ptr, offs_tile, m_ok)), OP)  # omega e^b
+        kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
+        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
+            dstate = (_mm_split(q_eb_hi, q_eb_lo, dy, PRECISION) + _mm_split(omega_eb_hi, omega_eb_lo, x, PRECISION)
+                  + kappa[:, None] * h.to(tl.float32))
+            tl.store(dstates_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
+                     dstate.to(dstates_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < D)[None, :])
+
+
+def _chunk_dstate(x, dy, q, b, states, omega, kappa):
+    """Each chunk's gradient to its start state (B, NC, M, D)."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], q.shape[-1]
+    dstates = torch.empty_like(states)  # in the states' dtype (_start_dtype)
+    splits, meta = _streaming(x, M)
+    _chunk_dstate_kernel[(NC, B, splits)](x, dy, q, b, states, omega, kappa, dstates, T, q.shape[1], D, M, NC,
+                                          **meta)
+    return dstates
+
+
+# ----------------------------------------------------------------------------- backward: dxbar
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, states_ptr, dends_ptr, omega_ptr, p_ptr, pw_ptr, dhx_ptr,
+                         dx_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                         SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
+        program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and only ever meets
+        weights of that dtype, so its products take single OP operands; dH_end is stored in the states' dtype
+        (_start_dtype), exact in OP."""
+        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        chunk = bi * NC + n
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
+        h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr, chunk, M, D, BM)  # (BM,)
+        p_w = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
+        p_w_sym = (p_w + tl.trans(p_w) - tl.where(offs_c[:, None] == offs_c[None, :], p_w, 0.0)).to(OP)  # (C, C)
+        p_trans = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)).to(OP)
+        chunk_base = bi * Tp * M + n * C * M
+        offs_tile = chunk_base + offs_c[:, None] * M + offs_m[None, :]
+        b = tl.load(b_ptr + offs_tile, mask=m_ok[None, :], other=0.0)  # (C, BM)
+        theta = tl.load(theta_ptr + offs_tile, mask=m_ok[None, :], other=0.0)
+        omega_eb = (tl.load(omega_ptr + offs_tile, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
+        b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
+        keys_end = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
+        dhx = tl.zeros([BM, C], dtype=tl.float32)
+        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+            dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
+            dx = (_mm(p_trans, dy, PRECISION) + _mm(p_w_sym, x, PRECISION) + _mm(omega_eb, h, PRECISION)
+                  + _mm(keys_end, dh, PRECISION))  # (C, BD)
+            tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
+            dhx += _mm(dh, tl.trans(x), PRECISION)
+        tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + split) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
+
+
+def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
+    """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
+    B, T, D = x.shape
+    NC, M = states.shape[1], theta.shape[-1]
+    # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory only for bfloat16
+    # states of at most 64 rows (docs/kernel_log.md, change 49)
+    deep = states.element_size() == 2 and _block_m(M) <= 64
+    splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
+    dhx = _scratch(theta, NC, splits, _block_m(M))
+    dx = torch.empty_like(x)
+    _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, omega, P, p_w, dhx, dx,
+                                      T, theta.shape[1], D, M, NC, **meta)
+    return dx, dhx
+
+
+# ----------------------------------------------------------------------------- backward: dtheta and dphi
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, rms_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr, end_dot_ptr, d_b_ptr,
+                            totals_ptr, eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr, BM: tl.constexpr):
+        """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t =
+        q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum within the chunk
+        and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose index 0 is 0."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        offs_c = tl.arange(0, C)
+        chunk = bi * NC + n
+        dhx = tl.zeros([BM, C], dtype=tl.float32)
+        for split in range(SPLITS):
+            dhx += tl.load(dhx_ptr + ((chunk * SPLITS + split) * BM + offs_m[:, None]) * C + offs_c[None, :])
+        b = tl.load(b_ptr + offs_tile, mask=rows_ok, other=0.0)
+        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
+        dk = tl.load(dk_ptr + offs_tile, mask=rows_ok, other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
+        tl.store(dk_ptr + offs_tile, dk, mask=rows_ok)
+        rms = tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0)
+        q_dq = (tl.load(q_ptr + offs_tile, mask=rows_ok, other=0.0)
+                * tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0))
+        sq_norm = D * (rms * rms - eps)
+        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
+        d_b = q_dq + tl.load(c_ptr + offs_tile, mask=rows_ok, other=0.0) * sq_norm - theta * dk
+        end_dot = tl.load(end_dot_ptr + bi * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,) dhT . hT
+        d_b += tl.where((offs_t == T - 1)[:, None], end_dot[None, :], 0.0)
+        tl.store(d_b_ptr + offs_tile, tl.cumsum(d_b, axis=0, reverse=True), mask=rows_ok)
+        totals_row = totals_ptr + (bi * BM + offs_m) * (NC + 1)
+        tl.store(totals_row + NC - n, tl.sum(d_b, axis=0))
+        if n == NC - 1:
+            tl.store(totals_row, tl.zeros([BM], dtype=tl.float32))
+
+    @triton.jit
+    def _rate_grads_kernel(theta_ptr, decay_ptr, rms_ptr, dq_ptr, dk_ptr, d_b_ptr, later_ptr, dtheta_ptr, dphi_ptr,
+                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
+        """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
+        later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n. Where the memory
+        forgets, dtheta = dk: exact at document starts; at theta = 1 _forget_grads_kernel adds the decay term."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
+        d_log_decay = tl.load(d_b_ptr + offs_tile, mask=rows_ok, other=0.0) + later[None, :]
+        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
+        decaying = tl.load(decay_ptr + offs_tile, mask=rows_ok, other=0.0) > 0.0  # theta < 1, not a document start
+        dtheta = tl.load(dk_ptr + offs_tile, mask=rows_ok, other=0.0) - tl.where(
+            decaying, d_log_decay / tl.where(decaying, 1.0 - theta, 1.0), 0.0)
+        dphi = (tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0)
+                / tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0))
+        offs_out, out_ok = bi * T * M + offs_t[:, None] * M + offs_m[None, :], (offs_t < T)[:, None] & rows_ok
+        tl.store(dtheta_ptr + offs_out, dtheta, mask=out_ok)
+        tl.store(dphi_ptr + offs_out, dphi, mask=out_ok)
+
+
+def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
+    """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
+    d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
+    cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
+    first kernel, over the later chunks through the cumulative sum of the chunk totals. Where theta = 1, dtheta
+    lacks its decay term until _forget_grads adds it."""
+    B, Tp, M = theta.shape
+    NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
+    d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
+    meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill (docs/kernel_log.md, change 24)
+    _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
+                                 splits, **meta)
+    later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
+    dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
+    _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
+    return dtheta, dphi
+
+
+if triton is not None:
+
+    @triton.jit
+    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, starts_ptr, b_ptr, q_ptr, omega_ptr, states_ptr, dends_ptr,
+                             dtheta_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row forgets; document
+        starts aside, where h_{t-1} belongs to another document), which _rate_grads_kernel leaves out: it divides
+        d loss / d log(a_t) = a_t (d loss / d a_t) by a_t, 0 there. d loss / d a_t = G_t . h_{t-1}, G_t the gradient
+        at h_t. In the chunk, with H its start state,
+            h_{t-1} = e^{b_{t-1}} H + sum_{s<t} e^{b_{t-1} - b_s} theta_s x_s,
+        and, the norm's term a_t Gamma_t ||h_{t-1}||^2 being 0,
+            G_t . h_{t-1} = sum_{u>=t} e^{b_u - b_t} (q_u dy_u + omega_u x_u) . h_{t-1}
+                            + e^{b_C - b_t} dH_end . h_{t-1}:
+        the chunk's products over D of X, dY, H and dH_end, then two (rows, C) x (C, C) products a token. (At every
+        token this cross term would cost another walk a chunk; below 1 the division loses float32 precision like
+        1 / (1 - theta).) Programs of chunks without such a token return at once."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
+        chunk_base = bi * Tp * M + n * C * M
+        forgets = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) >= 1.0  # (BM, C)
+        if HAS_STARTS:
+            forgets &= (tl.load(starts_ptr + n * C + offs_c) == 0)[None, :]
+        if tl.max(forgets.to(tl.int32)) > 0:
+            chunk = bi * NC + n
+            t_ok = n * C + offs_c < T
+            x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+            h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr, chunk, M, D, BM)  # (BM,)
+            gram = tl.zeros([C, C], dtype=tl.float32)  # x_u . x_s
+            dyx = tl.zeros([C, C], dtype=tl.float32)  # dy_u . x_s
+            hx = tl.zeros([BM, C], dtype=tl.float32)  # H . x_u
+            hdy = tl.zeros([BM, C], dtype=tl.float32)  # H . dy_u
+            dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end . x_s
+            dhh = tl.zeros([BM], dtype=tl.float32)  # dH_end . H
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+                h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+                dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
+                gram += _mm(x, tl.trans(x), PRECISION)
+                dyx += _mm(dy, tl.trans(x), PRECISION)
+                hx += _mm(h, tl.trans(x), PRECISION)
+                hdy += _mm(h, tl.trans(dy), PRECISION)
+                dhx += _mm(dh, tl.trans(x), PRECISION)
+                dhh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1)
+            b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
+            for t in range(C):
+                forget = _at(theta_ptr, chunk_base, t, offs_m, m_ok, M) >= 1.0  # (BM,)
+                if HAS_STARTS:  # (a vector & a scalar mask fails in Triton 3.9's interpreter)
+                    forget = tl.where(tl.load(starts_ptr + n * C + t) != 0, False, forget)
+                if tl.max(forget.to(tl.int32)) > 0:
+                    b = _tile(b_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
+                    b_t = _at(b_ptr, chunk_base, t, offs_m, m_ok, M)  # (BM,)
+                    b_before = _boundary(b_ptr, chunk_base, offs_m, m_ok, t - 1, M)  # 0 at t = 0
+                    before = offs_c[None, :] < t
+                    writes = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * tl.exp(
+                        tl.where(before, b_before[:, None] - b, float("-inf")))  # e^{b_{t-1} - b_s} theta_s, s < t
+                    reads = tl.exp(tl.where(before, float("-inf"), b - b_t[:, None]))  # e^{b_u - b_t}, u >= t
+                    start = tl.exp(b_before)  # (BM,) e^{b_{t-1}}
+                    h_dy = start[:, None] * hdy + _mm(writes, tl.trans(dyx), "ieee")  # (BM, C) h_{t-1} . dy_u
+                    h_x = start[:, None] * hx + _mm(writes, gram, "ieee")  # h_{t-1} . x_u
+                    h_dh = start * dhh + tl.sum(writes * dhx, axis=1)  # (BM,) h_{t-1} . dH_end
+                    d_decay = tl.sum(reads * (_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M) * h_dy
+                                              + _tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c, M) * h_x), axis=1)
+                    d_decay += tl.exp(b_end - b_t) * h_dh
+                    dtheta_t = dtheta_ptr + bi * T * M + (n * C + t) * M + offs_m  # (BM,) pointers
+                    tl.store(dtheta_t, tl.load(dtheta_t, mask=forget, other=0.0) - d_decay, mask=forget)
+
+
+def _forget_grads(dtheta, x, dy, theta, starts, b, q, omega, states, dends):
+    """dtheta (B, T, M) gets its decay term where theta = 1 (_forget_grads_kernel), in place."""
+    B, Tp, M = theta.shape
+    NC = Tp // CHUNK
+    _forget_grads_kernel[(NC, B)](x, dy, theta, starts, b, q, omega, states, dends, dtheta, x.shape[1], Tp,
+                                  x.shape[-1], M, NC, BD=32, HAS_STARTS=starts is not None, OP=_operand(x),
+                                  **_meta(x, M, num_warps=4))
+
+
+# ----------------------------------------------------------------------------- decode step
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_rows(row_ptrs, x_ptr, write, offs_d, k_ok, D):
+        """Columns offs_d (BK, BD) of a step's rows after its write, h <- (1 - theta) h + theta x, stored back."""
+        mask = k_ok[:, None] & (offs_d < D)[None, :]
+        x = tl.load(x_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)  # (BD,)
+        h = tl.load(row_ptrs + offs_d[None, :], mask=mask, other=0.0)
+        h = (1.0 - write) * h + write * x[None, :]
+        tl.store(row_ptrs + offs_d[None, :], h, mask=mask)
+        return h
+
+    @triton.jit
+    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
+                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr):
+        """One decode step of sequence bi on its K rows idx: h_k <- (1 - theta_k) h_k + theta_k x, then
+        y = sum_k phi_k h_k / rms(h_k). ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
+        and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows."""
+        bi = tl.program_id(0)
+        offs_k = tl.arange(0, BK)
+        k_ok = offs_k < K
+        rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)  # (BK,)
+        write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]  # (BK, 1)
+        row_ptrs = h_ptr + bi * M * D + rows[:, None] * D  # (BK, 1)
+        if ONE_PASS:
+            offs_d = tl.arange(0, BD)
+            h = _step_rows(row_ptrs, x_ptr + bi * D, write, offs_d, k_ok, D)  # (BK, BD)
+            sq_norm = tl.sum(h * h, axis=1)
+        else:
+            sq_norm = tl.zeros([BK], dtype=tl.float32)
+            for d0 in range(0, D, BD):
+                h = _step_rows(row_ptrs, x_ptr + bi * D, write, d0 + tl.arange(0, BD), k_ok, D)  # (BK, BD)
+                sq_norm += tl.sum(h * h, axis=1)
+            tl.debug_barrier()  # the second pass reads rows that other threads stored
+        phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
+        if ONE_PASS:
+            tl.store(y_ptr + bi * D + offs_d, tl.sum(read[:, None] * h, axis=0).to(y_ptr.dtype.element_ty),
+                     mask=offs_d < D)
+        else:
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+                tl.store(y_ptr + bi * D + offs_d, tl.sum(read[:, None] * h, axis=0).to(y_ptr.dtype.element_ty),
+                         mask=offs_d < D)
+
+
+def _step_meta(K, D):
+    """Launch settings of _step_kernel: a sequence's rows in one tile when it holds at most STEP_TILE elements (one
+    pass, 8 warps), else two passes of 8192 elements at a time on 4 warps (dense K = M = 64 at D = 2048)."""
+    BK, width = max(2, triton.next_power_of_2(K)), triton.next_power_of_2(D)
+    if BK * width <= STEP_TILE:
+        return dict(BK=BK, BD=width, ONE_PASS=True, num_warps=8)
+    return dict(BK=BK, BD=min(width, max(64, 8192 // BK)), ONE_PASS=False, num_warps=4)
+
+
+# ----------------------------------------------------------------------------- custom ops and public API
+
+# The scan is a pair of torch.library custom ops and the step one, so torch.compile traces models through them
+# without a graph break (it runs the kernels as they are). The scan's forward returns what its backward reads
+# besides its inputs.
 
 Tensor = torch.Tensor
 
@@ -930,8 +1136,8 @@ def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor]
     x = xbar.contiguous()
     theta_p, phi_p, decay, b, keys = _prepare(theta, phi, cu_seqlens)
     states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
-    y, rms, q, P, hx = _chunk_out(x, theta_p, phi_p, decay, b, states, eps)
-    return y, hT, decay, b, states, rms, q, P, hx
+    y, rms, q, P, h_dot_x = _chunk_out(x, theta_p, phi_p, decay, b, states, eps)
+    return y, hT, decay, b, states, rms, q, P, h_dot_x
 
 
 @_scan_forward.register_fake
@@ -946,14 +1152,14 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
 def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, decay: Tensor,
-                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, hx: Tensor,
-                   eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, h_dot_x: Tensor, eps: float,
+                   cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
     x, dy = xbar.contiguous(), dy.contiguous()
     dhT = None if dhT is None else dhT.float().contiguous()
     theta = _padded(theta)
     T, D = x.shape[1:]
-    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, decay, states, rms, hx)
+    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x)
     dstates = _chunk_dstate(x, dy, q, b, states, omega, kappa)  # (B, NC, M, D)
     dh0 = torch.empty_like(hT)  # (B, M, D)
     dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
@@ -962,26 +1168,27 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps)
+    _forget_grads(dtheta, x, dy, theta, _document_starts(cu_seqlens, theta.shape[1]), b, q, omega, states, dends)
     return dx, dtheta, dphi, dh0
 
 
 @_scan_backward.register_fake
-def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps):
+def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps, cu_seqlens):
     dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
     return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
 
 
 def _scan_setup_context(ctx, inputs, output):
     xbar, theta, phi, h0, eps, cu_seqlens = inputs
-    ctx.save_for_backward(xbar, theta, *output[1:])
+    ctx.save_for_backward(xbar, theta, cu_seqlens, *output[1:])
     ctx.eps, ctx.has_h0, ctx.phi_dtype = eps, h0 is not None, phi.dtype
     ctx.set_materialize_grads(False)  # no zero gradients for the seven outputs only the backward reads
 
 
 def _scan_grads(ctx, dy, dhT, *unused):
-    xbar, theta, hT, *saved = ctx.saved_tensors
+    xbar, theta, cu_seqlens, hT, *saved = ctx.saved_tensors
     dy = torch.zeros_like(xbar) if dy is None else dy
-    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
+    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps, cu_seqlens)
     return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None, None
 
 
@@ -1018,15 +1225,25 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
     return y, hT
 
 
-@torch.compiler.disable
-def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
-    """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D)."""
+@torch.library.custom_op("fm::step", mutates_args={"h"})
+def _step(h: Tensor, xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, eps: float) -> Tensor:
+    """y (B, D); rows idx of h updated in place."""
     B, M, D = h.shape
-    K = idx.shape[1]
+    x = xbar.contiguous()
+    y = torch.empty_like(x)
+    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), y, eps, D, M, idx.shape[1],
+                       **_step_meta(idx.shape[1], D))
+    return y
+
+
+@_step.register_fake
+def _(h, xbar, idx, theta, phi, eps):
+    return torch.empty_like(xbar, memory_format=torch.contiguous_format)
+
+
+def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
+    """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D). A custom op (fm::step):
+    torch.compile traces a decode step through it and CUDA graphs capture it."""
     if h.dtype != torch.float32 or not h.is_contiguous():
         raise ValueError("the decode state h must be a contiguous float32 tensor (B, M, D)")
-    y = torch.empty_like(xbar)
-    BD = min(triton.next_power_of_2(D), max(64, 8192 // triton.next_power_of_2(K)))
-    _step_kernel[(B,)](h, xbar.contiguous(), idx.contiguous(), theta.contiguous(), phi.contiguous(), y, eps,
-                       D, M, K, BK=max(2, triton.next_power_of_2(K)), BD=BD)
-    return y
+    return _step(h, xbar, idx, theta, phi, float(eps))
