@@ -426,11 +426,12 @@ def test_fm_step_compiles_without_graph_break():
     def decode(h, x, idx, theta, phi):
         return fm_step(h, 2 * x, idx, theta.softmax(-1), phi).sum(-1)
 
-    h_compiled = h.clone()
+    h_before, h_compiled = h.clone(), h.clone()
     backend = "inductor" if CUDA else "aot_eager"  # inductor on the CPU needs a C++ compiler
     got = torch.compile(decode, backend=backend, fullgraph=True)(h_compiled, x, idx, theta, phi)
-    assert torch.equal(got, decode(h, x, idx, theta, phi))
-    assert torch.equal(h_compiled, h)
+    want = decode(h, x, idx, theta, phi)
+    assert not torch.equal(h, h_before)  # the step updated its state in place
+    assert rel_err(got, want) < 1e-6 and rel_err(h_compiled, h) < 1e-6  # inductor's fused softmax: rounding apart
 
 
 @needs_triton
