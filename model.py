@@ -690,8 +690,8 @@ class Generator:
         """Prefill prompts (lists of token ids) into buffers with room for max_new_tokens more -> the first new
         token of each row (B,), a buffer that the next step overwrites."""
         lengths = [len(p) for p in prompts]
-        if min(lengths) < 1:
-            raise ValueError('every prompt needs at least one token')
+        if min(lengths) < 1 or max_new_tokens < 1:
+            raise ValueError('every prompt needs at least one token, and max_new_tokens must be at least 1')
         shape = (len(prompts), max(lengths) + max_new_tokens)
         if shape != self.shape:
             self._allocate(*shape)
@@ -701,7 +701,9 @@ class Generator:
             last, states = self._prefill(prompts[rows])
             write_state(self.state, states, rows)
             self.tokens[rows] = sample_next(self.model.logits(last), self.sampling)
-        self.done.copy_(self.tokens == self.eot) if self.eot is not None else self.done.zero_()
+        self.done.zero_()
+        if self.eot is not None:
+            self.done |= self.tokens == self.eot
         return self.tokens
 
     def _prefill(self, prompts):
@@ -719,7 +721,8 @@ class Generator:
 
     @torch.no_grad()
     def step(self):
-        """Decode one token a row -> the next tokens (B,), a buffer that the next step overwrites."""
+        """Decode one token a row -> the next tokens (B,), a buffer that the next step overwrites. At most
+        max_new_tokens - 1 steps follow a start (the buffers hold no more)."""
         if self.graph is not None:
             self.graph.replay()
         else:
