@@ -446,11 +446,11 @@ class Scorer:
     def encode_pair(self, context, continuation):
         """-> (context ids, continuation ids), split as lm-eval splits them for causal models: the context's
         trailing whitespace moves to the continuation, whose ids are those of the whole text after the context's."""
-        if not context:
-            return [self.prefix], self.tok.encode(continuation)
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if not context:  # no context, or only whitespace: the continuation follows the end-of-text or newline prefix
+            return [self.prefix], self.tok.encode(continuation)
         context_ids = self.tok.encode(context)
         return context_ids, self.tok.encode(context + continuation)[len(context_ids):]
 

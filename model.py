@@ -184,8 +184,8 @@ class FactorizationMemory(nn.Module):
         dtype = compute_dtype(x.dtype)
         with torch.autocast(x.device.type, enabled=False):
             weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-            if x.dim() == 2:  # a decoding step: compiled, one reduction kernel (cuBLAS: a copy and two kernels)
-                scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2)
+            if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
+                scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2), not materialised when compiled
             else:
                 weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
                 scores = F.linear(x.to(dtype), weight)  # (..., M + 2 + pad)
@@ -231,11 +231,16 @@ def real_positions(lengths, T):
     return torch.arange(T, device=lengths.device) < lengths[:, None]
 
 
-def rotate(x, positions, inv_freq):
-    """RoPE, rotating the two halves of the head dim: x (B, H, T, hd), positions (B, T) -> (B, H, T, hd)."""
-    angles = positions.float()[:, None, :, None] * inv_freq.float()  # (B, 1, T, hd/2), float32 even in a bf16 model
-    cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x.to(inv_freq.dtype).chunk(2, dim=-1)
+def rotate(x, positions, rope_theta):
+    """RoPE, rotating the two halves of the head dim: x (B, H, T, hd), positions (B or 1, T) -> (B, H, T, hd).
+    The frequencies and angles are float32 whatever the model's dtype (in bf16 they would be off by radians at
+    thousands of positions), and x's dtype computes the rotation where it is float32 or more."""
+    hd = x.shape[-1]
+    inv_freq = rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # (hd/2,)
+    angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
+    dtype = compute_dtype(x.dtype)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
@@ -250,8 +255,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, self.n_kv_head * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.d_model, self.n_kv_head * self.head_dim, bias=False)
         self.out_proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=False)
-        inv_freq = config.rope_theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
-        self.register_buffer('inv_freq', inv_freq, persistent=False)  # (hd/2,)
+        self.rope_theta = config.rope_theta
 
     def project(self, x, positions):
         """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd)."""
@@ -259,7 +263,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        return rotate(q, positions, self.inv_freq), rotate(k, positions, self.inv_freq), v
+        return rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta), v
 
     def merge_heads(self, y):
         """(B, H, T, hd) -> out_proj over the heads: (B, T, d_model)."""
@@ -271,7 +275,7 @@ class Attention(nn.Module):
         if state is not None:
             raise ValueError('attention continues from a KV cache one token at a time (step), not in a parallel pass')
         B, T, _ = x.shape
-        q, k, v = self.project(x, torch.arange(T, device=x.device).expand(B, T))
+        q, k, v = self.project(x, torch.arange(T, device=x.device)[None])  # one table of angles for the batch
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
         pos = torch.full((B,), T, device=x.device) if lengths is None else lengths.clone()
         return self.merge_heads(y), {'k': k, 'v': v, 'pos': pos}
@@ -671,8 +675,9 @@ class Generator:
         if self.cuda_graph:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up outside the capture: kernel compilation, library handles
-                for _ in range(2):
+            device = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            with torch.random.fork_rng(devices=[device]), torch.cuda.stream(stream):  # warm-up outside the capture
+                for _ in range(2):  # (kernel compilation, library handles), drawing nothing from the seeded RNG
                     self.compiled_step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()

@@ -50,6 +50,8 @@ def settings(argv):
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise ConfigError(f"--device={cfg['device']}: this machine has no CUDA GPU (or this torch has no CUDA); "
                           f"use --device=cpu")
+    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device={cfg['device']}: this machine has {torch.cuda.device_count()} GPU(s)")
     return cfg
 
 
@@ -73,8 +75,12 @@ def prompt_ids(cfg, tok, vocab_size):
     if prompt.startswith('FILE:'):
         if not os.path.isfile(prompt[5:]):
             raise ConfigError(f'--start=FILE:{prompt[5:]}: no such file')
-        with open(prompt[5:], encoding='utf-8') as f:
-            prompt = f.read()
+        try:
+            with open(prompt[5:], encoding='utf-8') as f:
+                prompt = f.read()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f'--start=FILE:{prompt[5:]} is not UTF-8 text ({e.reason} at byte {e.start}): '
+                              f'convert it to UTF-8') from None
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
     if max(ids) >= vocab_size:
         raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {vocab_size}: '
@@ -86,11 +92,12 @@ class Stream:
     """Prints one sample's text as its tokens arrive (holding back an incomplete UTF-8 character)."""
 
     def __init__(self, tok, prompt):
-        self.tok, self.ids, self.shown = tok, [], ''
+        self.tok, self.ids, self.shown, self.ended = tok, [], '', False
         print(tok.decode(prompt), end='', flush=True)
 
     def __call__(self, tokens):
-        if self.tok.eot is not None and tokens[0] == self.tok.eot:
+        self.ended = self.ended or (self.tok.eot is not None and tokens[0] == self.tok.eot)
+        if self.ended:  # the row decodes on until the batch stops; its text ended here
             return
         self.ids.append(tokens[0])
         text = self.tok.decode(self.ids)

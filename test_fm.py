@@ -6,6 +6,7 @@ which run on the CPU under TRITON_INTERPRET=1 when no GPU is present (as in CI).
 """
 
 import contextlib
+import copy
 import glob
 import json
 import math
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import fields
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -986,11 +988,12 @@ def test_harness_loglikelihood_equals_the_forward():
     tok = get_tokenizer('bytes')
     scorer = evaluation.Scorer(model, tok, batch_size=2)
     requests = [('To be', ', or not'), ('', 'Hamlet'), ('Now is the winter of our discontent', ' made'),
-                ('a', 'b'), ('ab \n ', 'cd')]
+                ('a', 'b'), ('ab \n ', 'cd'), (' \n', 'ab')]
     for (context, continuation), (logprob, greedy) in zip(requests, scorer.loglikelihood(requests)):
-        ids = tok.encode(context) or [scorer.prefix]
-        n = len(tok.encode(continuation)) + len(context) - len(context.rstrip())
-        ids = (ids + tok.encode(continuation))[-13:]  # at most 12 inputs
+        stripped = context.rstrip()  # its trailing whitespace belongs to the continuation
+        scored = tok.encode(context[len(stripped):] + continuation)
+        n = len(scored)
+        ids = ((tok.encode(stripped) or [scorer.prefix]) + scored)[-13:]  # at most 12 inputs
         logits = model(torch.tensor([ids[:-1]]))[0][0, -n:]
         want = logits.log_softmax(-1).gather(-1, torch.tensor(ids[-n:])[:, None]).sum().item()
         assert logprob == pytest.approx(want, rel=1e-12, abs=1e-12)
@@ -1710,6 +1713,8 @@ def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
     (tmp_path / 'ckpt.pt').unlink()
     with pytest.raises(train.TrainError, match='holds best.pt of an earlier run'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
+    with train.claim_out_dir(SimpleNamespace(out_dir=str(tmp_path), init_from='scratch', overwrite=True)):
+        assert not (tmp_path / 'best.pt').exists()  # no best.pt of the earlier run until this one evaluates
     train.main(tiny(data_dir, tmp_path, '--max_iters=1', '--overwrite=True'))
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
 
@@ -1843,6 +1848,30 @@ def test_sample(trained, tmp_path):
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):
         sample.main([f'--out_dir={trained[0]}', arg])
+
+
+def test_stream_stops_at_end_of_text(capsys):
+    class Letters:  # a tokenizer whose end-of-text is id 0
+        eot = 0
+
+        def decode(self, ids):
+            return ''.join(chr(ord('A') + i) for i in ids)
+
+    stream = sample.Stream(Letters(), [1])
+    for token in (2, 3, 0, 4, 5):  # the row decodes on after its end-of-text until the batch stops
+        stream([token])
+    assert capsys.readouterr().out == 'BCD'
+
+
+def test_rope_keeps_float32_angles_in_a_bf16_model():
+    """A model cast to bf16 (as sample.py does on a GPU) rotates with float32 angles: at tens of thousands of
+    positions bf16 frequencies would be off by radians."""
+    torch.manual_seed(0)
+    layer = model_module.Attention(tiny_config(mixer='attn', n_head=2))  # head dim 16
+    x, positions = torch.randn(1, 3, 32), torch.tensor([[5000, 20000, 60000]])
+    want = layer.project(x, positions)
+    got = copy.deepcopy(layer).to(torch.bfloat16).project(x.bfloat16(), positions)
+    assert all(rel_err(g, w) < 2e-2 for g, w in zip(got, want))
 
 
 def test_sample_streams_what_it_returns(trained, capsys):

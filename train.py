@@ -328,14 +328,14 @@ def resumed_model(ckpt, ckpt_path, cfg, config, master):
 
 
 def on_rank_0(step, rank, cpu_group):
-    """Run step() on rank 0 only; a TrainError it raises is raised on every rank (under DDP the others would otherwise
-    wait for rank 0 and die of a closed connection)."""
+    """Run step() on rank 0 only; an error it raises is raised on every rank as a TrainError (under DDP the others
+    would otherwise wait for rank 0 and die of a closed connection)."""
     error = None
     if rank == 0:
         try:
             step()
-        except TrainError as e:
-            error = str(e)
+        except Exception as e:  # any error: the other ranks must not wait for rank 0 forever
+            error = str(e) if isinstance(e, TrainError) else f'{type(e).__name__}: {e}'
     if cpu_group is not None:
         shared = [error]
         dist.broadcast_object_list(shared, src=0, group=cpu_group)
@@ -369,6 +369,8 @@ def claim_out_dir(cfg):
             raise TrainError(f'{cfg.out_dir} holds {" and ".join(earlier)} of an earlier run, which this new run '
                              f'would replace: continue that run with --init_from=resume, start this one in a new '
                              f'--out_dir, or pass --overwrite=True to replace it')
+        if cfg.init_from == 'scratch' and 'best.pt' in earlier:  # overwriting: no best.pt of the earlier run stays
+            os.remove(os.path.join(cfg.out_dir, 'best.pt'))
         yield
 
 
