@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from model import Model, ModelConfig
+from prepare_data import get_tokenizer
 
 CKPT_KEYS = ('model', 'optimizer', 'model_config', 'train_config', 'iter_num', 'best_val_loss', 'rng',
              'data_state', 'tokenizer')
@@ -129,3 +130,12 @@ def model_from_checkpoint(ckpt, path):
         raise CheckpointError(f'the weights in {path} do not fit the model they describe ({str(e)[:500]}): use the '
                               f'model.py version that wrote it, or train a new model in a new --out_dir') from None
     return model
+
+
+def tokenizer_of(ckpt, path):
+    """The tokenizer a checkpoint was trained with; CheckpointError if it cannot be loaded here."""
+    try:
+        return get_tokenizer(ckpt['tokenizer'])
+    except Exception as e:
+        raise CheckpointError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, which cannot be loaded '
+                              f'here ({e}); install what it needs (see requirements.txt)') from None

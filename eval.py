@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from model import Generator, Sampling
 from prepare_data import get_tokenizer, load_tokens, prepare
@@ -125,15 +125,6 @@ def summary(ckpt, path, model):
             'parameters': model.num_params(non_embedding=False), 'iter_num': ckpt['iter_num'],
             'tokens_seen': ckpt['data_state'].get('tokens_seen'), 'val_loss': ckpt['best_val_loss'],
             'block_size': ckpt['model_config']['block_size']}
-
-
-def tokenizer_of(ckpt, path):
-    """The tokenizer a checkpoint was trained with; CheckpointError if it cannot be loaded here."""
-    try:
-        return get_tokenizer(ckpt['tokenizer'])
-    except Exception as e:
-        raise CheckpointError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, which cannot be loaded '
-                              f'here ({e}); install what it needs (see requirements.txt)') from None
 
 
 def build_model(ckpt, path, device):

@@ -13,10 +13,9 @@ import time
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from model import Generator, Sampling
-from prepare_data import get_tokenizer
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'
@@ -60,11 +59,7 @@ def load(cfg):
     path = os.path.join(cfg['out_dir'], cfg['ckpt'])
     checkpoint = load_checkpoint(path)  # onto the CPU first
     model = model_from_checkpoint(checkpoint, path)
-    try:
-        tok = get_tokenizer(checkpoint['tokenizer'])
-    except Exception as e:
-        raise CheckpointError(f'{path} was trained with tokenizer {checkpoint["tokenizer"]!r}, which cannot be '
-                              f'loaded here ({e}); install what it needs (see requirements.txt)') from None
+    tok = tokenizer_of(checkpoint, path)
     device = torch.device(cfg['device'])
     dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else ('bfloat16' if device.type == 'cuda' else 'float32')
     return model.eval().to(device, getattr(torch, dtype)), tok  # the memory states stay float32
