@@ -22,6 +22,11 @@ Memory scaling (paper Figure 5), from the validation losses of FM runs (a folder
 command wrote, to merge runs of several machines):
     python eval.py scaling --runs=out-repro/scaling --out=results/scaling
 Writes --out's .csv (every run) and .png (each m at its best tau).
+
+Routing of FM checkpoints (which memory rows the tokens use), per layer, on the long split or --data:
+    python eval.py routing --out_dir=out-fm-small [--out_dir=...] [--out=results/routing]
+Writes routing.json and routing.png (a heat map of row usage, layers x rows) in each out_dir, and with --out a .csv
+and .png of all of them.
 """
 import csv
 import functools
@@ -65,6 +70,17 @@ HARNESS_SETTINGS = dict(
     dtype='auto',
 )
 SCALING_SETTINGS = dict(out='scaling')  # writes out.csv and out.png
+ROUTING_SETTINGS = dict(
+    ckpt='ckpt.pt',
+    data='',  # as for loss by position: '' is the default corpus's long split
+    data_dir='data',
+    tokens=65536,  # tokens measured, taken evenly from the starts of the documents
+    chunk_len=8192,
+    out='',  # '': routing.json and routing.png in each out_dir; PREFIX: also PREFIX.csv and PREFIX.png for all
+    device=DEVICE,
+    dtype='float32',
+)
+ETA_BINS = 20  # the histogram of eta over [0, 1]
 LOSS_SLICE = 1024  # positions whose logits are formed at once: (1024, V) float32 is 0.4 GB at a 100K vocabulary
 SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m rows and top-k k follows it
     'dense (k = m)': lambda m, k: k == m,
@@ -592,6 +608,171 @@ def run_harness(cfg, out_dir):
     return results
 
 
+# ----------------------------------------------------------------------------- routing
+
+class RoutingStats:
+    """Running sums, over tokens, of what one FM layer's router does (see routing_summary)."""
+
+    def __init__(self, n_memory, top_k, d_model):
+        self.m, self.k, self.tokens = n_memory, top_k, 0
+        self.usage = torch.zeros(n_memory, dtype=torch.float64)  # selections (sparse) or alpha (dense), summed
+        self.entropy = 0.0  # of the full softmax, summed
+        self.etas, self.mu = [], 0.0  # eta of every token; mu summed
+        self.logit_sum = torch.zeros(n_memory, dtype=torch.float64)  # logits centred over the rows, summed
+        self.logit_energy = 0.0  # their squares, summed
+        self.input_sum = torch.zeros(d_model, dtype=torch.float64)  # the router's input, summed
+        self.input_energy = 0.0
+
+    @torch.no_grad()
+    def add(self, mixer, x):
+        """Add the tokens of x (..., d_model), the layer's input (after its norm)."""
+        x = x.flatten(0, -2).double()  # (N, d_model)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = mixer.router_logits(x)[0] / mixer.tau  # (N, M)
+            idx, alpha, eta, mu = mixer.route(x)
+        probs = torch.softmax(logits, -1)
+        if idx is None:
+            self.usage += probs.sum(0).cpu()
+        else:
+            self.usage += torch.zeros_like(probs).scatter_(-1, idx, 1.0).sum(0).cpu()
+        self.entropy += float(-(probs * probs.clamp_min(1e-300).log()).sum())
+        self.etas.append(eta.flatten().float().cpu())
+        self.mu += float(mu.sum())
+        centred = logits - logits.mean(-1, keepdim=True)
+        self.logit_sum += centred.sum(0).cpu()
+        self.logit_energy += float(centred.pow(2).sum())
+        self.input_sum += x.sum(0).cpu()
+        self.input_energy += float(x.pow(2).sum())
+        self.tokens += len(x)
+
+    def summary(self):
+        """The layer's record for routing.json."""
+        n, m = self.tokens, self.m
+        usage = self.usage / n  # sums to k (sparse) or 1 (dense)
+        fair = (self.k if self.k < m else 1) / m
+        shares = usage / usage.sum()
+        etas = torch.cat(self.etas)
+        return {'usage': usage.tolist(),
+                'dead_rows': int((usage < 1 / (10 * m)).sum()),
+                'rare_rows': int((usage < fair / 10).sum()),
+                'busiest_row': float(usage.max()),
+                'effective_rows': float(torch.exp(-(shares * shares.clamp_min(1e-300).log()).sum())),
+                'entropy': self.entropy / n, 'entropy_uniform': math.log(m),
+                'eta_mean': float(etas.mean()), 'mu_mean': self.mu / n,
+                'eta_quantiles': dict(zip(('0.1', '0.5', '0.9'), etas.quantile(torch.tensor([0.1, 0.5, 0.9])).tolist())),
+                'eta_histogram': (torch.histc(etas, ETA_BINS, 0, 1) / n).tolist(),
+                'logit_bias_share': float((self.logit_sum / n).pow(2).sum() / (self.logit_energy / n)),
+                'input_mean_share': float((self.input_sum / n).pow(2).sum() / (self.input_energy / n))}
+
+
+def routing_tokens(docs, n_tokens):
+    """About n_tokens tokens, the same number from the start of each document (all of the shorter ones)."""
+    per_doc = max(2, n_tokens // len(docs))
+    return [doc[:per_doc] for doc in docs]
+
+
+@torch.no_grad()
+def measure_routing(model, docs, cfg):
+    """Run the documents through the model in chunks, carrying the state -> one RoutingStats a FM layer."""
+    mixers = [block.mixer for block in model.blocks]
+    c = model.config
+    stats = [RoutingStats(c.n_memory, c.k, c.d_model) for _ in mixers]
+    hooks = [mixer.register_forward_hook(lambda mixer, args, out, s=s: s.add(mixer, args[0]))
+             for mixer, s in zip(mixers, stats)]
+    ctx = autocast(cfg['device'], cfg['dtype'])
+    try:
+        for doc in docs:
+            ids = torch.as_tensor(np.asarray(doc, dtype=np.int64), device=model.embed.weight.device)
+            state = None
+            for start in range(0, len(ids), cfg['chunk_len']):
+                with ctx:
+                    _, state = model.hidden(ids[None, start:start + cfg['chunk_len']], state)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return stats
+
+
+def print_routing(result):
+    """One line a layer: dead and rare rows, the effective number of rows, entropy, the busiest row, eta."""
+    print(f"\n{result['label']}: {result['model']}, {result['tokens']:,} tokens; usage = share of tokens selecting a "
+          f"row (dense: mean alpha); dead < 1/(10 m), rare < a tenth of the fair share")
+    print(f"{'layer':>6}{'dead':>6}{'rare':>6}{'eff. rows':>10}{'entropy':>9}{'busiest':>9}{'eta mean':>9}"
+          f"{'eta med':>8}{'bias share':>11}{'input mean':>11}")
+    for i, layer in enumerate(result['layers']):
+        print(f"{i:>6}{layer['dead_rows']:>6}{layer['rare_rows']:>6}{layer['effective_rows']:>10.1f}"
+              f"{layer['entropy']:>9.3f}{layer['busiest_row']:>9.3f}{layer['eta_mean']:>9.3f}"
+              f"{layer['eta_quantiles']['0.5']:>8.3f}{layer['logit_bias_share']:>11.3f}{layer['input_mean_share']:>11.3f}")
+
+
+def plot_routing(results, path):
+    """A heat map a checkpoint: layers x rows (each layer's rows sorted by usage), usage over the fair share on a
+    log scale. -> whether it wrote the plot (False without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    from matplotlib.colors import LogNorm
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 0.9 + 0.45 * sum(len(r['layers']) for r in results)),
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], results):
+        m, k = r['model_config']['n_memory'], r['model_config']['top_k'] or r['model_config']['n_memory']
+        fair = (k if k < m else 1) / m
+        usage = np.array([sorted(layer['usage'], reverse=True) for layer in r['layers']]) / fair
+        image = ax.imshow(np.clip(usage, 1e-2, 1e2), aspect='auto', cmap='viridis', norm=LogNorm(1e-2, 1e2),
+                          interpolation='nearest')
+        ax.set(title=f"{r['label']}: {r['model']}", xlabel='memory rows, sorted by usage', ylabel='layer')
+        ax.set_yticks(range(len(r['layers'])))
+        fig.colorbar(image, ax=ax, label='usage / fair share', fraction=0.03)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run_routing(cfg, out_dirs):
+    """Routing of each FM checkpoint: a table, routing.json and routing.png in its out_dir (and at --out, a .csv
+    and .png of all)."""
+    if cfg['tokens'] < 2 or cfg['chunk_len'] < 1:
+        raise ConfigError('tokens must be at least 2 and chunk_len at least 1')
+    checkpoints = [open_checkpoint(out_dir, cfg['ckpt']) for out_dir in out_dirs]
+    for ckpt, path in checkpoints:
+        if ckpt['model_config']['mixer'] != 'fm':
+            raise EvalError(f"{path} is a {ckpt['model_config']['mixer']} model: routing is measured on FM "
+                            f"checkpoints only")
+        tokenizer_of(ckpt, path)
+    results = []
+    for (ckpt, path), out_dir in zip(checkpoints, out_dirs):
+        docs, description = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)
+        docs = routing_tokens(docs, cfg['tokens'])
+        model = build_model(ckpt, path, cfg['device'])
+        stats = measure_routing(model, docs, cfg)
+        result = {**summary(ckpt, path, model), 'data': description, 'tokens': stats[0].tokens,
+                  'layers': [s.summary() for s in stats]}
+        print_routing(result)
+        with open(os.path.join(out_dir, 'routing.json'), 'w') as f:
+            json.dump(result, f, indent=1)
+        plot_routing([result], os.path.join(out_dir, 'routing.png'))
+        results.append(result)
+    if cfg['out']:
+        write_routing(results, cfg['out'])
+    return results
+
+
+def write_routing(results, out):
+    """out.csv, a row a checkpoint and layer (usage as its sorted values), and out.png, every checkpoint's map."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fields = ('dead_rows', 'rare_rows', 'effective_rows', 'entropy', 'busiest_row', 'eta_mean', 'mu_mean',
+              'logit_bias_share', 'input_mean_share')
+    with open(f'{out}.csv', 'w', newline='') as f:
+        writer = csv.writer(f, lineterminator='\n')
+        writer.writerow(['checkpoint', 'model', 'val_loss', 'layer', *fields])
+        for r in results:
+            for i, layer in enumerate(r['layers']):
+                writer.writerow([r['label'], r['model'], r['val_loss'], i, *(layer[k] for k in fields)])
+    plotted = plot_routing(results, f'{out}.png')
+    print(f"wrote {out}.csv{', .png' if plotted else ''}")
+
+
 # ----------------------------------------------------------------------------- memory scaling
 
 def scaling_row(path):
@@ -705,8 +886,9 @@ def take_all(argv, key):
 
 def main(argv=()):
     argv = list(argv)
-    mode = argv.pop(0) if argv and argv[0] in ('harness', 'scaling') else 'positions'
-    settings = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'scaling': SCALING_SETTINGS}[mode]
+    mode = argv.pop(0) if argv and argv[0] in ('harness', 'scaling', 'routing') else 'positions'
+    settings = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'scaling': SCALING_SETTINGS,
+                'routing': ROUTING_SETTINGS}[mode]
     repeated = 'runs' if mode == 'scaling' else 'out_dir'
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --{repeated} may repeat):\n' + help_text(settings))
@@ -719,6 +901,8 @@ def main(argv=()):
         return run_scaling(cfg, values)
     check_device(cfg['device'], cfg['dtype'])
     out_dirs = values or ['out']
+    if mode == 'routing':
+        return run_routing(cfg, out_dirs)
     if mode == 'harness':
         if len(out_dirs) > 1:
             raise ConfigError('the harness evaluates one checkpoint a run: give one --out_dir')

@@ -28,6 +28,7 @@ except ImportError:
     mamba_chunk_scan_combined = selective_state_update = None
 
 MIXERS = ('fm', 'attn', 'mamba2')
+CENTER_MOMENTUM = 0.01  # router_center: the weight of each training batch's mean in the running mean
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
 
 
@@ -48,6 +49,12 @@ class ModelConfig:
     top_k: int | None = None  # k rows read and written per token; None -> m (dense)
     d_memory: int | None = None  # width of a memory row; None -> d_model
     tau: float = 1.0  # router softmax temperature
+    # choices the paper leaves open (see the README's "departures from the paper")
+    router_init_std: float | None = None  # std of W_alpha's normal init; None -> init_std
+    eta_bias: float = 0.0  # initial b_eta: 0 gives eta = 0.5 at init; below 0 the memory starts writing (and forgetting) slower
+    router_weight_decay: bool = True  # AdamW's weight decay on W_alpha, w_eta and w_mu (False: none)
+    router_balance: float = 0.0  # weight of a load-balancing loss on the router's row usage (0: none, the paper's layer)
+    router_center: bool = False  # the router sees its input minus a running mean over training tokens (False: as is)
     fm_eps: float = 1e-6
     chunk_size: int = 64  # chunk length of the PyTorch fm scan and of the mamba2 scan (Triton fm: 64)
     # attn
@@ -102,7 +109,8 @@ class ModelConfig:
         check(self.mixer in MIXERS, 'mixer', f"unknown mixer; use one of {', '.join(MIXERS)}")
         if self.mixer == 'fm':
             positive('n_memory', 'tau', 'fm_eps', 'chunk_size')
-            positive('d_memory', optional=True)
+            positive('d_memory', 'router_init_std', optional=True)
+            check(self.router_balance >= 0, 'router_balance', 'must be >= 0 (0: no load-balancing loss)')
             check(self.top_k is None or 1 <= self.top_k <= self.n_memory, 'top_k',
                   f"must be between 1 and n_memory={self.n_memory} (None means dense, k = m)")
         if self.mixer == 'attn':
@@ -173,29 +181,56 @@ class FactorizationMemory(nn.Module):
         super().__init__()
         self.n_memory, self.top_k, self.memory_dim = config.n_memory, config.k, config.memory_dim
         self.tau, self.eps, self.chunk_size = config.tau, config.fm_eps, config.chunk_size
+        self.balance, self.balance_loss = config.router_balance, None  # the loss of the last training pass
+        if config.router_center:  # the router input's mean over training tokens: the mean of the first batches, then
+            self.register_buffer('input_mean', torch.zeros(config.d_model))  # a running average
+            self.register_buffer('input_mean_batches', torch.zeros((), dtype=torch.long))
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu); biases 0: eta = mu = 0.5 at init
         self.in_proj = nn.Linear(config.d_model, config.memory_dim, bias=False)  # W_i
         self.out_proj = nn.Linear(config.memory_dim, config.d_model, bias=False)  # W_o
 
+    def init_router(self, config):
+        """The router's and gates' initialisation where the config departs from the model-wide one."""
+        if config.router_init_std is not None:
+            nn.init.normal_(self.router.weight, mean=0.0, std=config.router_init_std)
+        with torch.no_grad():
+            self.rates.bias[0] = config.eta_bias
+
+    def router_logits(self, x):
+        """x (..., d_model) -> the router's logits W_alpha x (..., M) and the rates' logits (..., 2), in at least
+        float32 (so that the top-k is exact); call with autocast off."""
+        dtype = compute_dtype(x.dtype)
+        weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
+        if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
+            scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2), not materialised when compiled
+        else:
+            weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
+            scores = F.linear(x.to(dtype), weight)  # (..., M + 2 + pad)
+        logits = scores[..., :self.n_memory]
+        if hasattr(self, 'input_mean'):  # W_alpha (x - mean) = W_alpha x - W_alpha mean
+            logits = logits - F.linear(self.input_mean.to(dtype, copy=True), self.router.weight.to(dtype))
+            if self.training:
+                with torch.no_grad():
+                    self.input_mean_batches += 1
+                    weight = (1 / self.input_mean_batches).clamp(min=CENTER_MOMENTUM).to(self.input_mean.dtype)
+                    self.input_mean.lerp_(x.flatten(0, -2).mean(0).to(self.input_mean.dtype), weight)
+        return logits, scores[..., self.n_memory:self.n_memory + 2] + self.rates.bias.to(dtype)
+
     def route(self, x):
         """Router in at least float32: x (..., d_model) -> idx (..., K) of the selected rows (None when dense),
         alpha (..., K) summing to 1, eta and mu (..., 1)."""
-        dtype = compute_dtype(x.dtype)
         with torch.autocast(x.device.type, enabled=False):
-            weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-            if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
-                scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2), not materialised when compiled
-            else:
-                weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
-                scores = F.linear(x.to(dtype), weight)  # (..., M + 2 + pad)
-            alpha = torch.softmax(scores[..., :self.n_memory] / self.tau, dim=-1)  # (..., M)
+            logits, rate_logits = self.router_logits(x)
+            alpha = torch.softmax(logits / self.tau, dim=-1)  # (..., M)
+            if self.training and self.balance > 0:
+                self.balance_loss = balance_loss(alpha, self.top_k)
             idx = None
             if self.top_k < self.n_memory:
                 ranked, order = alpha.sort(-1, descending=True)  # torch.compile generates a kernel for a sort of
                 alpha, idx = ranked[..., :self.top_k], order[..., :self.top_k]  # m values; topk is a library call
                 alpha = alpha / alpha.sum(-1, keepdim=True)
-            rates = torch.sigmoid(scores[..., self.n_memory:self.n_memory + 2] + self.rates.bias.to(dtype))  # (..., 2)
+            rates = torch.sigmoid(rate_logits)  # (..., 2)
         return idx, alpha, rates[..., :1], rates[..., 1:]
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
@@ -222,6 +257,22 @@ class FactorizationMemory(nn.Module):
     def init_state(self, batch_size, max_len, device):
         dtype = compute_dtype(self.in_proj.weight.dtype)
         return {'h': torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=dtype, device=device)}
+
+
+def balance_loss(alpha, top_k):
+    """Load balancing of a router (Switch Transformer): m * sum_i share_i * p_i over the tokens of alpha (..., m),
+    the full softmax, where p_i is row i's mean probability and share_i its share of the routing (the fraction of
+    the top-k selections, or p_i itself when dense; not differentiated). It is 1 when every row is used equally
+    and m when every token puts all its weight on one row."""
+    alpha = alpha.flatten(0, -2)  # (N, m)
+    p = alpha.mean(0)  # (m,)
+    if top_k < alpha.shape[-1]:
+        selected = alpha.topk(top_k, dim=-1).indices  # (N, k)
+        share = torch.zeros_like(p).scatter_add_(0, selected.flatten(), torch.ones_like(selected.flatten(), dtype=p.dtype))
+        share = share / selected.numel()
+    else:
+        share = p.detach()
+    return alpha.shape[-1] * (share * p).sum()
 
 
 # ----------------------------------------------------------------------------- attention
@@ -485,6 +536,9 @@ class Model(nn.Module):
         for name, p in self.named_parameters():  # residual output projections, GPT-2 style
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
+        for block in self.blocks:
+            if isinstance(block.mixer, FactorizationMemory):
+                block.mixer.init_router(config)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -521,6 +575,9 @@ class Model(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
                                    ignore_index=-1)
+            if self.training and self.config.mixer == 'fm' and self.config.router_balance > 0:
+                balance = torch.stack([block.mixer.balance_loss for block in self.blocks]).mean()
+                loss = loss + self.config.router_balance * balance
         return logits, loss
 
     def init_state(self, batch_size, max_len, device=None):
@@ -590,10 +647,15 @@ class Model(nn.Module):
         return self.flops_per_token(self.config.block_size) * tokens_per_sec / peak
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on matrices and embeddings (>= 2-D) only; fused on CUDA."""
+        """AdamW with weight decay on matrices and embeddings (>= 2-D) only, and not on FM's router and gates when
+        router_weight_decay is False; fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
-                  {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
+        exempt = set()
+        if self.config.mixer == 'fm' and not self.config.router_weight_decay:
+            exempt = {id(p) for block in self.blocks for p in (block.mixer.router.weight, block.mixer.rates.weight)}
+        decayed = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
+        groups = [{'params': decayed, 'weight_decay': weight_decay},
+                  {'params': [p for p in params if id(p) not in {id(q) for q in decayed}], 'weight_decay': 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
 

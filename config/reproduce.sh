@@ -85,6 +85,38 @@ extrapolation() {
     python eval.py $runs --max_len=32768 --out="$RESULTS/extrapolation"
 }
 
+routing() {
+    # FM's router and its unspecified choices, each against the plain layer at FM's learning rate (LR_FM), x SEEDS:
+    # extrapolation_fm.py (k = m/4 = 16, and dense), then the memory-scaling shape (scaling_fm.py) at m = 16, 64, 128
+    # with k = m/4 and dense, plain and with each remedy; then the routing of every run (eval.py routing)
+    local lr=${LR_FM:-1e-3} seed variant m k
+    local base="--learning_rate=$lr --min_lr=$(python -c "print($lr / 10)")"
+    local variants=("plain:" "balance:--router_balance=0.01" "center:--router_center=True"
+                    "init:--router_init_std=0.0625" "tau0.5:--tau=0.5" "eta-2:--eta_bias=-2"
+                    "nodecay:--router_weight_decay=False")
+    for seed in $SEEDS; do
+        for variant in "${variants[@]}"; do
+            echo "routing/k16-${variant%%:*}-s$seed config/extrapolation_fm.py $base ${variant#*:} --seed=$seed"
+        done
+        for variant in "${variants[@]:0:3}"; do
+            echo "routing/dense-${variant%%:*}-s$seed config/extrapolation_fm.py --top_k=None $base ${variant#*:} --seed=$seed"
+        done
+    done | train_all
+    for m in 128 64 16; do
+        for k in $(( m / 4 )) $m; do
+            for variant in "${variants[@]:0:3}"; do
+                echo "routing/m$m-$( (( k == m )) && echo dense || echo "k$k" )-${variant%%:*} config/scaling_fm.py \
+--n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) $base ${variant#*:}"
+            done
+        done
+    done | train_all
+    echo "training done at $(( $(date +%s) - BEGIN )) s"
+    local runs
+    runs=$(finished_runs routing)
+    [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    python eval.py routing $runs --out="$RESULTS/routing"
+}
+
 scaling() {
     local done_before=" "
     [[ -n $PREVIOUS ]] && done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS")"
@@ -105,8 +137,9 @@ scaling() {
 }
 
 case ${1:-} in
-    extrapolation|scaling) subset=$1;;
-    *) echo "usage: bash config/reproduce.sh extrapolation|scaling  (settings: see the top of this file)" >&2; exit 2;;
+    extrapolation|scaling|routing) subset=$1;;
+    *) echo "usage: bash config/reproduce.sh extrapolation|scaling|routing  (settings: see the top of this file)" >&2
+       exit 2;;
 esac
 mkdir -p "$RESULTS"
 BEGIN=$(date +%s)
