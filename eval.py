@@ -23,6 +23,19 @@ command wrote, to merge runs of several machines):
     python eval.py scaling --runs=out-repro/scaling --out=results/scaling
 Writes --out's .csv (every run) and .png (each m at its best tau).
 
+Learning rates: every finished run of --runs (a run folder, or a folder of run folders; --runs may repeat) by
+model and learning rate, the mean validation loss over seeds (min-max), each model's best rate, and a warning
+where that rate is the lowest or highest trained (the rate to add):
+    python eval.py sweep --runs=out-repro/extrapolation --out=results/extrapolation_lr
+Writes --out's .csv (every run) and _best.txt (the run folders at each model's best rate, every seed).
+
+The loss frontier (paper Figures 2-3): the sweep, then each model at its best learning rate against the forward
+FLOPs of its training (Model.flops_per_token(block_size) / 3 x tokens trained: flops_per_token counts forward and
+backward as 3 x forward, attention's quadratic term included): the validation loss at the training context, and
+the loss so far at 2x and 8x it (on the long split, or --data, as above; one evaluation a best-rate run):
+    python eval.py frontier --runs=out-repro/frontier --out=results/frontier
+Writes --out's .csv (every run) and .png (the two panels).
+
 Routing of FM checkpoints (which memory rows the tokens use), per layer, on the long split or --data:
     python eval.py routing --out_dir=out-fm-small [--out_dir=...] [--out=results/routing]
 Writes routing.json and routing.png (a heat map of row usage, layers x rows) in each out_dir, and with --out a .csv
@@ -44,7 +57,7 @@ import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
-from model import Generator, Sampling
+from model import Generator, Model, ModelConfig, Sampling
 from prepare_data import get_tokenizer, load_tokens, prepare
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -70,6 +83,15 @@ HARNESS_SETTINGS = dict(
     dtype='auto',
 )
 SCALING_SETTINGS = dict(out='scaling')  # writes out.csv and out.png
+SWEEP_SETTINGS = dict(out='sweep')  # writes out.csv and out_best.txt
+FRONTIER_SETTINGS = dict(  # the loss beyond the context: as POSITION_SETTINGS
+    data='',
+    data_dir='data',
+    chunk_len=8192,
+    out='frontier',  # writes out.csv and out.png
+    device=DEVICE,
+    dtype='auto',
+)
 ROUTING_SETTINGS = dict(
     ckpt='ckpt.pt',
     data='',  # as for loss by position: '' is the default corpus's long split
@@ -88,6 +110,8 @@ SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m r
     'k = 4': lambda m, k: k == 4,
 }
 SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'val_loss', 'iter_num', 'max_iters')
+SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
+                'val_loss', 'best_lr', 'iter_num', 'max_iters', 'block_size', 'tokens', 'forward_flops')
 
 
 class EvalError(RuntimeError):
@@ -876,6 +900,214 @@ def run_scaling(cfg, sources):
     return rows, best
 
 
+# ----------------------------------------------------------------------------- learning rates and the loss frontier
+
+def run_folders(sources):
+    """Run folders (holding ckpt.pt) from --runs values, each a run folder or a folder of run folders."""
+    if not sources:
+        raise ConfigError('--runs=FOLDER: a run folder (with ckpt.pt) or a folder of run folders; --runs may repeat')
+    folders = []
+    for source in sources:
+        path = Path(source)
+        if (path / 'ckpt.pt').is_file():
+            folders.append(path)
+        elif path.is_dir():
+            folders.extend(ckpt.parent for ckpt in sorted(path.glob('*/ckpt.pt')))
+        else:
+            raise EvalError(f'--runs={source}: not a run folder (with ckpt.pt) or a folder of run folders')
+    if not folders:
+        raise EvalError(f'no runs (ckpt.pt) in {", ".join(sources)}')
+    return folders
+
+
+def run_record(folder):
+    """The sweep record of one run: its model, learning rate, seed, final validation loss (the configs evaluate once,
+    at the end), parameters and forward training FLOPs = Model.flops_per_token(block_size) / 3 x tokens trained
+    (flops_per_token counts forward + backward as 3 x forward, attention's quadratic term included)."""
+    ckpt = load_checkpoint(folder / 'ckpt.pt')
+    config, train = ckpt['model_config'], ckpt['train_config']
+    with torch.device('meta'):  # shapes only: no weights are made
+        model = Model(ModelConfig(**config))
+    tokens = ckpt['data_state']['tokens_seen']
+    return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)",
+            'architecture': describe(config).split(' ', 1)[1], 'parameters': model.num_params(non_embedding=False),
+            'non_embedding_parameters': model.num_params(), 'learning_rate': train['learning_rate'],
+            'min_lr': train['min_lr'], 'seed': train['seed'], 'val_loss': ckpt['best_val_loss'],
+            'iter_num': ckpt['iter_num'], 'max_iters': train['max_iters'], 'block_size': config['block_size'],
+            'tokens': tokens, 'forward_flops': model.flops_per_token(config['block_size']) / 3 * tokens}
+
+
+def by_model_and_lr(records):
+    """Finished runs -> {model: {learning rate: [records]}}, learning rates ascending."""
+    table = {}
+    for r in records:
+        if r['iter_num'] >= r['max_iters']:
+            table.setdefault(r['model'], {}).setdefault(r['learning_rate'], []).append(r)
+    return {model: dict(sorted(runs.items())) for model, runs in table.items()}
+
+
+def best_learning_rates(table):
+    """{model: the learning rate of lowest mean validation loss over its seeds}."""
+    return {model: min(runs, key=lambda lr: np.mean([r['val_loss'] for r in runs[lr]])) for model, runs in table.items()}
+
+
+def edge_warnings(table, best):
+    """A line for each model whose best learning rate is the lowest or highest it was trained at: the rate to add."""
+    warnings = []
+    for model, lr in best.items():
+        lrs = list(table[model])
+        add = [f'{rate:g}' for rate, at_edge in ((lr / 2, lr == lrs[0]), (lr * 2, lr == lrs[-1])) if at_edge]
+        if add:
+            warnings.append(f"warning: {model}: the best learning rate {lr:g} is at the edge of those trained "
+                            f"({' '.join(f'{x:g}' for x in lrs)}): train at {' and '.join(add)} too")
+    return warnings
+
+
+def print_sweep(records, table, best):
+    """Each model's validation loss at each learning rate (mean over seeds, min-max), its best marked; warnings."""
+    unfinished = [r['run'] for r in records if r['iter_num'] < r['max_iters']]
+    if unfinished:
+        print(f'left out, not finished: {", ".join(unfinished)}')
+    width = max(len(model) for model in table)
+    print(f'\nvalidation loss at each learning rate: mean over seeds (min-max), * the best\n'
+          f'{"model":<{width}} {"lr":>8} {"seeds":>5}  val loss')
+    for model, runs in table.items():
+        for lr, members in runs.items():
+            losses = [r['val_loss'] for r in members]
+            spread = f' ({min(losses):.4f}-{max(losses):.4f})' if len(losses) > 1 else ''
+            print(f"{model:<{width}} {lr:>8g} {len(losses):>5}  {np.mean(losses):.4f}{spread}"
+                  f"{' *' if lr == best[model] else ''}")
+    for line in edge_warnings(table, best):
+        print(line)
+
+
+def write_records(records, fields, path):
+    """One CSV row a run."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fields, extrasaction='ignore', lineterminator='\n')
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def sweep(sources):
+    """Every run's record (best_lr marked), the table by model and learning rate, and the best rates; printed."""
+    records = [run_record(folder) for folder in run_folders(sources)]
+    table = by_model_and_lr(records)
+    best = best_learning_rates(table)
+    for r in records:
+        r['best_lr'] = int(best.get(r['model']) == r['learning_rate'] and r['iter_num'] >= r['max_iters'])
+    print_sweep(records, table, best)
+    return records, table, best
+
+
+def run_sweep(cfg, sources):
+    """The learning-rate tables, out.csv (every run) and out_best.txt (the run folders at each model's best
+    learning rate, every seed, one a line)."""
+    records, table, best = sweep(sources)
+    write_records(records, SWEEP_FIELDS, f"{cfg['out']}.csv")
+    with open(f"{cfg['out']}_best.txt", 'w') as f:
+        f.writelines(f"{r['run']}\n" for r in records if r['best_lr'])
+    print(f"wrote {cfg['out']}.csv, {cfg['out']}_best.txt")
+    return records, best
+
+
+def frontier_losses(records, cfg):
+    """The loss so far at 2x and 8x the training context of each best-learning-rate run (the mean loss over
+    positions 1..t of the long documents with at least t positions), set in its record. The documents are cut
+    at 8x the context, which leaves those losses as they are."""
+    documents = {}
+    for r in records:
+        if not r['best_lr']:
+            continue
+        ckpt, path = open_checkpoint(r['run'], 'ckpt.pt')
+        if ckpt['tokenizer'] not in documents:
+            documents[ckpt['tokenizer']] = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)[0]
+        last = 8 * r['block_size']
+        docs = [doc[:last + 1] for doc in documents[ckpt['tokenizer']]]
+        result = evaluate_positions(ckpt, path, docs, {**cfg, 'max_len': last})
+        r['loss_so_far_2x'], r['loss_so_far_8x'] = loss_at(result, 2 * r['block_size']), loss_at(result, last)
+
+
+def frontier_points(records):
+    """{architecture: [point, ...]} ascending in FLOPs, a point a model at its best learning rate: the mean over
+    its seeds of the forward FLOPs, the validation loss and the losses so far."""
+    groups = {}
+    for r in records:
+        if r['best_lr']:
+            groups.setdefault(r['model'], []).append(r)
+    points = {}
+    for members in groups.values():
+        point = {key: members[0][key] for key in ('model', 'architecture', 'non_embedding_parameters',
+                                                   'learning_rate', 'block_size')}
+        for key in ('forward_flops', 'val_loss', 'loss_so_far_2x', 'loss_so_far_8x'):
+            values = [m.get(key) for m in members]
+            point[key] = None if None in values else float(np.mean(values))
+        points.setdefault(point['architecture'], []).append(point)
+    return {arch: sorted(ps, key=lambda p: p['forward_flops']) for arch, ps in sorted(points.items())}
+
+
+def print_frontier(points):
+    """Each architecture's best-learning-rate model of each size."""
+    print('\nthe frontier: each model at its best learning rate (forward FLOPs of training = flops_per_token / 3 x '
+          'tokens;\nloss so far at t: mean over positions 1..t of the long documents with at least t positions)')
+    print(f'{"architecture":<22} {"parameters":>12} {"lr":>8} {"forward FLOPs":>14} {"val loss":>9} '
+          f'{"so far 2x":>10} {"so far 8x":>10}')
+    for arch, series in points.items():
+        for p in series:
+            so_far = ''.join(f'{p[k]:>10.4f} ' if p[k] is not None else f'{"-":>10} '
+                             for k in ('loss_so_far_2x', 'loss_so_far_8x'))
+            print(f"{arch:<22} {p['non_embedding_parameters']:>12,} {p['learning_rate']:>8g} "
+                  f"{p['forward_flops']:>14.3e} {p['val_loss']:>9.4f} {so_far}")
+
+
+def plot_frontier(points, path):
+    """Two panels against forward training FLOPs (log scale), a colour an architecture: the validation loss at the
+    training context, and the loss so far at 2x (solid) and 8x (dashed) it. -> whether it wrote the plot."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, (at_context, beyond) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for colour, (arch, series) in enumerate(points.items()):
+        flops = [p['forward_flops'] for p in series]
+        kw = dict(color=f'C{colour % 10}', marker='o')
+        at_context.plot(flops, [p['val_loss'] for p in series], label=arch, **kw)
+        for p in series:
+            at_context.annotate(f"{p['non_embedding_parameters'] / 1e6:.1f}M, lr {p['learning_rate']:g}",
+                                (p['forward_flops'], p['val_loss']), textcoords='offset points', xytext=(4, 4),
+                                fontsize=7, color=kw['color'])
+        for key, style, factor in (('loss_so_far_2x', '-', 2), ('loss_so_far_8x', '--', 8)):
+            shown = [(f, p[key]) for f, p in zip(flops, series) if p[key] is not None]
+            if shown:
+                beyond.plot(*zip(*shown), linestyle=style, label=f'{arch}, {factor}x the context', **kw)
+    block = next(iter(points.values()))[0]['block_size']
+    for ax, title, ylabel in (
+            (at_context, f'validation loss at the training context ({block})', 'validation loss (nats/token)'),
+            (beyond, f'loss so far at 2x ({2 * block}, solid) and 8x ({8 * block}, dashed) the context',
+             'loss so far (nats/token)')):
+        ax.set_xscale('log')
+        ax.set(title=title, xlabel='forward FLOPs of training (flops_per_token / 3 x tokens)', ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run_frontier(cfg, sources):
+    """The learning-rate tables, the best-rate runs' losses beyond the context, the frontier table, out.csv (every
+    run) and out.png."""
+    records, _, _ = sweep(sources)
+    frontier_losses(records, cfg)
+    points = frontier_points(records)
+    print_frontier(points)
+    write_records(records, SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'), f"{cfg['out']}.csv")
+    plotted = bool(points) and plot_frontier(points, f"{cfg['out']}.png")
+    print(f"wrote {cfg['out']}.csv{', .png' if plotted else ''}")
+    return records, points
+
+
 # ----------------------------------------------------------------------------- command line
 
 def take_all(argv, key):
@@ -886,6 +1118,10 @@ def take_all(argv, key):
 
 def main(argv=()):
     argv = list(argv)
+    mode = argv.pop(0) if argv and argv[0] in ('harness', 'scaling', 'sweep', 'frontier') else 'positions'
+    settings = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'scaling': SCALING_SETTINGS,
+                'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS}[mode]
+    repeated = 'runs' if mode in ('scaling', 'sweep', 'frontier') else 'out_dir'
     mode = argv.pop(0) if argv and argv[0] in ('harness', 'scaling', 'routing') else 'positions'
     settings = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'scaling': SCALING_SETTINGS,
                 'routing': ROUTING_SETTINGS}[mode]
@@ -899,7 +1135,11 @@ def main(argv=()):
         if not values:
             raise ConfigError('--runs=FOLDER: a folder of FM run folders (or a .csv that eval.py scaling wrote)')
         return run_scaling(cfg, values)
+    if mode == 'sweep':
+        return run_sweep(cfg, values)
     check_device(cfg['device'], cfg['dtype'])
+    if mode == 'frontier':
+        return run_frontier(cfg, values)
     out_dirs = values or ['out']
     if mode == 'routing':
         return run_routing(cfg, out_dirs)

@@ -1094,6 +1094,75 @@ def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
     assert again == rows
 
 
+def sweep_record(model, lr, seed, loss, finished=True):
+    """A hand-made run record of eval.py's sweep."""
+    return {'run': f'{model}-lr{lr:g}-s{seed}', 'model': model, 'learning_rate': lr, 'seed': seed, 'val_loss': loss,
+            'iter_num': 10 if finished else 5, 'max_iters': 10}
+
+
+def test_sweep_takes_each_model_at_its_best_mean_learning_rate(capsys):
+    """The best rate has the lowest mean over seeds (not the lowest single run); unfinished runs are left out; a best
+    rate at an end of its model's grid is warned about, with the rate to add."""
+    grids = {
+        'middle': [(1e-3, 1, 1.7), (1e-3, 2, 1.7), (2e-3, 1, 1.45), (2e-3, 2, 1.55), (4e-3, 1, 1.4), (4e-3, 2, 1.8)],
+        'lowest': [(5e-4, 1, 1.6), (1e-3, 1, 1.7), (2e-3, 1, 1.8)],
+        'highest': [(2e-3, 1, 1.9), (4e-3, 1, 1.8), (8e-3, 1, 1.7)],
+        'single': [(1e-3, 1, 2.0)],
+    }
+    records = [sweep_record(model, *run) for model, runs in grids.items() for run in runs]
+    records.append(sweep_record('lowest', 2e-3, 2, 1.0, finished=False))
+    table = evaluation.by_model_and_lr(records)
+    best = evaluation.best_learning_rates(table)
+    assert best == {'middle': 2e-3, 'lowest': 5e-4, 'highest': 8e-3, 'single': 1e-3}
+    assert [len(members) for members in table['lowest'].values()] == [1, 1, 1]  # the unfinished run is not in it
+    warnings = evaluation.edge_warnings(table, best)
+    assert len(warnings) == 3 and not any('middle' in w for w in warnings)
+    assert 'lowest:' in warnings[0] and warnings[0].endswith('train at 0.00025 too')
+    assert 'highest:' in warnings[1] and warnings[1].endswith('train at 0.016 too')
+    assert 'single:' in warnings[2] and warnings[2].endswith('train at 0.0005 and 0.002 too')
+    evaluation.print_sweep(records, table, best)
+    out = capsys.readouterr().out
+    assert 'left out, not finished: lowest-lr0.002-s2' in out
+    assert ['middle', '0.002', '2', '1.5000', '(1.4500-1.5500)', '*'] in [line.split() for line in out.splitlines()]
+
+
+def hand_forward_flops(name, seq_len):
+    """tiny_config's model of MIXERS[name], counted from its shapes -> (non-embedding parameters, forward FLOPs per
+    token at seq_len): 2 FLOPs a multiply-add of every weight (norm scales, biases and the conv counted as weights,
+    as Model.flops_per_token does), the tied LM head, and the mixer's work on its sequence or state."""
+    d, vocab, layers, ffn = 32, 64, 2, 128
+    per_layer = 2 * d + 3 * d * ffn  # the two norms' scales; SwiGLU gate, up, down
+    if name == 'attn':  # 4 query heads of 8, 2 key/value heads
+        per_layer += d * 32 + 2 * d * 16 + 32 * d  # q, k, v, out
+        work = 2 * 2 * seq_len * 32  # q.k with each of the seq_len keys, the sum of as many values: 32 dimensions
+    elif name == 'mamba2':  # d_inner 64 (4 heads of 16), d_state 8, a conv of 4 over (x, B, C): 80 channels
+        per_layer += d * (64 + 80 + 4) + 80 * 4 + 80 + 3 * 4 + 64 + 64 * d  # in_proj, conv, dt, A, D, norm, out_proj
+        work = 5 * 64 * 8  # each state element: decay, input outer product, add, C readout (2)
+    else:  # m = 8 rows of 32; k = 3 (sparse) or 8 (dense)
+        k = 3 if name == 'fm_sparse' else 8
+        per_layer += d * 8 + (2 * d + 2) + 2 * d * d  # router, rates (eta, mu; biased), in_proj, out_proj
+        work = k * (9 * d + 5)  # paper App. FLOPS: the recurrence costs 9 d_memory + 5 per row read and written
+    params = layers * per_layer + d  # and the final norm
+    return params, 2 * (params + d * vocab) + layers * work
+
+
+@pytest.mark.parametrize('name', list(MIXERS))
+def test_training_flops_match_a_hand_count(name, tmp_path):
+    """Model.flops_per_token is 3x (forward + backward) the hand count, and eval.py's training FLOPs of a run are
+    the forward count x the tokens it trained."""
+    params, forward = hand_forward_flops(name, 48)
+    model = Model(tiny_config(**MIXERS[name]))
+    assert model.num_params() == params
+    assert model.flops_per_token(48) == 3 * forward
+    assert hand_forward_flops(name, 4096)[1] == model.flops_per_token(4096) / 3
+    tokens = 10 * 4 * 48  # 10 steps of 4 x 48
+    save_model_checkpoint(model, tmp_path / 'run', best_val_loss=2.5, iter_num=10, data_state={'tokens_seen': tokens},
+                          train_config={'max_iters': 10, 'learning_rate': 1e-3, 'min_lr': 1e-4, 'seed': 1})
+    record = evaluation.run_record(tmp_path / 'run')
+    assert record['forward_flops'] == forward * tokens and record['non_embedding_parameters'] == params
+    assert (record['learning_rate'], record['seed'], record['val_loss'], record['tokens']) == (1e-3, 1, 2.5, tokens)
+
+
 # ----------------------------------------------------------------------------- config and accounting
 
 @pytest.mark.parametrize('overrides, field', [

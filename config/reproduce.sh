@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# The paper's experiments at small scale on one GPU, on the default corpus (bytes):
+# The paper's experiments at small scale on one GPU, on the default corpus (bytes), one subset a call:
 #   bash config/reproduce.sh extrapolation   # Figures 3-4: Transformer, Mamba-2, FM dense, k = m/4, k = 4 trained at
-#                                            # 512 (config/extrapolation_*.py), x 2 seeds; loss by position
+#                                            # 512 (config/extrapolation_*.py), each at 3 learning rates x SEEDS
+#                                            # (30 runs); the learning-rate table, then loss by position of each
+#                                            # model at its best rate
+#   bash config/reproduce.sh frontier        # Figures 2-3: Transformer, Mamba-2 and FM k = m/4 = 16 at 1M, 2M, 4M and
+#                                            # 8M parameters (frontier_sizes below), each at 3 learning rates, seed 1
+#                                            # (36 runs, the 9 at 4M are extrapolation runs); loss against forward
+#                                            # FLOPs at the training context and at 2x and 8x it
 #   bash config/reproduce.sh scaling         # Figure 5: FM with m = 16..256, dense / k = 4 / k = m/4, tau = 1..0.125
 #                                            # (config/scaling_fm.py, 56 runs); validation loss at each m's best tau
-# Each trains its runs, JOBS at a time (small models leave a GPU idle between kernel launches), skipping finished
-# ones and resuming stopped ones, then evaluates the finished ones into RESULTS:
-#   extrapolation.txt (training summary and tables), .csv, .json, .png;  scaling.txt, .csv, .png
+# Every run trains 640 steps of 32 x 512 bytes = 10.5M bytes (scaling: 480 x 16 x 512 = 3.9M), about 1.9 passes
+# over the 5.5M-byte training split, with min_lr = learning_rate / 10.
+# Each subset trains its runs, JOBS at a time (small models leave a GPU idle between kernel launches), skipping
+# finished ones and resuming stopped ones, then evaluates the finished ones into RESULTS:
+#   extrapolation.txt (training summary and tables), extrapolation_lr.csv (every run), extrapolation_lr_best.txt
+#   (the runs at each model's best learning rate), extrapolation.csv, .json, .png (loss by position of those);
+#   frontier.txt, .csv (every run), .png;  scaling.txt, .csv, .png
 # Settings (environment):
 #   RUNS=out-repro          run folders (out-* is ignored by git); RUNS/<subset>/<run>/finished marks a finished run
 #   RESULTS=$OUT or results where the results go
 #   JOBS=12                 trainings at once
 #   TRAIN_SECONDS=420       then running trainings save a checkpoint and stop (run again to resume them); 0: no limit
 #   SEEDS="1 2"             extrapolation seeds ("1 2 3" adds a third: the first two are not trained again)
+#   LRS_TRANSFORMER="1e-3 2e-3 4e-3"  learning rates of the Transformer (extrapolation and frontier); a rate
+#   LRS_MAMBA2="2e-3 4e-3 8e-3"       added later trains only its own runs; eval.py warns when a model's best
+#   LRS_FM="5e-4 1e-3 2e-3"           rate is the lowest or highest of its grid (every FM model)
+#   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
 #   PREVIOUS=               a scaling.csv of an earlier machine: its finished runs are not trained again and are plotted
 #   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its own):
 #                           TRAIN_ARGS="--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu"
@@ -23,8 +37,15 @@ export RUNS=${RUNS:-out-repro} TRAIN_SECONDS=${TRAIN_SECONDS:-420} TRAIN_ARGS=${
 RESULTS=${RESULTS:-${OUT:-results}}
 JOBS=${JOBS:-12}
 SEEDS=${SEEDS:-1 2}
+LRS_TRANSFORMER=${LRS_TRANSFORMER:-1e-3 2e-3 4e-3}
+LRS_MAMBA2=${LRS_MAMBA2:-2e-3 4e-3 8e-3}
+LRS_FM=${LRS_FM:-5e-4 1e-3 2e-3}
+LR_FM=${LR_FM:-1e-3}
+SIZES=${SIZES:-1M 2M 4M 8M}
 PREVIOUS=${PREVIOUS:-}
 export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
+
+# ----------------------------------------------------------------------------- training
 
 train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or skip one run
     local name=$1 dir=$RUNS/$1 status=0 start left resume=() limit=()
@@ -59,61 +80,144 @@ $(grep '^step' "$dir/train.log" | tail -1)";;
 }
 export -f train_one
 
-train_all() {  # lines "SUBSET/RUN arguments..." on stdin
+train_all() {  # run lines "SUBSET/RUN train.py-arguments..." on stdin
     xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _
 }
 
-finished_runs() {  # the finished run folders of a subset, as --out_dir=... arguments
-    for dir in "$RUNS/$1"/*/; do
-        [[ -f $dir/finished ]] && echo "--out_dir=${dir%/}"
+finished() {  # run lines on stdin -> --runs=FOLDER for each finished run
+    local name rest
+    while read -r name rest; do
+        if [[ -f $RUNS/$name/finished ]]; then echo "--runs=$RUNS/$name"; fi
+    done
+}
+
+tenth() {  # tenth LR: LR / 10, the min_lr of a run at LR
+    awk -v lr="$1" 'BEGIN { printf "%g", lr / 10 }'
+}
+
+lr_runs() {  # lr_runs SUBSET/NAME MODEL SEED train.py-arguments...: a run line at each learning rate of MODEL's grid
+    local name=$1 model=$2 seed=$3 lrs lr
+    shift 3
+    case $model in
+        transformer) lrs=$LRS_TRANSFORMER;;
+        mamba2) lrs=$LRS_MAMBA2;;
+        fm*) lrs=$LRS_FM;;
+    esac
+    for lr in $lrs; do
+        echo "$name-lr$lr-s$seed $* --learning_rate=$lr --min_lr=$(tenth "$lr") --seed=$seed"
+    done
+}
+
+# ----------------------------------------------------------------------------- subsets: one function each
+
+extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments
+    case $1 in
+        transformer) echo config/extrapolation_transformer.py;;
+        mamba2) echo config/extrapolation_mamba2.py;;
+        fm-dense) echo config/extrapolation_fm.py --top_k=None;;
+        fm-k16) echo config/extrapolation_fm.py;;
+        fm-k4) echo config/extrapolation_fm.py --top_k=4;;
+    esac
+}
+
+extrapolation_runs() {  # each model at each learning rate of its grid, each seed
+    local seed model
+    for seed in $SEEDS; do
+        for model in transformer mamba2 fm-dense fm-k16 fm-k4; do
+            # shellcheck disable=SC2046  # the config and its arguments: several words
+            lr_runs "extrapolation/$model" "$model" "$seed" $(extrapolation_model "$model")
+        done
     done
 }
 
 extrapolation() {
-    for seed in $SEEDS; do
-        echo "extrapolation/transformer-s$seed config/extrapolation_transformer.py --seed=$seed"
-        echo "extrapolation/mamba2-s$seed config/extrapolation_mamba2.py --seed=$seed"
-        echo "extrapolation/fm-dense-s$seed config/extrapolation_fm.py --top_k=None --seed=$seed"
-        echo "extrapolation/fm-k16-s$seed config/extrapolation_fm.py --seed=$seed"
-        echo "extrapolation/fm-k4-s$seed config/extrapolation_fm.py --top_k=4 --seed=$seed"
-    done | train_all
+    extrapolation_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     local runs
-    runs=$(finished_runs extrapolation)
+    runs=$(extrapolation_runs | finished)
     [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
-    # attention runs a document in one pass: its first 32,768 positions (64x its context); the others whole
-    python eval.py $runs --max_len=32768 --out="$RESULTS/extrapolation"
+    # shellcheck disable=SC2086  # several --runs
+    python eval.py sweep $runs --out="$RESULTS/extrapolation_lr"
+    # each model at its best learning rate, every seed; attention runs a document in one pass: its first 32,768
+    # positions (64x its context), the others whole
+    # shellcheck disable=SC2046  # several --out_dir
+    python eval.py $(sed 's/^/--out_dir=/' "$RESULTS/extrapolation_lr_best.txt") --max_len=32768 \
+        --out="$RESULTS/extrapolation"
 }
 
-routing() {
-    # FM's router and its unspecified choices, each against the plain layer at FM's learning rate (LR_FM), x SEEDS:
-    # extrapolation_fm.py (k = m/4 = 16, and dense), then the memory-scaling shape (scaling_fm.py) at m = 16, 64, 128
-    # with k = m/4 and dense, plain and with each remedy; then the routing of every run (eval.py routing)
-    local lr=${LR_FM:-1e-3} seed variant m k
-    local base="--learning_rate=$lr --min_lr=$(python -c "print($lr / 10)")"
+frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MODEL's, the slowest first
+    # Parameters without the embedding (num_params), FM: 8.27M, 4.14M, 2.27M, 1.13M; the Transformer and Mamba-2
+    # within 0.3% of FM's (their SwiGLU width d_ff). 4M is the extrapolation models as they are: the frontier's runs
+    # at 4M are the extrapolation subset's seed-1 runs (the same folders and arguments), trained once for both.
+    cat <<'EOF'
+8M transformer --n_layer=12
+8M mamba2      --n_layer=12
+8M fm-k16      --n_layer=12
+4M transformer
+4M mamba2
+4M fm-k16
+2M transformer --n_layer=12 --d_model=128 --n_head=2 --n_kv_head=1 --d_ff=364
+2M mamba2      --n_layer=12 --d_model=128 --d_ff=316
+2M fm-k16      --n_layer=12 --d_model=128
+1M transformer --n_layer=6 --d_model=128 --n_head=2 --n_kv_head=1 --d_ff=364
+1M mamba2      --n_layer=6 --d_model=128 --d_ff=316
+1M fm-k16      --n_layer=6 --d_model=128
+EOF
+}
+
+frontier_runs() {  # each model of SIZES at each learning rate of its grid, seed 1
+    local size model args
+    frontier_sizes | while read -r size model args; do
+        [[ " $SIZES " == *" $size "* ]] || continue
+        # shellcheck disable=SC2046,SC2086  # the config and its arguments: several words
+        if [[ -z $args ]]; then
+            lr_runs "extrapolation/$model" "$model" 1 $(extrapolation_model "$model")
+        else
+            lr_runs "frontier/$model-$size" "$model" 1 $(extrapolation_model "$model") $args
+        fi
+    done
+}
+
+frontier() {
+    frontier_runs | train_all
+    echo "training done at $(( $(date +%s) - BEGIN )) s"
+    local runs
+    runs=$(frontier_runs | finished)
+    [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    # shellcheck disable=SC2086  # several --runs
+    python eval.py frontier $runs --out="$RESULTS/frontier"
+}
+
+routing_runs() {  # FM's router remedies and unspecified choices against the plain layer, at FM's rate LR_FM
+    local base="--learning_rate=$LR_FM --min_lr=$(tenth "$LR_FM")" seed variant m k
     local variants=("plain:" "balance:--router_balance=0.01" "center:--router_center=True"
                     "init:--router_init_std=0.0625" "tau0.5:--tau=0.5" "eta-2:--eta_bias=-2"
                     "nodecay:--router_weight_decay=False")
-    for seed in $SEEDS; do
+    for seed in $SEEDS; do  # extrapolation_fm.py: k = m/4 = 16 with each variant, dense with the remedies
         for variant in "${variants[@]}"; do
             echo "routing/k16-${variant%%:*}-s$seed config/extrapolation_fm.py $base ${variant#*:} --seed=$seed"
         done
         for variant in "${variants[@]:0:3}"; do
             echo "routing/dense-${variant%%:*}-s$seed config/extrapolation_fm.py --top_k=None $base ${variant#*:} --seed=$seed"
         done
-    done | train_all
-    for m in 128 64 16; do
-        for k in $(( m / 4 )) $m; do
+    done
+    for m in 128 64 16; do  # the memory-scaling shape (scaling_fm.py), k = m/4 and dense, plain and each remedy
+        for k in $(( m / 4 )) "$m"; do
             for variant in "${variants[@]:0:3}"; do
                 echo "routing/m$m-$( (( k == m )) && echo dense || echo "k$k" )-${variant%%:*} config/scaling_fm.py \
 --n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) $base ${variant#*:}"
             done
         done
-    done | train_all
+    done
+}
+
+routing() {
+    routing_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     local runs
-    runs=$(finished_runs routing)
+    runs=$(routing_runs | finished | sed 's/^--runs=/--out_dir=/')
     [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    # shellcheck disable=SC2086  # several --out_dir
     python eval.py routing $runs --out="$RESULTS/routing"
 }
 
@@ -136,9 +240,11 @@ scaling() {
     python eval.py scaling ${PREVIOUS:+--runs="$PREVIOUS"} --runs="$RUNS/scaling" --out="$RESULTS/scaling"
 }
 
+# ----------------------------------------------------------------------------- the subset named
+
 case ${1:-} in
-    extrapolation|scaling|routing) subset=$1;;
-    *) echo "usage: bash config/reproduce.sh extrapolation|scaling|routing  (settings: see the top of this file)" >&2
+    extrapolation|frontier|routing|scaling) subset=$1;;
+    *) echo "usage: bash config/reproduce.sh extrapolation|frontier|routing|scaling  (settings: see the top of this file)" >&2
        exit 2;;
 esac
 mkdir -p "$RESULTS"
