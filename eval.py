@@ -903,21 +903,41 @@ def run_scaling(cfg, sources):
 # ----------------------------------------------------------------------------- learning rates and the loss frontier
 
 def run_folders(sources):
-    """Run folders (holding ckpt.pt) from --runs values, each a run folder or a folder of run folders."""
+    """Run folders (holding ckpt.pt) from --runs values, each a run folder or a folder of run folders (a .csv is
+    read by csv_records)."""
     if not sources:
         raise ConfigError('--runs=FOLDER: a run folder (with ckpt.pt) or a folder of run folders; --runs may repeat')
     folders = []
     for source in sources:
         path = Path(source)
+        if path.suffix == '.csv' and path.is_file():
+            continue
         if (path / 'ckpt.pt').is_file():
             folders.append(path)
         elif path.is_dir():
             folders.extend(ckpt.parent for ckpt in sorted(path.glob('*/ckpt.pt')))
         else:
             raise EvalError(f'--runs={source}: not a run folder (with ckpt.pt) or a folder of run folders')
-    if not folders:
+    if not folders and not any(source.endswith('.csv') for source in sources):
         raise EvalError(f'no runs (ckpt.pt) in {", ".join(sources)}')
     return folders
+
+
+def csv_records(path):
+    """The run records of a .csv that eval.py sweep or frontier wrote (runs of an earlier machine)."""
+    ints = ('parameters', 'non_embedding_parameters', 'seed', 'iter_num', 'max_iters', 'block_size', 'tokens')
+    floats = ('learning_rate', 'min_lr', 'val_loss', 'forward_flops', 'loss_so_far_2x', 'loss_so_far_8x')
+    with open(path, newline='') as f:
+        rows = list(csv.DictReader(f))
+    if rows and not {'run', 'model', *ints, 'learning_rate', 'val_loss'} <= set(rows[0]):
+        raise EvalError(f'--runs={path}: not a .csv that eval.py sweep or frontier wrote')
+    return [{'run': row['run'], 'model': row['model'], 'architecture': row['model'].split(' ', 1)[1].rsplit(' (', 1)[0],
+             **{k: int(row[k]) for k in ints}, **{k: float(row[k]) for k in floats if row.get(k)}} for row in rows]
+
+
+def run_key(record):
+    """A run's name in its subset (the last two parts of its folder): the same run on another machine."""
+    return '/'.join(Path(record['run']).parts[-2:])
 
 
 def run_record(folder):
@@ -992,7 +1012,13 @@ def write_records(records, fields, path):
 
 def sweep(sources):
     """Every run's record (best_lr marked), the table by model and learning rate, and the best rates; printed."""
-    records = [run_record(folder) for folder in run_folders(sources)]
+    if not sources:
+        run_folders(sources)  # the message saying what --runs takes
+    merged = {}  # a later source's record of a run replaces an earlier one
+    for source in sources:
+        found = csv_records(source) if source.endswith('.csv') else [run_record(f) for f in run_folders([source])]
+        merged.update((run_key(r), r) for r in found)
+    records = list(merged.values())
     table = by_model_and_lr(records)
     best = best_learning_rates(table)
     for r in records:
@@ -1018,7 +1044,7 @@ def frontier_losses(records, cfg):
     at 8x the context, which leaves those losses as they are."""
     documents = {}
     for r in records:
-        if not r['best_lr']:
+        if not r['best_lr'] or r.get('loss_so_far_8x') is not None:  # a record from a .csv has them
             continue
         ckpt, path = open_checkpoint(r['run'], 'ckpt.pt')
         if ckpt['tokenizer'] not in documents:
@@ -1118,14 +1144,11 @@ def take_all(argv, key):
 
 def main(argv=()):
     argv = list(argv)
-    mode = argv.pop(0) if argv and argv[0] in ('harness', 'scaling', 'sweep', 'frontier') else 'positions'
-    settings = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'scaling': SCALING_SETTINGS,
-                'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS}[mode]
+    modes = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'scaling': SCALING_SETTINGS,
+             'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS, 'routing': ROUTING_SETTINGS}
+    mode = argv.pop(0) if argv and argv[0] in modes else 'positions'
+    settings = modes[mode]
     repeated = 'runs' if mode in ('scaling', 'sweep', 'frontier') else 'out_dir'
-    mode = argv.pop(0) if argv and argv[0] in ('harness', 'scaling', 'routing') else 'positions'
-    settings = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'scaling': SCALING_SETTINGS,
-                'routing': ROUTING_SETTINGS}[mode]
-    repeated = 'runs' if mode == 'scaling' else 'out_dir'
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --{repeated} may repeat):\n' + help_text(settings))
         return None

@@ -27,7 +27,9 @@
 #   LRS_MAMBA2="2e-3 4e-3 8e-3"       added later trains only its own runs; eval.py warns when a model's best
 #   LRS_FM="5e-4 1e-3 2e-3"           rate is the lowest or highest of its grid (every FM model)
 #   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
-#   PREVIOUS=               a scaling.csv of an earlier machine: its finished runs are not trained again and are plotted
+#   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv,
+#                           routing.csv and scaling.csv list are not trained again; the tables and plots include them
+#                           (routing's: only this machine's runs)
 #   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its own):
 #                           TRAIN_ARGS="--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu"
 set -euo pipefail
@@ -42,7 +44,7 @@ LRS_MAMBA2=${LRS_MAMBA2:-2e-3 4e-3 8e-3}
 LRS_FM=${LRS_FM:-5e-4 1e-3 2e-3}
 LR_FM=${LR_FM:-1e-3}
 SIZES=${SIZES:-1M 2M 4M 8M}
-PREVIOUS=${PREVIOUS:-}
+export PREVIOUS=${PREVIOUS:-}
 export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
 
 # ----------------------------------------------------------------------------- training
@@ -56,6 +58,10 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
         return 0
     fi
     [[ -f $dir/finished ]] && return 0
+    if [[ -n $PREVIOUS ]] && { grep -qs "/$name," "$PREVIOUS/extrapolation_lr.csv" "$PREVIOUS/frontier.csv" ||
+                               grep -qs "^${name#routing/}," "$PREVIOUS/routing.csv"; }; then
+        return 0  # trained on an earlier machine
+    fi
     left=$(( DEADLINE - $(date +%s) ))
     if (( TRAIN_SECONDS > 0 && left < 30 )); then
         echo "not started (time limit): $name"
@@ -80,8 +86,8 @@ $(grep '^step' "$dir/train.log" | tail -1)";;
 }
 export -f train_one
 
-train_all() {  # run lines "SUBSET/RUN train.py-arguments..." on stdin
-    xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _
+train_all() {  # run lines "SUBSET/RUN train.py-arguments..." on stdin (none may end in a blank: xargs -L joins it
+    xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _  # to the next line)
 }
 
 finished() {  # run lines on stdin -> --runs=FOLDER for each finished run
@@ -89,6 +95,10 @@ finished() {  # run lines on stdin -> --runs=FOLDER for each finished run
     while read -r name rest; do
         if [[ -f $RUNS/$name/finished ]]; then echo "--runs=$RUNS/$name"; fi
     done
+}
+
+previous() {  # previous FILE: --runs=PREVIOUS/FILE where an earlier machine's results have it
+    if [[ -n $PREVIOUS && -f $PREVIOUS/$1 ]]; then echo "--runs=$PREVIOUS/$1"; fi
 }
 
 tenth() {  # tenth LR: LR / 10, the min_lr of a run at LR
@@ -137,12 +147,14 @@ extrapolation() {
     runs=$(extrapolation_runs | finished)
     [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
-    python eval.py sweep $runs --out="$RESULTS/extrapolation_lr"
-    # each model at its best learning rate, every seed; attention runs a document in one pass: its first 32,768
-    # positions (64x its context), the others whole
-    # shellcheck disable=SC2046  # several --out_dir
-    python eval.py $(sed 's/^/--out_dir=/' "$RESULTS/extrapolation_lr_best.txt") --max_len=32768 \
-        --out="$RESULTS/extrapolation"
+    python eval.py sweep $runs $(previous extrapolation_lr.csv) --out="$RESULTS/extrapolation_lr"
+    # each model at its best learning rate, every seed (those trained here; an earlier machine's are in its results);
+    # attention runs a document in one pass: its first 32,768 positions (64x its context), the others whole
+    runs=$(while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done \
+           < "$RESULTS/extrapolation_lr_best.txt")
+    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its extrapolation results"; return 0; }
+    # shellcheck disable=SC2086  # several --out_dir
+    python eval.py $runs --max_len=32768 --out="$RESULTS/extrapolation"
 }
 
 frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MODEL's, the slowest first
@@ -185,7 +197,7 @@ frontier() {
     runs=$(frontier_runs | finished)
     [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
-    python eval.py frontier $runs --out="$RESULTS/frontier"
+    python eval.py frontier $runs $(previous frontier.csv) --out="$RESULTS/frontier"
 }
 
 routing_runs() {  # FM's router remedies and unspecified choices against the plain layer, at FM's rate LR_FM
@@ -195,17 +207,17 @@ routing_runs() {  # FM's router remedies and unspecified choices against the pla
                     "nodecay:--router_weight_decay=False")
     for seed in $SEEDS; do  # extrapolation_fm.py: k = m/4 = 16 with each variant, dense with the remedies
         for variant in "${variants[@]}"; do
-            echo "routing/k16-${variant%%:*}-s$seed config/extrapolation_fm.py $base ${variant#*:} --seed=$seed"
+            echo "routing/k16-${variant%%:*}-s$seed config/extrapolation_fm.py ${variant#*:} $base --seed=$seed"
         done
         for variant in "${variants[@]:0:3}"; do
-            echo "routing/dense-${variant%%:*}-s$seed config/extrapolation_fm.py --top_k=None $base ${variant#*:} --seed=$seed"
+            echo "routing/dense-${variant%%:*}-s$seed config/extrapolation_fm.py --top_k=None ${variant#*:} $base --seed=$seed"
         done
     done
-    for m in 128 64 16; do  # the memory-scaling shape (scaling_fm.py), k = m/4 and dense, plain and each remedy
-        for k in $(( m / 4 )) "$m"; do
+    for m in 128 64 16; do  # the memory-scaling shape (scaling_fm.py): k = m/4, dense and k = 4, plain and remedies
+        for k in $(( m / 4 )) "$m" $( (( m / 4 != 4 )) && echo 4 ); do
             for variant in "${variants[@]:0:3}"; do
                 echo "routing/m$m-$( (( k == m )) && echo dense || echo "k$k" )-${variant%%:*} config/scaling_fm.py \
---n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) $base ${variant#*:}"
+--n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) ${variant#*:} $base"
             done
         done
     done
@@ -223,7 +235,7 @@ routing() {
 
 scaling() {
     local done_before=" "
-    [[ -n $PREVIOUS ]] && done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS")"
+    [[ -f $PREVIOUS/scaling.csv ]] && done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/scaling.csv")"
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
     # about 5 GB each, so only a few of those at a time
     for tau in 1 0.5 0.25 0.125; do
@@ -237,7 +249,7 @@ scaling() {
     done | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     mkdir -p "$RUNS/scaling"
-    python eval.py scaling ${PREVIOUS:+--runs="$PREVIOUS"} --runs="$RUNS/scaling" --out="$RESULTS/scaling"
+    python eval.py scaling $(previous scaling.csv) --runs="$RUNS/scaling" --out="$RESULTS/scaling"
 }
 
 # ----------------------------------------------------------------------------- the subset named
