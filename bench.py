@@ -5,6 +5,8 @@
     python bench.py train        # training tokens/s, MFU, peak memory: fm_1b vs transformer_1b vs mamba2_1b
     python bench.py generate     # prefill and decode after long prompts: fm_1b (k = 8, dense), mamba2_1b,
                                  # the published mamba2-1.3b shape, transformer_1b; context sweep and plot
+    python bench.py generate --profile   # one fm_1b decode step at batch 1 and 64 by kernel kind
+    python bench.py gemv         # one- and 64-row products of fm_1b's shapes: GB/s against the copy bandwidth
 
 Kernel shapes: one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
 T in {1024, 2048, 8192, 16384}; decode at batch 1 and 64 against a 16K-token KV cache.
@@ -215,6 +217,58 @@ def bench_decode(mamba):
                 lambda: mamba.step(state, xs, dt, A, Bs, Cs, D=D_skip, dt_bias=dt_bias, dt_softplus=True))
         rows.append(row)
     print(f"\ndecode, one layer, D={D}, M={M}, k={K_SPARSE}; times in microseconds (CUDA graph replays)")
+    print_table(rows)
+
+
+def gemv_shapes():
+    """(name, input width, output widths of the products taken together) of fm_1b's decoding step."""
+    from model import ModelConfig
+    d_model = config_value("config/fm_1b.py", "d_model")
+    ffn = ModelConfig(d_model=d_model).ffn_dim
+    return [(f"{d_model}x{d_model} (in/out proj)", d_model, [d_model]),
+            (f"{d_model}x{2 * ffn} (gate+up, one)", d_model, [2 * ffn]),
+            (f"{d_model}x{ffn} x 2 (gate, up)", d_model, [ffn, ffn]),
+            (f"{ffn}x{d_model} (down)", ffn, [d_model])]
+
+
+def time_chain(products, x, weights):
+    """us a use of one weight set when a CUDA graph runs products(x, w) over every set in turn (together larger
+    than the L2 cache, so that each weight comes from memory, as in a decoding step)."""
+    from triton.testing import do_bench_cudagraph
+    with torch.no_grad():
+        run = lambda: [products(x, w) for w in weights]
+        run()  # compilation, library handles
+        torch.cuda.synchronize()
+        return 1e3 * do_bench_cudagraph(run, return_mode="median") / len(weights)
+
+
+def bench_gemv():
+    """Products of one and 64 rows at fm_1b's shapes, bf16: cuBLAS (F.linear) and inductor's coordinate-descent
+    tuned product (a reduction for one row, the decoding step's choice), as GB/s of weight and activations read
+    and written, and as % of the copy bandwidth measured in the same run."""
+    bandwidth = measure_ceilings()[0]
+    rows = []
+    for name, d_in, d_outs in gemv_shapes():
+        weight_bytes = sum(d_out * d_in * 2 for d_out in d_outs)
+        copies = -(-2**28 // weight_bytes)  # 256 MB of weights a replay
+        weights = [[torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) for d_out in d_outs]
+                   for _ in range(copies)]
+        for batch in (1, 64):
+            x = torch.randn(batch, d_in, device="cuda", dtype=torch.bfloat16)
+            moved = weight_bytes + 2 * batch * (d_in + sum(d_outs))
+            row = {"product": name, "rows": batch}
+            torch._dynamo.reset()  # a compile per shape (dynamo's recompile limit)
+            compiled = torch.compile(F.linear, dynamic=False, options={"coordinate_descent_tuning": True})
+            for way, linear in {"cuBLAS": F.linear, "inductor": compiled}.items():
+                us = time_chain(lambda x, ws: [linear(x, w) for w in ws], x, weights)
+                row.update({f"{way} us": us, f"{way} GB/s": moved / us / 1e3,
+                            f"{way} % copy": 100 * moved / us / 1e6 / bandwidth})
+            rows.append(row)
+            print(row, flush=True)
+        del weights
+    print(f"\nproducts at fm_1b's decoding shapes, bf16, each weight read from memory (CUDA graph of a chain over "
+          f"256 MB of weights); copy bandwidth {bandwidth / 1e12:.2f} TB/s measured now. inductor: coordinate-"
+          f"descent tuning, a reduction for one row, cuBLAS's product for more")
     print_table(rows)
 
 
@@ -450,6 +504,20 @@ def measure_decode(model, batch, prompt_len, args, bandwidth, vocab):
             "peak GB prefill": prefill_peak, "peak GB decode": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def generate_models(args):
+    """GENERATE_MODELS whose name contains one of args.models (all when None)."""
+    return [m for m in GENERATE_MODELS if args.models is None or any(part in m[0] for part in args.models)]
+
+
+def set_decode_switches(args):
+    """The decoding step's compile options and router threshold as args ask (to attribute each one's gain)."""
+    import model as model_module
+    if not args.coordinate_descent:
+        model_module.STEP_COMPILE_OPTIONS = {}
+    if args.router_reduction_rows is not None:
+        model_module.ROUTER_REDUCTION_ROWS = args.router_reduction_rows
+
+
 def bench_generate(args):
     """Decoding after long prompts, every model in one run (random bf16 weights at the 1B shapes): prefill time,
     decode ms/token at batch 1 and 64 after args.prompt tokens, a context sweep at batch 1, the bandwidth floor
@@ -459,7 +527,7 @@ def bench_generate(args):
     fused_step = model_module.selective_state_update
     bandwidth = measure_ceilings()[0]
     rows, sweep = [], {}
-    for name, path, overrides, fused in GENERATE_MODELS:
+    for name, path, overrides, fused in generate_models(args):
         if fused and fused_step is None:
             print(f"{name}: skipped (needs mamba-ssm)")
             continue
@@ -475,22 +543,100 @@ def bench_generate(args):
             row.update({f"b{batch} {key}": value for key, value in result.items()})
         rows.append(row)
         print(row, flush=True)
-        sweep[name] = {n: measure_decode(model, 1, n, args, bandwidth, vocab) for n in args.sweep}
-        print({n: round(r["ms/token"], 3) for n, r in sweep[name].items()}, flush=True)
+        if args.sweep:
+            sweep[name] = {n: measure_decode(model, 1, n, args, bandwidth, vocab) for n in args.sweep}
+            print({n: round(r["ms/token"], 3) for n, r in sweep[name].items()}, flush=True)
         del model
         torch._dynamo.reset()  # a fresh compile for the next model (its guards would otherwise pile up)
     model_module.selective_state_update = fused_step
     print(f"\ngeneration: greedy, one CUDA graph a step (every layer, head, sampling; compile={args.compile}, "
-          f"{args.compile_mode}), "
-          f"random bf16 weights; "
+          f"{args.compile_mode}, options {model_module.STEP_COMPILE_OPTIONS}, router reduction up to "
+          f"{model_module.ROUTER_REDUCTION_ROWS} rows), random bf16 weights; "
           f"prefill of one {args.prompt}-token prompt; decode after {args.prompt}-token prompts, median of 3 x "
           f"{args.new_tokens} tokens; floor = (weights + batch x state a step touches) / copy "
           f"{bandwidth / 1e12:.2f} TB/s measured now")
     print_table(rows)
+    if not sweep:
+        return
     print("\ncontext sweep at batch 1: decode ms/token (peak GB during decode) after a prompt of n tokens")
     print_table([{"model": name, **{str(n): f"{r['ms/token']:.3f} ({r['peak GB decode']:.2f})"
                                     for n, r in runs.items()}} for name, runs in sweep.items()])
     plot_sweep(sweep, args)
+
+
+DECODE_KINDS = (  # (kind, words of library kernel names, ops in inductor's kernel names), first match wins
+    ("fm_step", ("_step_kernel",), ()),
+    ("router/top-k", (), ("sort", "softmax", "topk", "cat")),  # cat: the router's and the rates' weights
+    ("GEMV", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk"), ("mm", "addmm", "bmm")),
+    ("norms", (), ("rsqrt",)),
+    ("sampling", (), ("argmax",)),
+)
+
+
+def decode_kernel_kind(name):
+    """Kind of a decoding step's kernel by its name. inductor names a fused kernel after the ops in it (a one-row
+    product that it wrote as a reduction keeps 'mm'; a norm fused into it counts as GEMV)."""
+    name = name.lower()
+    ops = set(name.split("_")) if name.startswith("triton_") else set()
+    return next((kind for kind, words, op_names in DECODE_KINDS
+                 if any(word in name for word in words) or ops & set(op_names)), "other")
+
+
+def profile_decode(args, steps=10):
+    """torch.profiler over fm_1b k = 8's compiled decoding step run eagerly (no graph: each kernel shows), at each
+    of args.batch: launches and microseconds a step by kernel kind (the LM head is the step's last product; above
+    ROUTER_REDUCTION_ROWS the router's cuBLAS product counts as GEMV), then the kernels by time. Printed and
+    written to args.out_dir/generate_profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+    from model import Generator, Sampling
+    name, path, overrides, _ = GENERATE_MODELS[0]
+    vocab = VOCAB_SIZES[config_value(path, "tokenizer")]
+    with torch.device("cuda"):
+        model = model_from_config_file(path, vocab, **overrides).to(torch.bfloat16).eval()
+    lines = []
+    for batch in args.batch:
+        generator = Generator(model, Sampling(temperature=0), cuda_graph=False,
+                              compile=args.compile_mode if args.compile else None)
+        generator.start(torch.randint(vocab, (batch, 1024)).tolist(), 2 * steps + 8)  # FM's step: any context
+        with torch.no_grad():
+            for _ in range(5):  # compilation and tuning
+                generator.compiled_step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    generator.compiled_step()
+                torch.cuda.synchronize()
+        lines += decode_profile_lines(prof, f"{name}, batch {batch}", steps)
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "generate_profile.txt"), "w") as f:
+        f.write(text + "\n")
+    print(f"profile: {os.path.join(args.out_dir, 'generate_profile.txt')}")
+
+
+def decode_profile_lines(prof, title, steps, top=25):
+    """Per step: launches and us by kind, then the kernels by time."""
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    kinds, by_name = {}, {}
+    products = [i for i, e in enumerate(events) if decode_kernel_kind(e.name) == "GEMV"]
+    heads = set(products[len(products) // steps - 1::len(products) // steps]) if products else set()
+    for i, e in enumerate(events):
+        kind = "head" if i in heads else decode_kernel_kind(e.name)
+        launches, us = kinds.get(kind, (0, 0.0))
+        kinds[kind] = (launches + 1, us + e.time_range.elapsed_us())
+        launches, us = by_name.get((kind, e.name), (0, 0.0))
+        by_name[(kind, e.name)] = (launches + 1, us + e.time_range.elapsed_us())
+    total = sum(us for _, us in kinds.values()) / steps
+    lines = [f"\n{title}: {total:.0f} us of kernels a step in {len(events) / steps:.0f} launches "
+             f"(compiled step run eagerly, mean of {steps} steps)", f"  {'kind':14s} {'launches':>8s} {'us':>8s}"]
+    for kind, (launches, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {kind:14s} {launches / steps:8.0f} {us / steps:8.1f}")
+    lines.append(f"  kernels by time (us a step, launches a step, kind, name):")
+    for (kind, name), (launches, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {us / steps:8.1f} {launches / steps:5.0f}x  {kind:13s} {name[:100]}")
+    return lines
 
 
 def plot_sweep(sweep, args):
@@ -529,7 +675,7 @@ def print_table(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels", "stages", "train", "generate"])
+    parser.add_argument("what", choices=["kernels", "stages", "train", "generate", "gemv"])
     parser.add_argument("--configs", nargs="+",
                         default=["config/fm_1b.py", "config/transformer_1b.py", "config/mamba2_1b.py"])
     parser.add_argument("--vocab_size", type=int, default=100288, help="cl100k_base padded to a multiple of 64")
@@ -538,13 +684,19 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", type=int, default=1)
     parser.add_argument("--compile_mode", default="default", help="torch.compile mode (train, generate)")
-    parser.add_argument("--profile", action="store_true", help="train: also print one step's GPU time by kernel")
+    parser.add_argument("--profile", action="store_true",
+                        help="train: also print one step's GPU time by kernel; generate: only profile fm_1b's step")
     parser.add_argument("--prompt", type=int, default=16384, help="generate: prompt length")
     parser.add_argument("--new_tokens", type=int, default=64, help="generate: tokens a timing")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="generate: batch sizes")
-    parser.add_argument("--sweep", type=int, nargs="+", default=[1024, 4096, 16384, 65536],
-                        help="generate: prompt lengths of the context sweep at batch 1")
-    parser.add_argument("--out_dir", default="out-bench", help="where plots go")
+    parser.add_argument("--sweep", type=int, nargs="*", default=[1024, 4096, 16384, 65536],
+                        help="generate: prompt lengths of the context sweep at batch 1 (none: no sweep, no plot)")
+    parser.add_argument("--models", nargs="+", help="generate: only the models whose name contains one of these")
+    parser.add_argument("--coordinate_descent", type=int, default=1,
+                        help="generate: 0 compiles the step without STEP_COMPILE_OPTIONS (cuBLAS GEMVs)")
+    parser.add_argument("--router_reduction_rows", type=int,
+                        help="generate: the router's reduction up to this many rows (default: model.py's)")
+    parser.add_argument("--out_dir", default="out-bench", help="where plots and profiles go")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py times GPU kernels: run it on a machine with a CUDA GPU")
@@ -563,7 +715,13 @@ def main():
     if args.what == "train":
         bench_train(args)
     if args.what == "generate":
-        bench_generate(args)
+        set_decode_switches(args)
+        if args.profile:
+            profile_decode(args)
+        else:
+            bench_generate(args)
+    if args.what == "gemv":
+        bench_gemv()
 
 
 if __name__ == "__main__":

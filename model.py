@@ -144,17 +144,29 @@ class RMSNorm(nn.Module):
         return (x_acc * torch.rsqrt(x_acc.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
+def merge_split_weights(state_dict, prefix, old_names, new_name):
+    """Checkpoints written before some products became one hold their weights apart (e.g. gate_proj and up_proj):
+    concatenate them, in place in state_dict, into the weight of the one product (rows in old_names' order)."""
+    old_keys = [f'{prefix}{name}.weight' for name in old_names]
+    if all(key in state_dict for key in old_keys):
+        state_dict[f'{prefix}{new_name}.weight'] = torch.cat([state_dict.pop(key) for key in old_keys])
+
+
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), gate and up as one product (one launch, one weight read when decoding)."""
 
     def __init__(self, config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False)
+        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)  # gate's rows, then up's
         self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        merge_split_weights(state_dict, prefix, ('gate_proj', 'up_proj'), 'gate_up_proj')
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- Factorization Memory
@@ -172,6 +184,12 @@ def memory_step(h, xbar, idx, theta, phi, eps):
     if h.is_cuda and h.dtype == torch.float32:
         return fm_kernel.fm_step(h, xbar, idx, theta, phi, eps)
     return fm_kernel.fm_step_naive(h, xbar, idx, theta, phi, eps)
+
+
+# A compiled decoding step of at most this many rows computes the router's scores as one float32 reduction (one
+# kernel, 1.7 us a layer at batch 1), more rows as a product (cuBLAS; the reduction took 7.4 us a layer at batch 64,
+# growing about linearly with the rows, past the product's ~3.5 us near 16 rows: kernel_log.md, changes 61 and 66).
+ROUTER_REDUCTION_ROWS = 16
 
 
 class FactorizationMemory(nn.Module):
@@ -202,7 +220,8 @@ class FactorizationMemory(nn.Module):
         float32 (so that the top-k is exact); call with autocast off."""
         dtype = compute_dtype(x.dtype)
         weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-        if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
+        decoding = x.dim() == 2 and torch.compiler.is_compiling()  # a compiled decoding step
+        if decoding and len(x) <= ROUTER_REDUCTION_ROWS:  # few rows: one reduction kernel
             scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2), not materialised when compiled
         else:
             weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
@@ -302,18 +321,19 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.kv_heads
         self.head_dim = config.d_model // config.n_head
-        self.q_proj = nn.Linear(config.d_model, self.n_head * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.d_model, self.n_kv_head * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.d_model, self.n_kv_head * self.head_dim, bias=False)
+        self.qkv_proj = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
         self.out_proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=False)
         self.rope_theta = config.rope_theta
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        merge_split_weights(state_dict, prefix, ('q_proj', 'k_proj', 'v_proj'), 'qkv_proj')
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def project(self, x, positions):
-        """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd)."""
+        """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd), from one product."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        heads = self.qkv_proj(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
         return rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta), v
 
     def merge_heads(self, y):
@@ -348,7 +368,7 @@ class Attention(nn.Module):
         return self.merge_heads(y.view(B, self.n_head, 1, hd))[:, 0]
 
     def init_state(self, batch_size, max_len, device):
-        cache = self.k_proj.weight.new_zeros(batch_size, self.n_kv_head, max_len, self.head_dim, device=device)
+        cache = self.qkv_proj.weight.new_zeros(batch_size, self.n_kv_head, max_len, self.head_dim, device=device)
         return {'k': cache, 'v': cache.clone(), 'pos': torch.zeros(batch_size, dtype=torch.long, device=device)}
 
 
@@ -712,6 +732,18 @@ def sample_next(logits, sampling):
     return (probs / race).argmax(-1)  # argmax p_i / E_i, E_i ~ Exp(1), is i with probability p_i
 
 
+# inductor options of the compiled decoding step, on top of the mode's. Coordinate-descent tuning (gpt-fast's
+# setting) makes inductor write a product with one row (batch 1) as a reduction tuned for this GPU instead of a
+# cuBLAS GEMV, whose 64-row tiles leave most SMs idle at 2048 outputs (kernel_log.md, changes 63 and 64).
+STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
+
+
+def step_options(mode):
+    """torch.compile options of a decoding step compiled in `mode`: the mode's own, then STEP_COMPILE_OPTIONS."""
+    import torch._inductor
+    return {**torch._inductor.list_mode_options(mode), **STEP_COMPILE_OPTIONS}
+
+
 class Generator:
     """Batched generation from a Model with static buffers. The prompts are prefilled in parallel passes (right-
     padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
@@ -719,12 +751,12 @@ class Generator:
 
     def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
         """compile: None (the step as written) or a torch.compile mode ('default', 'max-autotune-no-cudagraphs'),
-        which fuses the step's small kernels at the cost of a compilation per batch size."""
+        which fuses the step's small kernels at the cost of a compilation per batch size; with STEP_COMPILE_OPTIONS."""
         sampling.validate()
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
-        self.compiled_step = self._step if compile is None else torch.compile(self._step, mode=compile)
+        self.compiled_step = self._step if compile is None else torch.compile(self._step, options=step_options(compile))
         self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
         self.shape = self.graph = None
 

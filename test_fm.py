@@ -527,6 +527,28 @@ def test_router_weights_sum_to_one_over_k_rows(top_k):
     assert ((eta > 0) & (eta < 1) & (mu > 0) & (mu < 1)).all()
 
 
+def test_router_product_at_large_batch_matches_the_reduction():
+    """A compiled decoding step routes up to ROUTER_REDUCTION_ROWS rows through one float32 reduction and more
+    rows through a product: both give the same rows and weights (compilation stood in for by is_compiling)."""
+    torch.manual_seed(0)
+    layer = FactorizationMemory(tiny_config(top_k=3))
+    for p in layer.parameters():  # weights large enough that routing is far from uniform
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(model_module.ROUTER_REDUCTION_ROWS + 1, 32)
+    routes, products = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.compiler, 'is_compiling', lambda: True)
+        patch.setattr(F, 'linear', lambda *args: products.append(len(routes)) or torch._C._nn.linear(*args))
+        for rows in (len(x) - 1, len(x)):  # the first threshold takes the product, the second the reduction
+            patch.setattr(model_module, 'ROUTER_REDUCTION_ROWS', rows)
+            routes.append(layer.route(x))
+    assert products == [0]
+    (idx, *weights), (idx_reduced, *weights_reduced) = routes
+    assert torch.equal(idx, idx_reduced)
+    for got, want in zip(weights, weights_reduced):
+        assert got.dtype == torch.float32 and (got - want).abs().max() < 1e-6
+
+
 # ----------------------------------------------------------------------------- every mixer
 
 @pytest.mark.parametrize('name', MIXERS)
@@ -685,6 +707,21 @@ def test_cuda_graph_decoding_equals_eager_gpu(name):
         runs = [Generator(model, Sampling(temperature=0), cuda_graph=graph, compile=compile).generate(prompts, 12)
                 for graph in (False, True)]
         assert runs[0] == runs[1], compile
+
+
+@pytest.mark.skipif(not CUDA, reason="inductor writes one-row products as reductions on a GPU only")
+def test_compiled_step_at_batch_1_has_no_library_product_gpu():
+    """STEP_COMPILE_OPTIONS reach inductor: at batch 1 every product of the compiled step (blocks, router, head) is
+    a generated reduction, no cuBLAS call; at batch 4 the blocks' products stay cuBLAS's."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(6)
+    model = Model(tiny_config(init_std=0.3, mixer='fm', top_k=3)).cuda().eval()
+    for batch, library_calls in ((1, False), (4, True)):
+        torch._dynamo.reset()  # a fresh compile, static in the batch size
+        generator = Generator(model, Sampling(temperature=0), cuda_graph=False, compile='default')
+        generator.start([[1, 2, 3]] * batch, 4)
+        _, code = run_and_get_code(generator.compiled_step)
+        assert ('extern_kernels.mm' in '\n'.join(code)) == library_calls, batch
 
 
 @pytest.mark.skipif(not CUDA, reason="mamba-ssm's kernels need a GPU")
@@ -1757,6 +1794,44 @@ def test_missing_and_corrupt_checkpoints(data_dir, tmp_path, trained):
     torch.save({'model': {}}, tmp_path / 'ckpt.pt')
     with pytest.raises(checkpoint.CheckpointError, match='missing optimizer, model_config'):
         train.main(args)
+
+
+def old_format(state_dict, config):
+    """A state dict as model.py wrote it before gate and up (and attention's q, k, v) became one product."""
+    head_dim = config.d_model // config.n_head
+    parts = {'gate_up_proj': {'gate_proj': config.ffn_dim, 'up_proj': config.ffn_dim},
+             'qkv_proj': {'q_proj': config.n_head * head_dim, 'k_proj': config.kv_heads * head_dim,
+                          'v_proj': config.kv_heads * head_dim}}
+    old = {}
+    for name, weight in state_dict.items():
+        module, fused = name.rsplit('.', 2)[0], name.split('.')[-2]
+        if fused not in parts:
+            old[name] = weight
+            continue
+        for part, piece in zip(parts[fused], weight.split(list(parts[fused].values()))):
+            old[f'{module}.{part}.weight'] = piece.clone()
+    return old
+
+
+def test_swiglu_and_qkv_load_old_checkpoint_keys():
+    """Old checkpoints' gate_proj, up_proj (and q_proj, k_proj, v_proj) load through checkpoint.py into the fused
+    weights: the model's outputs are the same, and each product is what the old separate one computed."""
+    torch.manual_seed(0)
+    config = tiny_config(mixer='attn', init_std=0.1)
+    model = Model(config).double().eval()
+    old = old_format(model.state_dict(), config)
+    loaded = checkpoint.model_from_checkpoint({'model_config': vars(config), 'model': old}, 'old.pt').double().eval()
+    idx = torch.randint(0, 64, (2, 37))
+    assert torch.equal(loaded(idx)[0], model(idx)[0])
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    w = {name.split('blocks.1.')[1]: weight for name, weight in old.items() if name.startswith('blocks.1.')}
+    mlp = F.linear(F.silu(F.linear(x, w['mlp.gate_proj.weight'])) * F.linear(x, w['mlp.up_proj.weight']),
+                   w['mlp.down_proj.weight'])
+    assert rel_err(loaded.blocks[1].mlp(x), mlp) < 1e-14
+    heads = loaded.blocks[1].mixer.project(x, torch.zeros(1, 5))  # position 0: RoPE rotates nothing
+    for got, part in zip(heads, ('q_proj', 'k_proj', 'v_proj')):
+        want = F.linear(x, w[f'mixer.{part}.weight']).view(2, 5, -1, 8).transpose(1, 2)  # (B, heads, T, 8)
+        assert rel_err(got, want) < 1e-14
 
 
 def test_incompatible_checkpoints(trained, tmp_path):
