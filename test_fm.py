@@ -1925,5 +1925,54 @@ def test_ddp_on_cpu(data_dir, tmp_path):
         assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
 
 
+
+# ----------------------------------------------------------------------------- nothing lost: damage, divergence,
+# overwrite, bad inputs, leftovers, the README's commands
+
+def flip_a_bit(path, tensor):
+    """Flip an exponent bit of the first element of tensor where its bytes lie in the file at path."""
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor.contiguous().numpy().tobytes())
+    assert at > 0
+    data[at + 3] ^= 0x40
+    path.write_bytes(data)
+
+
+def test_damaged_checkpoints_are_refused(data_dir, tmp_path, trained, capsys):
+    """A flipped bit in the optimizer state or the weights fails the checksum on every load (train.py, sample.py,
+    eval.py), best.pt is offered only while it is sound; NaN weights and a folder are refused too."""
+    copy_run(trained, tmp_path)
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    flip_a_bit(tmp_path / 'ckpt.pt', ckpt['optimizer']['state'][0]['exp_avg_sq'])
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume'))
+    assert 'ckpt.pt is damaged: the bytes of its record archive/data/' in str(error.value)
+    assert 'do not match the checksum saved with them' in str(error.value)
+    assert 'best.pt beside it loads (step 8)' in str(error.value)
+    with pytest.raises(checkpoint.CheckpointError, match='ckpt.pt is damaged'):
+        sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+    with pytest.raises(checkpoint.CheckpointError, match='ckpt.pt is damaged'):
+        evaluation.main([f'--out_dir={tmp_path}', f'--out={tmp_path / "eval"}'])
+    flip_a_bit(tmp_path / 'best.pt', ckpt['model']['embed.weight'])
+    with pytest.raises(checkpoint.CheckpointError, match=r'best.pt is damaged.*\. Start a new run'):
+        sample.main([f'--out_dir={tmp_path}', '--ckpt=best.pt', '--max_new_tokens=2'])
+    torch.save({**ckpt, 'model': {**ckpt['model'], 'embed.weight': ckpt['model']['embed.weight'] * math.nan}},
+               tmp_path / 'ckpt.pt')
+    with pytest.raises(checkpoint.CheckpointError, match=r'holds weights that are not finite \(NaN or infinity in '
+                                                         r'embed.weight\): it was saved by a run that diverged'):
+        sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+    with pytest.raises(checkpoint.CheckpointError, match='is a folder, not a checkpoint file: give the folder as '):
+        sample.main([f'--ckpt={tmp_path}'])
+    assert checkpoint.load_checkpoint(os.path.join(trained[0], 'ckpt.pt'))['iter_num'] == 8  # sound: no note
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(ckpt, tmp_path / 'ckpt.pt')
+    finally:
+        torch.serialization.set_crc32_options(True)
+    capsys.readouterr()
+    assert checkpoint.load_checkpoint(tmp_path / 'ckpt.pt')['iter_num'] == 8
+    assert 'ckpt.pt carries no checksums' in capsys.readouterr().out
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
