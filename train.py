@@ -373,7 +373,8 @@ def claim_out_dir(cfg):
         lock = open(path, 'a+')
     except OSError as e:
         reason = 'it is a file' if os.path.isfile(cfg.out_dir) else e.strerror
-        raise TrainError(f'cannot write to --out_dir={cfg.out_dir} ({reason}): pass a folder you can write to') from None
+        raise TrainError(f'cannot write to --out_dir={cfg.out_dir} ({reason}): pass a folder you can write '
+                         f'to') from None
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
