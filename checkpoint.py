@@ -8,6 +8,7 @@ import errno
 import math
 import os
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def _verify_checksums(path):
     with zipfile.ZipFile(path) as archive:
         if not any(record.CRC for record in archive.infolist() if record.file_size):
             print(f'note: {path} carries no checksums (saved with torch.serialization.set_crc32_options(False)): '
-                  f'loaded unverified')
+                  f'loaded unverified', file=sys.stderr)
             return
         damaged = archive.testzip()
     if damaged is not None:
@@ -118,7 +119,7 @@ _CHANGED = ('the bytes of its record {} do not match the checksum saved with the
 
 def nonfinite(tensors):
     """The names of the floating-point tensors of a {name: tensor} dict that hold a NaN or an infinity. One sum a
-    tensor (0.13 s per GB on a CPU core), an exact check only where a sum is not finite."""
+    tensor (0.13 s per GB on a 2-core CPU), an exact check only where a sum is not finite."""
     floats = {name: t for name, t in tensors.items() if torch.is_floating_point(t)}
     sums = [t.sum(dtype=torch.float32) for t in floats.values()]  # all launched before the first .item() waits
     return [name for (name, t), s in zip(floats.items(), sums)

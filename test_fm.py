@@ -1414,7 +1414,7 @@ def test_corpus_errors(tmp_path):
         prepare(str(path), "bytes", tmp_path, text_field="content", val_fraction=1e-9, num_proc=1)
     with pytest.raises(FileNotFoundError, match="no corpus at"):
         prepare(str(tmp_path / "missing"), "bytes", tmp_path)
-    assert not list((tmp_path / "docs_bytes").iterdir())  # nothing half-written
+    assert not (tmp_path / "docs_bytes").exists()  # nothing half-written, no empty folder
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -1971,7 +1971,7 @@ def test_damaged_checkpoints_are_refused(data_dir, tmp_path, trained, capsys):
         torch.serialization.set_crc32_options(True)
     capsys.readouterr()
     assert checkpoint.load_checkpoint(tmp_path / 'ckpt.pt')['iter_num'] == 8
-    assert 'ckpt.pt carries no checksums' in capsys.readouterr().out
+    assert 'ckpt.pt carries no checksums' in capsys.readouterr().err
 
 
 

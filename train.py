@@ -439,8 +439,8 @@ def train(cfg, config, rank, world_size, device_name, cpu_group, earlier=()):
               f'dtype {dtype}, world size {world_size}, tokens per step {tokens_per_iter:,} '
               f'({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})')
         if dtype == 'float16' and device_type == 'cpu':
-            print('warning: --dtype=float16 on the CPU is slow (PyTorch\'s float16 CPU kernels are: a step of the '
-                  'default model takes about 10 times as long as in float32); use --dtype=float32, the default here')
+            print('warning: --dtype=float16 on the CPU is slow: with PyTorch\'s float16 CPU kernels a step of the '
+                  'default model takes about 10 times as long as in float32. Use --dtype=float32, the default here')
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
