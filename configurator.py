@@ -12,6 +12,7 @@ A key whose default is None takes None or a value of the type given in `types`.
 import ast
 import difflib
 import os
+import traceback
 import types as pytypes
 
 
@@ -65,8 +66,7 @@ def load_config(config, argv, types=None):
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file not found: {arg} (see config/, e.g. config/fm_small.py)")
             namespace = dict(config)
-            with open(arg) as f:
-                exec(compile(f.read(), arg, 'exec'), namespace)
+            _run_config_file(arg, namespace)
             for key, value in namespace.items():
                 if key.startswith('_') or isinstance(value, (pytypes.ModuleType, pytypes.FunctionType, type)):
                     continue
@@ -82,6 +82,20 @@ def load_config(config, argv, types=None):
                 _check(key, None, config, types)  # raises the unknown-key error
             config[key] = _check(key, _parse(key, text, config, types), config, types)
     return config
+
+
+def _run_config_file(path, namespace):
+    """Execute a config file in namespace; ConfigError naming the line of a syntax or other error in it."""
+    with open(path) as f:
+        source = f.read()
+    try:
+        exec(compile(source, path, 'exec'), namespace)
+    except SyntaxError as e:
+        raise ConfigError(f"{path}, line {e.lineno}: {e.msg}: fix the config file") from None
+    except Exception as e:
+        line = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path][-1:]
+        where = f"{path}, line {line[0]}" if line else path
+        raise ConfigError(f"{where}: {type(e).__name__}: {e}: fix the config file") from None
 
 
 def help_text(config):

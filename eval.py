@@ -47,6 +47,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -58,7 +59,7 @@ import torch.nn.functional as F
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from model import Generator, Model, ModelConfig, Sampling
-from prepare_data import get_tokenizer, load_tokens, prepare
+from prepare_data import get_tokenizer, load_tokens, prepare, read_utf8
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 POSITION_SETTINGS = dict(
@@ -67,7 +68,7 @@ POSITION_SETTINGS = dict(
     data_dir='data',  # where prepare_data.py writes the default corpus
     max_len=16384,  # attention: the most positions of a document run in its one pass
     chunk_len=8192,  # fm, mamba2: tokens a chunk
-    out='loss_by_position',  # writes out.csv, out.json, out.png
+    out='results/loss_by_position',  # writes out.csv, out.json, out.png
     device=DEVICE,
     dtype='auto',  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; losses always from float32 logits
 )
@@ -78,17 +79,17 @@ HARNESS_SETTINGS = dict(
     limit=None,  # None: every example; N: the first N of each task
     include_path='',  # a folder of local task YAML files
     batch_size=32,
-    out='harness',  # writes out.json
+    out='results/harness',  # writes out.json
     device=DEVICE,
     dtype='auto',
 )
-SCALING_SETTINGS = dict(out='scaling')  # writes out.csv and out.png
-SWEEP_SETTINGS = dict(out='sweep')  # writes out.csv and out_best.txt
+SCALING_SETTINGS = dict(out='results/scaling')  # writes out.csv and out.png
+SWEEP_SETTINGS = dict(out='results/sweep')  # writes out.csv and out_best.txt
 FRONTIER_SETTINGS = dict(  # the loss beyond the context: as POSITION_SETTINGS
     data='',
     data_dir='data',
     chunk_len=8192,
-    out='frontier',  # writes out.csv and out.png
+    out='results/frontier',  # writes out.csv and out.png
     device=DEVICE,
     dtype='auto',
 )
@@ -251,8 +252,10 @@ def text_documents(path, tok):
     if not files:
         raise EvalError(f'--data={path}: the folder holds no .txt files')
     prefix = [] if tok.eot is None else [tok.eot]
-    return [np.array(prefix + tok.encode(file.read_text(encoding='utf-8', errors='replace')), dtype=np.int64)
-            for file in files]
+    try:
+        return [np.array(prefix + tok.encode(read_utf8(file)), dtype=np.int64) for file in files]
+    except ValueError as e:  # not UTF-8: refused, as prepare_data.py refuses it
+        raise EvalError(str(e)) from None
 
 
 def load_documents(data, data_dir, tokenizer, ckpt_path):
@@ -1136,6 +1139,23 @@ def run_frontier(cfg, sources):
 
 # ----------------------------------------------------------------------------- command line
 
+def check_out(out):
+    """Create the folder of --out (a path prefix) now: one that cannot be written is refused before, not after, the
+    evaluation."""
+    folder = Path(out).parent
+    if not Path(out).name or out.endswith(os.sep):
+        raise ConfigError(f'--out={out!r} is not a path prefix: give one such as results/run1 (writes results/run1.csv '
+                          f'and so on)')
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        reason = 'it is a file' if folder.is_file() else e.strerror
+        raise ConfigError(f'--out={out}: cannot write to {folder} ({reason}): give an --out in a folder you can '
+                          f'write to') from None
+
+
 def take_all(argv, key):
     """Every --key=value of argv (a key that may repeat) -> (the values, the other arguments)."""
     flag = f'--{key}='
@@ -1154,6 +1174,8 @@ def main(argv=()):
         return None
     values, argv = take_all(argv, repeated)
     cfg = load_config(settings, argv, types={'num_fewshot': int, 'limit': int})
+    if mode != 'routing' or cfg['out']:  # routing's default writes into each out_dir
+        check_out(cfg['out'])
     if mode == 'scaling':
         if not values:
             raise ConfigError('--runs=FOLDER: a folder of FM run folders (or a .csv that eval.py scaling wrote)')

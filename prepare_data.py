@@ -376,7 +376,7 @@ def _read_documents(dataset, options):
     readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
     path = Path(dataset)
     if path.is_file() and path.suffix == ".txt":  # one text (nanoGPT's input.txt): documents of TXT_PIECE lines
-        lines = _read_utf8(path).splitlines(keepends=True)
+        lines = read_utf8(path).splitlines(keepends=True)
         for start in range(0, len(lines), TXT_PIECE):
             yield "".join(lines[start:start + TXT_PIECE])
         return
@@ -398,10 +398,11 @@ def _corpus_files(path):
 
 
 def _read_txt(path, text_field):
-    yield _read_utf8(path)
+    yield read_utf8(path)
 
 
-def _read_utf8(path):
+def read_utf8(path):
+    """The text of a UTF-8 file; ValueError naming the file, the first bad byte and how to convert it, if it is not."""
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
@@ -535,19 +536,47 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
                                                "hf_config": hf_config, "hf_split": hf_split, "max_docs": max_docs}
     source = {"dataset": dataset if dataset == "default" or dataset.startswith("hf:") else str(Path(dataset).resolve()),
               "tokenizer": tokenizer, "options": options}
+    _remove_leftovers(out)
     if _is_prepared(out, tok, source):
         _print_summary(out, "already prepared")
         return out
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)  # marks the folder incomplete until the new files are all written
-    if dataset == "default":
-        paths = _write_default(out, tok, num_proc)
-    else:
-        paths = _write_user_corpus(out, tok, source["dataset"], options, num_proc)
+    try:
+        if dataset == "default":
+            paths = _write_default(out, tok, num_proc)
+        else:
+            paths = _write_user_corpus(out, tok, source["dataset"], options, num_proc)
+    except BaseException:
+        if created and not any(out.iterdir()):  # the writers leave nothing behind: no empty folder either
+            out.rmdir()
+        raise
     files = {path.name: _file_stats(path, tok) for path in paths}
     _write_json(out / "meta.json", {**source, "files": files})
     _print_summary(out, "wrote")
     return out
+
+
+_TEMPORARY = re.compile(r"\.(\d+)(\.tokens)?\.tmp$")  # the temporary files of process N: NAME.N.tmp, NAME.N.tokens.tmp
+
+
+def _remove_leftovers(out):
+    """Remove the temporary files that a killed prepare_data.py left in out (of processes that no longer run here)."""
+    for path in out.glob("*.tmp"):
+        match = _TEMPORARY.search(path.name)
+        if match and not _is_running(int(match[1])):
+            path.unlink(missing_ok=True)
+
+
+def _is_running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # running, as another user
+        pass
+    return True
 
 
 def _is_prepared(out, tok, source):
@@ -566,7 +595,7 @@ def _file_stats(path, tok):
 
 
 def _write_json(path, obj):
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(temporary, path)
 

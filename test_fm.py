@@ -1520,7 +1520,7 @@ def test_corpus_errors(tmp_path):
         prepare(str(path), "bytes", tmp_path, text_field="content", val_fraction=1e-9, num_proc=1)
     with pytest.raises(FileNotFoundError, match="no corpus at"):
         prepare(str(tmp_path / "missing"), "bytes", tmp_path)
-    assert not list((tmp_path / "docs_bytes").iterdir())  # nothing half-written
+    assert not (tmp_path / "docs_bytes").exists()  # nothing half-written, no empty folder
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -1857,8 +1857,8 @@ def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
     (tmp_path / 'ckpt.pt').unlink()
     with pytest.raises(train.TrainError, match='holds best.pt of an earlier run'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
-    with train.claim_out_dir(SimpleNamespace(out_dir=str(tmp_path), init_from='scratch', overwrite=True)):
-        assert not (tmp_path / 'best.pt').exists()  # no best.pt of the earlier run until this one evaluates
+    with train.claim_out_dir(SimpleNamespace(out_dir=str(tmp_path), init_from='scratch', overwrite=True)) as earlier:
+        assert earlier == ['best.pt'] and (tmp_path / 'best.pt').exists()  # replaced when the new run first saves
     train.main(tiny(data_dir, tmp_path, '--max_iters=1', '--overwrite=True'))
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
 
@@ -2067,6 +2067,243 @@ def test_ddp_on_cpu(data_dir, tmp_path):
         assert torch.equal(tensor, b['model'][name]), name
     for i, state in a['optimizer']['state'].items():
         assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
+
+
+
+# ----------------------------------------------------------------------------- nothing lost: damage, divergence,
+# overwrite, bad inputs, leftovers, the README's commands
+
+def flip_a_bit(path, tensor):
+    """Flip an exponent bit of the first element of tensor where its bytes lie in the file at path."""
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor.contiguous().numpy().tobytes())
+    assert at > 0
+    data[at + 3] ^= 0x40
+    path.write_bytes(data)
+
+
+def test_damaged_checkpoints_are_refused(data_dir, tmp_path, trained, capsys):
+    """A flipped bit in the optimizer state or the weights fails the checksum on every load (train.py, sample.py,
+    eval.py), best.pt is offered only while it is sound; NaN weights and a folder are refused too."""
+    copy_run(trained, tmp_path)
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    flip_a_bit(tmp_path / 'ckpt.pt', ckpt['optimizer']['state'][0]['exp_avg_sq'])
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume'))
+    assert 'ckpt.pt is damaged: the bytes of its record archive/data/' in str(error.value)
+    assert 'do not match the checksum saved with them' in str(error.value)
+    assert 'best.pt beside it loads (step 8)' in str(error.value)
+    with pytest.raises(checkpoint.CheckpointError, match='ckpt.pt is damaged'):
+        sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+    with pytest.raises(checkpoint.CheckpointError, match='ckpt.pt is damaged'):
+        evaluation.main([f'--out_dir={tmp_path}', f'--out={tmp_path / "eval"}'])
+    flip_a_bit(tmp_path / 'best.pt', ckpt['model']['embed.weight'])
+    with pytest.raises(checkpoint.CheckpointError, match=r'best.pt is damaged.*\. Start a new run'):
+        sample.main([f'--out_dir={tmp_path}', '--ckpt=best.pt', '--max_new_tokens=2'])
+    torch.save({**ckpt, 'model': {**ckpt['model'], 'embed.weight': ckpt['model']['embed.weight'] * math.nan}},
+               tmp_path / 'ckpt.pt')
+    with pytest.raises(checkpoint.CheckpointError, match=r'holds weights that are not finite \(NaN or infinity in '
+                                                         r'embed.weight\): it was saved by a run that diverged'):
+        sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+    with pytest.raises(checkpoint.CheckpointError, match='is a folder, not a checkpoint file: give the folder as '):
+        sample.main([f'--ckpt={tmp_path}'])
+    assert checkpoint.load_checkpoint(os.path.join(trained[0], 'ckpt.pt'))['iter_num'] == 8  # sound: no note
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(ckpt, tmp_path / 'ckpt.pt')
+    finally:
+        torch.serialization.set_crc32_options(True)
+    capsys.readouterr()
+    assert checkpoint.load_checkpoint(tmp_path / 'ckpt.pt')['iter_num'] == 8
+    assert 'ckpt.pt carries no checksums' in capsys.readouterr().err
+
+
+
+def run_bytes(out_dir):
+    return {name: (out_dir / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
+
+
+@contextlib.contextmanager
+def stop_at_once(announce):
+    """In place of train.stop_requests: as if Ctrl-C came during the first step."""
+    yield [True]
+
+
+def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monkeypatch):
+    """A NaN loss or gradient norm, a NaN validation loss, and NaN weights about to be saved each stop the run with
+    the step and the likely causes; ckpt.pt and best.pt stay as they were."""
+    copy_run(trained, tmp_path)
+    before = run_bytes(tmp_path)
+    with pytest.raises(train.TrainError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--init_from=resume', '--learning_rate=1e6'))
+    message = str(error.value)
+    assert ' is not finite (NaN or infinity) at step ' in message and message.startswith(('the loss', 'the gradient'))
+    assert f'training stopped without saving; {tmp_path / "ckpt.pt"} (step 8) is the last good checkpoint' in message
+    assert 'Likely causes: a learning rate too high' in message and run_bytes(tmp_path) == before
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)  # a sound file whose optimizer state is NaN:
+    ckpt['optimizer']['state'][0]['exp_avg'] *= math.nan  # step 9's loss and gradients are finite, its update not
+    torch.save(ckpt, tmp_path / 'ckpt.pt')
+    before = run_bytes(tmp_path)
+    with pytest.raises(train.TrainError, match='the validation loss is nan at step 9'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume'))
+    monkeypatch.setattr(train, 'stop_requests', stop_at_once)
+    with pytest.raises(train.TrainError, match=r'is not finite \(NaN or infinity\) at step 9 .*ckpt.pt \(step 8\) is '):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--init_from=resume'))
+    assert run_bytes(tmp_path) == before
+
+
+def test_overwrite_replaces_the_earlier_run_when_it_first_saves(data_dir, tmp_path, trained, monkeypatch, capsys):
+    """--overwrite=True: a new run that fails before its first save leaves the earlier run whole; its first save
+    replaces ckpt.pt and removes the earlier best.pt if it writes none."""
+    copy_run(trained, tmp_path)
+    before = run_bytes(tmp_path)
+    with pytest.raises(train.TrainError, match=r"at step \d+ .* the earlier run's ckpt.pt and best.pt in .* stay as"):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--eval_interval=100', '--learning_rate=1e6',
+                        '--overwrite=True'))
+    assert run_bytes(tmp_path) == before
+    monkeypatch.setattr(train, 'stop_requests', stop_at_once)  # the first save writes ckpt.pt only
+    train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--overwrite=True'))
+    assert f"replaced the earlier run's ckpt.pt and best.pt in {tmp_path}" in capsys.readouterr().out
+    assert not (tmp_path / 'best.pt').exists()
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
+
+
+
+@pytest.mark.parametrize('arg, message', [
+    ('--learning_rate=0', '--learning_rate=0.0 is out of range: set it above 0 (the peak learning rate'),
+    ('--learning_rate=-1', '--learning_rate=-1.0 is out of range: set it above 0'),
+    ('--beta1=1.5', "--beta1=1.5 is out of range: AdamW's beta1 must be at least 0 and below 1 (the default is 0.9)"),
+    ('--beta2=1', "--beta2=1.0 is out of range: AdamW's beta2 must be at least 0 and below 1"),
+    ('--min_lr=-1', '--min_lr=-1.0 is out of range: set it to at least 0 (the learning rate the cosine decays to)'),
+    ('--weight_decay=-1', '--weight_decay=-1.0 is out of range: set it to at least 0'),
+    ('--grad_clip=-1', '--grad_clip=-1.0 is out of range: set it to at least 0 (the gradient norm clipped to; 0: no '
+                       'clipping)'),
+    ('--out_dir=', '--out_dir is empty: name the folder the checkpoints go to'),
+])
+def test_bad_training_settings_are_refused(data_dir, tmp_path, arg, message):
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, tmp_path, arg))
+    assert message in str(error.value)
+    assert not os.listdir(tmp_path)  # before anything is written
+
+
+def test_bad_config_files_and_out_dirs_get_a_message(data_dir, tmp_path, capsys):
+    """A config file with a syntax or a run-time error names its line; an out_dir that cannot be a folder is named;
+    float16 on the CPU trains with a warning; grad_clip=0 (no clipping) trains."""
+    config, types = defaults()
+    bad = tmp_path / 'bad.py'
+    bad.write_text('n_layer = 4\nd_model = (128\n')
+    with pytest.raises(ConfigError, match=r"bad.py, line 2: '\(' was never closed: fix the config file"):
+        load_config(config, [str(bad)], types)
+    bad.write_text('n_layer = 4\n\nd_model = 2 * undefined\n')
+    with pytest.raises(ConfigError, match="bad.py, line 3: NameError: name 'undefined' is not defined: fix the"):
+        load_config(config, [str(bad)], types)
+    for out_dir, reason in ((bad, 'it is a file'), (bad / 'out', 'Not a directory')):
+        with pytest.raises(train.TrainError, match=f'cannot write to --out_dir={out_dir} \\({reason}\\): pass a'):
+            train.main(tiny(data_dir, out_dir, '--max_iters=1'))
+    train.main(tiny(data_dir, tmp_path / 'out', '--max_iters=1', '--dtype=float16', '--grad_clip=0'))
+    assert 'warning: --dtype=float16 on the CPU is slow' in capsys.readouterr().out
+
+
+
+def test_leftovers_are_removed(tmp_path):
+    """A failed prepare_data.py leaves no empty folder; the temporary files of a killed one go at the next run (those
+    of a running process stay); a checkpoint's temporary file goes when the next run claims its out_dir."""
+    latin1 = tmp_path / 'latin1.txt'
+    latin1.write_bytes('café au lait'.encode('latin-1'))
+    with pytest.raises(ValueError, match=r'latin1.txt is not UTF-8 text \(byte 3 of 12 is 0xe9\): convert it'):
+        prepare(str(latin1), 'bytes', tmp_path / 'data', num_proc=1)
+    assert os.listdir(tmp_path / 'data') == []
+    corpus = tmp_path / 'texts'
+    corpus.mkdir()
+    for i, text in enumerate(DOCUMENTS):
+        (corpus / f'{i:02d}.txt').write_text(text, encoding='utf-8')
+    folder = tmp_path / 'data' / 'texts_bytes'
+    folder.mkdir()
+    killed, running = folder / 'train.bin.99999999.tokens.tmp', folder / f'val.bin.{os.getppid()}.tokens.tmp'
+    for path in (killed, running, folder / 'meta.json.99999999.tmp'):
+        path.write_bytes(b'partial')
+    assert prepare(str(corpus), 'bytes', tmp_path / 'data', val_fraction=0.25, num_proc=1) == folder
+    assert sorted(os.listdir(folder)) == ['meta.json', 'train.bin', 'val.bin', running.name]
+    (tmp_path / 'out').mkdir()
+    (tmp_path / 'out' / 'ckpt.pt.tmp').write_bytes(b'partial')
+    with train.claim_out_dir(SimpleNamespace(out_dir=str(tmp_path / 'out'), init_from='scratch', overwrite=False)):
+        assert os.listdir(tmp_path / 'out') == ['train.lock']
+
+
+def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, tmp_path, monkeypatch):
+    """A .txt file that is not UTF-8 is refused as prepare_data.py refuses it; an --out that cannot be written is
+    refused before the evaluation; the default output goes to results/, which git ignores."""
+    latin1 = tmp_path / 'latin1.txt'
+    latin1.write_bytes('café au lait'.encode('latin-1'))
+    with pytest.raises(evaluation.EvalError, match=r'latin1.txt is not UTF-8 text \(byte 3 of 12 is 0xe9\): convert'):
+        evaluation.main([f'--out_dir={trained[0]}', f'--data={latin1}', f'--out={tmp_path / "x"}'])
+    with pytest.raises(ConfigError, match=rf'--out={latin1}/x: cannot write to {latin1} \(it is a file\)'):
+        evaluation.main([f'--out_dir={trained[0]}', f'--out={latin1}/x'])
+    with pytest.raises(ConfigError, match="--out='' is not a path prefix"):
+        evaluation.main([f'--out_dir={trained[0]}', '--out='])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'doc.txt').write_text('To be, or not to be, that is the question.\n')
+    evaluation.main([f'--out_dir={trained[0]}', '--data=doc.txt'])
+    assert sorted(os.listdir(tmp_path / 'results')) == ['loss_by_position.csv', 'loss_by_position.json',
+                                                        'loss_by_position.png']
+    assert '/results/' in open(os.path.join(REPO, '.gitignore')).read().split()
+
+
+
+def readme_commands(sections=('Quickstart', 'Training', 'Sampling', 'Evaluating')):
+    """The python commands in the code blocks of these README sections, in order, as argument lists."""
+    import shlex
+    readme = open(os.path.join(REPO, 'README.md'), encoding='utf-8').read()
+    commands = []
+    for section in sections:
+        body = readme.split(f'\n## {section}\n')[1].split('\n## ')[0]
+        for block in body.split('```')[1::2]:
+            if block.startswith('python\n'):  # Python code, not commands
+                continue
+            for line in block.splitlines():
+                for command in line.split('#')[0].split('&&'):
+                    words = shlex.split(command)
+                    if words[:1] == ['python']:
+                        commands.append(words[1:])
+    return commands
+
+
+def toy(command):
+    """A README command at toy size: for train.py a tiny model and a hundredth of the steps (500 by default: 5), for
+    sample.py 10 tokens; eval.py as written."""
+    script, args = command[0], command[1:]
+    if script == 'train.py':
+        steps = [a.split('=')[0] + f"={int(a.split('=')[1]) // 100}" if a.startswith(('--max_iters=',
+                 '--lr_decay_iters=')) else a for a in args]
+        default_steps = [] if any(a.startswith('--max_iters=') for a in args) else ['--max_iters=5']
+        return steps + default_steps + ['--n_layer=1', '--d_model=32', '--n_memory=8', '--top_k=2', '--batch_size=2',
+                                        '--block_size=32', '--eval_iters=1', '--log_interval=1']
+    if script == 'sample.py':
+        return args + ['--max_new_tokens=10']
+    return args
+
+
+def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
+    """The commands of the README's Quickstart, Training, Sampling and Evaluating, in order in a fresh folder (the
+    default corpus prepared), at toy size; a training run's last line says where it saved."""
+    commands = readme_commands()
+    skipped = [c for c in commands if c[0] == 'test_fm.py' or c[:2] in (['eval.py', 'harness'], ['eval.py', 'scaling'])]
+    assert [c[:2] for c in skipped] == [['test_fm.py'], ['eval.py', 'harness'], ['eval.py', 'scaling']]  # lm-eval, GPU
+    assert len(commands) - len(skipped) >= 9
+    os.symlink(os.path.join(REPO, 'config'), tmp_path / 'config')
+    os.symlink(data_dir, tmp_path / 'data')
+    monkeypatch.chdir(tmp_path)
+    mains = {'train.py': train.main, 'sample.py': sample.main, 'eval.py': evaluation.main}
+    for command in commands:
+        if command not in skipped:
+            mains[command[0]](toy(command))
+            last = capsys.readouterr().out.strip().splitlines()[-1]
+            if command[0] == 'train.py':
+                assert last.startswith('saved ') and 'ckpt.pt (step ' in last and 'python sample.py --out_dir=' in last
+    assert {'out', 'out-fm-small', 'out-transformer-small', 'out-attn'} <= set(os.listdir(tmp_path))
+    assert torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] == 6  # resumed
+    assert os.path.exists(tmp_path / 'results' / 'loss_by_position.csv')
 
 
 if __name__ == "__main__":

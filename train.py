@@ -10,7 +10,9 @@ Several nodes: run on each node
     torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py config/fm_1b.py
 Continue from out_dir/ckpt.pt: add --init_from=resume. Ctrl-C (or SIGTERM) finishes the current step, writes
 out_dir/ckpt.pt and exits; a second Ctrl-C exits at once without saving. A new run refuses an out_dir that holds
-a checkpoint unless --overwrite=True, and a run holds out_dir/train.lock so that no second run trains there.
+a checkpoint unless --overwrite=True (which replaces ckpt.pt and best.pt when the new run saves its first
+checkpoint), and a run holds out_dir/train.lock so that no second run trains there. A NaN or infinite loss or
+gradient norm stops the run without saving anything after it.
 """
 import fcntl
 import math
@@ -24,6 +26,7 @@ import time
 import typing
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, fields
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, nonfinite, save_checkpoint
 from configurator import ConfigError, help_text, load_config
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
@@ -45,7 +48,7 @@ eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10
 always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt is written whenever val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
-overwrite = False  # True: a scratch run may replace the checkpoints of an earlier run in out_dir
+overwrite = False  # True: a scratch run replaces the earlier run's ckpt.pt and best.pt when it first saves
 # wandb logging
 wandb_log = False
 wandb_project = 'factorization-memory'
@@ -74,19 +77,20 @@ max_iters = 500
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
-grad_clip = 1.0  # clip the gradient norm at this value; 0.0 disables
+grad_clip = 1.0  # clip the gradient norm at this value; 0.0: no clipping
 # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
 warmup_iters = 50
 lr_decay_iters = 0  # step where the cosine reaches min_lr; 0: max_iters
 min_lr = 4e-4
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps', ...
-dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast); 'auto': bfloat16 on CUDA, float32 elsewhere
+dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast; a GPU's); 'auto': bfloat16 on CUDA, else float32
 compile = False  # torch.compile the model
 seed = 1337
 # -----------------------------------------------------------------------------
 _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
 _EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
+_NEVER = 2**62  # the step of a non-finite loss or gradient norm while there has been none
 
 
 class TrainError(RuntimeError):
@@ -232,8 +236,9 @@ def main(argv=()):
     cpu_group = dist.new_group(backend='gloo') if dist.is_initialized() else None
     try:
         with ExitStack() as stack:
-            on_rank_0(lambda: stack.enter_context(claim_out_dir(cfg)), rank, cpu_group)  # rank 0 writes checkpoints
-            return train(cfg, config, rank, world_size, device_name, cpu_group)
+            earlier = []  # rank 0 writes checkpoints; these files of an earlier run go when it first does
+            on_rank_0(lambda: earlier.extend(stack.enter_context(claim_out_dir(cfg))), rank, cpu_group)
+            return train(cfg, config, rank, world_size, device_name, cpu_group, earlier)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -249,6 +254,9 @@ _AT_LEAST = {  # setting: (its smallest value, what it counts)
     'eval_interval': (1, 'steps between evaluations'),
     'eval_iters': (1, 'validation batches'),
     'log_interval': (1, 'steps between log lines'),
+    'min_lr': (0, 'the learning rate the cosine decays to'),
+    'weight_decay': (0, "AdamW's decoupled weight decay"),
+    'grad_clip': (0, 'the gradient norm clipped to; 0: no clipping'),
 }
 
 
@@ -258,9 +266,18 @@ def check_settings(cfg):
         raise ConfigError(f"init_from must be 'scratch' or 'resume', not {cfg.init_from!r}")
     if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg.dtype!r}")
+    if not cfg.out_dir:
+        raise ConfigError('--out_dir is empty: name the folder the checkpoints go to (the default is out)')
     for key, (low, meaning) in _AT_LEAST.items():
-        if getattr(cfg, key) < low:
+        if not getattr(cfg, key) >= low:
             raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low} ({meaning})')
+    if not cfg.learning_rate > 0:
+        raise ConfigError(f'--learning_rate={cfg.learning_rate} is out of range: set it above 0 (the peak learning '
+                          f'rate, reached after warmup_iters)')
+    for key in ('beta1', 'beta2'):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise ConfigError(f"--{key}={getattr(cfg, key)} is out of range: AdamW's {key} must be at least 0 and "
+                              f"below 1 (the default is {globals()[key]})")
     check_device(cfg.device)
 
 
@@ -348,10 +365,17 @@ def on_rank_0(step, rank, cpu_group):
 def claim_out_dir(cfg):
     """Hold out_dir/train.lock while the run trains, so that a second run refuses the same out_dir (the kernel
     drops the lock of a process that dies, so a later run takes it over), and refuse a scratch run into an out_dir
-    that holds checkpoints unless --overwrite=True."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    that holds checkpoints unless --overwrite=True. Yields the names of the earlier run's checkpoints that this run
+    replaces when it first saves (until then they stay as they were)."""
     path = os.path.join(cfg.out_dir, 'train.lock')
-    with open(path, 'a+') as lock:
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        lock = open(path, 'a+')
+    except OSError as e:
+        reason = 'it is a file' if os.path.isfile(cfg.out_dir) else e.strerror
+        raise TrainError(f'cannot write to --out_dir={cfg.out_dir} ({reason}): pass a folder you can write '
+                         f'to') from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -369,9 +393,9 @@ def claim_out_dir(cfg):
             raise TrainError(f'{cfg.out_dir} holds {" and ".join(earlier)} of an earlier run, which this new run '
                              f'would replace: continue that run with --init_from=resume, start this one in a new '
                              f'--out_dir, or pass --overwrite=True to replace it')
-        if cfg.init_from == 'scratch' and 'best.pt' in earlier:  # overwriting: no best.pt of the earlier run stays
-            os.remove(os.path.join(cfg.out_dir, 'best.pt'))
-        yield
+        for name in ('ckpt.pt.tmp', 'best.pt.tmp'):  # of a run killed while saving; this run holds the lock
+            Path(cfg.out_dir, name).unlink(missing_ok=True)
+        yield earlier if cfg.init_from == 'scratch' else []
 
 
 @contextmanager
@@ -399,7 +423,8 @@ def stop_requests(announce):
             signal.signal(sig, handler)
 
 
-def train(cfg, config, rank, world_size, device_name, cpu_group):
+def train(cfg, config, rank, world_size, device_name, cpu_group, earlier=()):
+    """Train; earlier: the names of an earlier run's checkpoints in out_dir that the first save replaces."""
     master = rank == 0
     if cfg.gradient_accumulation_steps % world_size:
         raise ConfigError(f'gradient_accumulation_steps={cfg.gradient_accumulation_steps} counts the micro-batches '
@@ -413,6 +438,9 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
         print(f'device {device} ({torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"}), '
               f'dtype {dtype}, world size {world_size}, tokens per step {tokens_per_iter:,} '
               f'({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})')
+        if dtype == 'float16' and device_type == 'cpu':
+            print('warning: --dtype=float16 on the CPU is slow: with PyTorch\'s float16 CPU kernels a step of the '
+                  'default model takes about 10 times as long as in float32. Use --dtype=float32, the default here')
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -464,8 +492,40 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
     val_starts = random_starts(np.random.default_rng(_EVAL_SEED), len(val_tokens), cfg.eval_iters * cfg.batch_size,
                                cfg.block_size)
 
+    saved_iter = iter_num if cfg.init_from == 'resume' else None  # the step of out_dir/ckpt.pt of this run
+
+    def stop_diverged(what, step):
+        """Raise the TrainError of a non-finite value: nothing is saved after it."""
+        if saved_iter is not None:
+            kept = f'{ckpt_path} (step {saved_iter}) is the last good checkpoint'
+        elif earlier:
+            kept = f'the earlier run\'s {" and ".join(earlier)} in {cfg.out_dir} stay as they were'
+        else:
+            kept = 'no checkpoint was written'
+        raise TrainError(f'{what} at step {step} (learning rate {get_lr(step - 1, cfg):.2e}): training stopped '
+                         f'without saving; {kept}. Likely causes: a learning rate too high for this model '
+                         f'(--learning_rate, --warmup_iters, --grad_clip), bad values in the data, or a damaged '
+                         f'checkpoint this run resumed from')
+
+    nonfinite_at = torch.full((2,), _NEVER, device=device)  # the first step of a non-finite loss, gradient norm
+
+    def check_finite():
+        """Stop if a step so far had a non-finite loss or gradient norm on any rank (one sync; at log and save)."""
+        at = nonfinite_at.cpu()
+        if cpu_group is not None:
+            dist.all_reduce(at, op=dist.ReduceOp.MIN, group=cpu_group)
+        if at.min() < _NEVER:
+            stop_diverged(f'the {"loss" if at[0] <= at[1] else "gradient norm"} is not finite (NaN or infinity)',
+                          int(at.min()))
+
     def checkpoint(batch_state):
-        """Gather every rank's batch generator state; rank 0 returns the checkpoint dict, the others None."""
+        """Gather every rank's batch generator state; rank 0 returns the checkpoint dict, the others None. Stops
+        the run instead if a weight or an optimizer state is not finite (checked on every rank)."""
+        optimizer_tensors = {f'the optimizer\'s {key} of parameter {i}': value
+                             for i, state in optimizer.state_dict()['state'].items() for key, value in state.items()}
+        broken = nonfinite({**raw_model.state_dict(), **optimizer_tensors})
+        if broken:
+            stop_diverged(f'{broken[0]} is not finite (NaN or infinity)', iter_num)
         batch_states = [batch_state]
         if cpu_group is not None:
             batch_states = [None] * world_size
@@ -483,8 +543,19 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
         import wandb
         wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=config)
 
+    def save(ckpt, names):
+        """Write ckpt to each out_dir/name (rank 0); the first save also removes the earlier run's other files."""
+        for name in names:
+            save_checkpoint(ckpt, os.path.join(cfg.out_dir, name))
+        for name in earlier:
+            if name not in names:
+                os.remove(os.path.join(cfg.out_dir, name))
+        if earlier:
+            print(f'replaced the earlier run\'s {" and ".join(earlier)} in {cfg.out_dir}')
+            earlier.clear()
+
     history = {'train': [], 'val': []}
-    start_iter, saved_iter, stop_now = iter_num, iter_num, False
+    start_iter, stop_now = iter_num, False
     batch_state = gen.bit_generator.state
     X, Y = get_batch(train_tokens, random_starts(gen, len(train_tokens), cfg.batch_size, cfg.block_size),
                      cfg.block_size, device)
@@ -494,8 +565,11 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
             # evaluate, checkpoint
             due = iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters
             if due and (iter_num > start_iter or cfg.init_from == 'scratch'):  # not again right after resuming
+                check_finite()
                 val_loss = estimate_loss(eval_model, val_tokens, val_starts, cfg, device, ctx, cpu_group, rank,
                                          world_size)
+                if not math.isfinite(val_loss):
+                    stop_diverged(f'the validation loss is {val_loss}', iter_num)
                 history['val'].append((iter_num, val_loss))
                 new_best = iter_num > start_iter and val_loss < best_val_loss
                 if new_best:
@@ -505,22 +579,30 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
                     print(f'step {iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}')
                     if cfg.wandb_log:
                         wandb.log({'iter': iter_num, 'val/loss': val_loss, 'lr': get_lr(iter_num, cfg)})
-                if iter_num > start_iter and (cfg.always_save_checkpoint or iter_num >= cfg.max_iters or new_best):
+                save_last = cfg.always_save_checkpoint or iter_num >= cfg.max_iters
+                names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
+                if iter_num > start_iter and names:
                     ckpt = checkpoint(batch_state)
-                    if master and (cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
-                        save_checkpoint(ckpt, ckpt_path)
+                    if master:
+                        save(ckpt, names)  # best.pt: a file of its own
+                    if 'ckpt.pt' in names:
                         saved_iter = iter_num
-                    if master and new_best:
-                        save_checkpoint(ckpt, os.path.join(cfg.out_dir, 'best.pt'))  # a file of its own
                     del ckpt
                 t_log = time.time()  # leave evaluation out of the timings
             if iter_num >= cfg.max_iters:
+                if master:
+                    best_path = os.path.join(cfg.out_dir, 'best.pt')
+                    best = f' and {best_path} (val loss {best_val_loss:.4f})' if os.path.exists(best_path) else ''
+                    print(f'saved {ckpt_path} (step {iter_num}){best}; sample it with: python sample.py '
+                          f'--out_dir={cfg.out_dir}')
                 break
             if stop_now:
+                check_finite()
                 if saved_iter != iter_num:
                     ckpt = checkpoint(batch_state)
                     if master:
-                        save_checkpoint(ckpt, ckpt_path)
+                        save(ckpt, ['ckpt.pt'])
+                    saved_iter = iter_num
                 if master:
                     print(f'saved {ckpt_path} at step {iter_num}; continue with --init_from=resume')
                 break
@@ -529,6 +611,7 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
             lr = get_lr(iter_num, cfg)
             for param_group in optimizer.param_groups:
                 param_group['lr'] = lr
+            step_loss = torch.zeros((), device=device)
             for micro_step in range(grad_accum):
                 last = micro_step == grad_accum - 1
                 with model.no_sync() if cpu_group is not None and not last else nullcontext():
@@ -539,10 +622,14 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
                     X, Y = get_batch(train_tokens, random_starts(gen, len(train_tokens), cfg.batch_size,
                                                                  cfg.block_size), cfg.block_size, device)
                     scaler.scale(loss / grad_accum).backward()
-                loss_sum += loss.detach() / grad_accum
-            if cfg.grad_clip > 0.0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                step_loss += loss.detach() / grad_accum
+            loss_sum += step_loss
+            scaler.unscale_(optimizer)  # float16: the true gradients, to clip and check; otherwise nothing
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            # no sync here: check_finite reads the first bad step at the next log line or save. float16: the scaler
+            # skips the step of a non-finite gradient itself (and lowers its scale), so only the loss counts
+            finite = torch.stack([torch.isfinite(step_loss), torch.isfinite(grad_norm) | scaler.is_enabled()])
+            nonfinite_at = torch.where(~finite & (nonfinite_at == _NEVER), iter_num + 1, nonfinite_at)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -551,6 +638,7 @@ def train(cfg, config, rank, world_size, device_name, cpu_group):
 
             # log: loss of this rank averaged over the steps since the last log
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+                check_finite()
                 lossf = loss_sum.item() / iters_since_log  # .item() waits for the GPU, so the timing is right
                 dt = (time.time() - t_log) / iters_since_log
                 history['train'].append((iter_num, lossf))

@@ -4,8 +4,8 @@
 # Parameters: 882,007,552 (676,617,728 without the tied embedding), fm_1b: 882,903,072 (-0.10%). The Mamba-2
 # mixer has about d_model^2 more weights per layer than FM, so the SwiGLU width is 4736 instead of 5504.
 # (With the usual expand 2 the mixer alone is 3x bigger than FM's: d_ff = 2752 would match then.)
-# On CUDA the model uses mamba_ssm's fused SSD scan when it is installed (see DESIGN.md); the PyTorch scan
-# it falls back to is slower and needs more memory.
+# On CUDA the model uses mamba_ssm's fused SSD scan when it is installed; the PyTorch scan it falls back to is
+# slower and needs more memory.
 #
 #   torchrun --standalone --nproc_per_node=8 train.py config/mamba2_1b.py
 # (the data and the batch: see config/fm_1b.py)
