@@ -262,7 +262,7 @@ def bench_gemv():
             for way, linear in {"cuBLAS": F.linear, "inductor": compiled}.items():
                 us = time_chain(lambda x, ws: [linear(x, w) for w in ws], x, weights)
                 row.update({f"{way} us": us, f"{way} GB/s": moved / us / 1e3,
-                            f"{way} % copy": 100 * moved / us / 1e6 / bandwidth})
+                            f"{way} % copy": 100 * moved / us * 1e6 / bandwidth})
             rows.append(row)
             print(row, flush=True)
         del weights
@@ -510,12 +510,10 @@ def generate_models(args):
 
 
 def set_decode_switches(args):
-    """The decoding step's compile options and router threshold as args ask (to attribute each one's gain)."""
+    """The decoding step's compile options as args ask (to attribute their gain)."""
     import model as model_module
     if not args.coordinate_descent:
         model_module.STEP_COMPILE_OPTIONS = {}
-    if args.router_reduction_rows is not None:
-        model_module.ROUTER_REDUCTION_ROWS = args.router_reduction_rows
 
 
 def bench_generate(args):
@@ -550,8 +548,7 @@ def bench_generate(args):
         torch._dynamo.reset()  # a fresh compile for the next model (its guards would otherwise pile up)
     model_module.selective_state_update = fused_step
     print(f"\ngeneration: greedy, one CUDA graph a step (every layer, head, sampling; compile={args.compile}, "
-          f"{args.compile_mode}, options {model_module.STEP_COMPILE_OPTIONS}, router reduction up to "
-          f"{model_module.ROUTER_REDUCTION_ROWS} rows), random bf16 weights; "
+          f"{args.compile_mode}, options {model_module.STEP_COMPILE_OPTIONS}), random bf16 weights; "
           f"prefill of one {args.prompt}-token prompt; decode after {args.prompt}-token prompts, median of 3 x "
           f"{args.new_tokens} tokens; floor = (weights + batch x state a step touches) / copy "
           f"{bandwidth / 1e12:.2f} TB/s measured now")
@@ -584,8 +581,8 @@ def decode_kernel_kind(name):
 
 def profile_decode(args, steps=10):
     """torch.profiler over fm_1b k = 8's compiled decoding step run eagerly (no graph: each kernel shows), at each
-    of args.batch: launches and microseconds a step by kernel kind (the LM head is the step's last product; above
-    ROUTER_REDUCTION_ROWS the router's cuBLAS product counts as GEMV), then the kernels by time. Printed and
+    of args.batch: launches and microseconds a step by kernel kind (the LM head is the step's last product), then
+    the kernels by time. Printed and
     written to args.out_dir/generate_profile.txt."""
     from torch.profiler import ProfilerActivity, profile
     from model import Generator, Sampling
@@ -694,8 +691,6 @@ def main():
     parser.add_argument("--models", nargs="+", help="generate: only the models whose name contains one of these")
     parser.add_argument("--coordinate_descent", type=int, default=1,
                         help="generate: 0 compiles the step without STEP_COMPILE_OPTIONS (cuBLAS GEMVs)")
-    parser.add_argument("--router_reduction_rows", type=int,
-                        help="generate: the router's reduction up to this many rows (default: model.py's)")
     parser.add_argument("--out_dir", default="out-bench", help="where plots and profiles go")
     args = parser.parse_args()
     if not torch.cuda.is_available():

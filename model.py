@@ -186,12 +186,6 @@ def memory_step(h, xbar, idx, theta, phi, eps):
     return fm_kernel.fm_step_naive(h, xbar, idx, theta, phi, eps)
 
 
-# A compiled decoding step of at most this many rows computes the router's scores as one float32 reduction (one
-# kernel, 1.7 us a layer at batch 1), more rows as a product (cuBLAS; the reduction took 7.4 us a layer at batch 64,
-# growing about linearly with the rows, past the product's ~3.5 us near 16 rows: kernel_log.md, changes 61 and 66).
-ROUTER_REDUCTION_ROWS = 16
-
-
 class FactorizationMemory(nn.Module):
     """FM mixer: m memory rows of width d_memory, each token writes and reads its top-k rows."""
 
@@ -220,8 +214,7 @@ class FactorizationMemory(nn.Module):
         float32 (so that the top-k is exact); call with autocast off."""
         dtype = compute_dtype(x.dtype)
         weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-        decoding = x.dim() == 2 and torch.compiler.is_compiling()  # a compiled decoding step
-        if decoding and len(x) <= ROUTER_REDUCTION_ROWS:  # few rows: one reduction kernel
+        if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
             scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2), not materialised when compiled
         else:
             weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels

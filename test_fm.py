@@ -527,20 +527,19 @@ def test_router_weights_sum_to_one_over_k_rows(top_k):
     assert ((eta > 0) & (eta < 1) & (mu > 0) & (mu < 1)).all()
 
 
-def test_router_product_at_large_batch_matches_the_reduction():
-    """A compiled decoding step routes up to ROUTER_REDUCTION_ROWS rows through one float32 reduction and more
-    rows through a product: both give the same rows and weights (compilation stood in for by is_compiling)."""
+def test_router_reduction_of_a_decoding_step_matches_the_product():
+    """A compiled decoding step computes the router's scores as one float32 reduction, elsewhere a product: both give
+    the same rows and weights (compilation stood in for by is_compiling)."""
     torch.manual_seed(0)
     layer = FactorizationMemory(tiny_config(top_k=3))
     for p in layer.parameters():  # weights large enough that routing is far from uniform
         torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(model_module.ROUTER_REDUCTION_ROWS + 1, 32)
+    x = torch.randn(17, 32)
     routes, products = [], []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.compiler, 'is_compiling', lambda: True)
         patch.setattr(F, 'linear', lambda *args: products.append(len(routes)) or torch._C._nn.linear(*args))
-        for rows in (len(x) - 1, len(x)):  # the first threshold takes the product, the second the reduction
-            patch.setattr(model_module, 'ROUTER_REDUCTION_ROWS', rows)
+        for compiling in (False, True):  # the product, then the reduction
+            patch.setattr(torch.compiler, 'is_compiling', lambda: compiling)
             routes.append(layer.route(x))
     assert products == [0]
     (idx, *weights), (idx_reduced, *weights_reduced) = routes
