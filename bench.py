@@ -582,8 +582,7 @@ def decode_kernel_kind(name):
 def profile_decode(args, steps=10):
     """torch.profiler over fm_1b k = 8's compiled decoding step run eagerly (no graph: each kernel shows), at each
     of args.batch: launches and microseconds a step by kernel kind (the LM head is the step's last product), then
-    the kernels by time. Printed and
-    written to args.out_dir/generate_profile.txt."""
+    the kernels by time. Printed and written to args.out_dir/generate_profile.txt."""
     from torch.profiler import ProfilerActivity, profile
     from model import Generator, Sampling
     name, path, overrides, _ = GENERATE_MODELS[0]

@@ -104,6 +104,7 @@ ROUTING_SETTINGS = dict(
     dtype='float32',
 )
 ETA_BINS = 20  # the histogram of eta over [0, 1]
+ROUTING_PLOT_MAX = 12  # checkpoints in the heat maps of --out.png
 LOSS_SLICE = 1024  # positions whose logits are formed at once: (1024, V) float32 is 0.4 GB at a 100K vocabulary
 SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m rows and top-k k follows it
     'dense (k = m)': lambda m, k: k == m,
@@ -638,7 +639,7 @@ def run_harness(cfg, out_dir):
 # ----------------------------------------------------------------------------- routing
 
 class RoutingStats:
-    """Running sums, over tokens, of what one FM layer's router does (see routing_summary)."""
+    """Running sums, over tokens, of what one FM layer's router does (see summary)."""
 
     def __init__(self, n_memory, top_k, d_model):
         self.m, self.k, self.tokens = n_memory, top_k, 0
@@ -762,7 +763,8 @@ def run_routing(cfg, out_dirs):
     if cfg['tokens'] < 2 or cfg['chunk_len'] < 1:
         raise ConfigError('tokens must be at least 2 and chunk_len at least 1')
     checkpoints = [open_checkpoint(out_dir, cfg['ckpt']) for out_dir in out_dirs]
-    for ckpt, path in checkpoints:
+    for (ckpt, path), out_dir in zip(checkpoints, out_dirs):
+        check_out(os.path.join(out_dir, 'routing'))  # routing.json goes there: refused now, not after the work
         if ckpt['model_config']['mixer'] != 'fm':
             raise EvalError(f"{path} is a {ckpt['model_config']['mixer']} model: routing is measured on FM "
                             f"checkpoints only")
@@ -796,8 +798,11 @@ def write_routing(results, out):
         for r in results:
             for i, layer in enumerate(r['layers']):
                 writer.writerow([r['label'], r['model'], r['val_loss'], i, *(layer[k] for k in fields)])
-    plotted = plot_routing(results, f'{out}.png')
-    print(f"wrote {out}.csv{', .png' if plotted else ''}")
+    shown = results[:ROUTING_PLOT_MAX]
+    plotted = plot_routing(shown, f'{out}.png')
+    note = f' (the first {len(shown)} of {len(results)} checkpoints; each out_dir has its own)' if len(shown) < len(
+        results) else ''
+    print(f"wrote {out}.csv{', .png' + note if plotted else ''}")
 
 
 # ----------------------------------------------------------------------------- memory scaling
@@ -906,22 +911,19 @@ def run_scaling(cfg, sources):
 # ----------------------------------------------------------------------------- learning rates and the loss frontier
 
 def run_folders(sources):
-    """Run folders (holding ckpt.pt) from --runs values, each a run folder or a folder of run folders (a .csv is
-    read by csv_records)."""
+    """Run folders (holding ckpt.pt) from --runs values, each a run folder or a folder of run folders."""
     if not sources:
         raise ConfigError('--runs=FOLDER: a run folder (with ckpt.pt) or a folder of run folders; --runs may repeat')
     folders = []
     for source in sources:
         path = Path(source)
-        if path.suffix == '.csv' and path.is_file():
-            continue
         if (path / 'ckpt.pt').is_file():
             folders.append(path)
         elif path.is_dir():
             folders.extend(ckpt.parent for ckpt in sorted(path.glob('*/ckpt.pt')))
         else:
             raise EvalError(f'--runs={source}: not a run folder (with ckpt.pt) or a folder of run folders')
-    if not folders and not any(source.endswith('.csv') for source in sources):
+    if not folders:
         raise EvalError(f'no runs (ckpt.pt) in {", ".join(sources)}')
     return folders
 
@@ -1019,10 +1021,13 @@ def sweep(sources):
         run_folders(sources)  # the message saying what --runs takes
     merged = {}  # a later source's record of a run replaces an earlier one
     for source in sources:
-        found = csv_records(source) if source.endswith('.csv') else [run_record(f) for f in run_folders([source])]
+        is_csv = source.endswith('.csv') and Path(source).is_file()
+        found = csv_records(source) if is_csv else [run_record(folder) for folder in run_folders([source])]
         merged.update((run_key(r), r) for r in found)
     records = list(merged.values())
     table = by_model_and_lr(records)
+    if not table:
+        raise EvalError(f'no finished runs in {", ".join(sources)}: train them to the end first')
     best = best_learning_rates(table)
     for r in records:
         r['best_lr'] = int(best.get(r['model']) == r['learning_rate'] and r['iter_num'] >= r['max_iters'])

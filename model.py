@@ -198,7 +198,7 @@ class FactorizationMemory(nn.Module):
             self.register_buffer('input_mean', torch.zeros(config.d_model))  # a running average
             self.register_buffer('input_mean_batches', torch.zeros((), dtype=torch.long))
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
-        self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu); biases 0: eta = mu = 0.5 at init
+        self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu); b_eta = eta_bias, b_mu = 0
         self.in_proj = nn.Linear(config.d_model, config.memory_dim, bias=False)  # W_i
         self.out_proj = nn.Linear(config.memory_dim, config.d_model, bias=False)  # W_o
 
@@ -274,8 +274,8 @@ class FactorizationMemory(nn.Module):
 def balance_loss(alpha, top_k):
     """Load balancing of a router (Switch Transformer): m * sum_i share_i * p_i over the tokens of alpha (..., m),
     the full softmax, where p_i is row i's mean probability and share_i its share of the routing (the fraction of
-    the top-k selections, or p_i itself when dense; not differentiated). It is 1 when every row is used equally
-    and m when every token puts all its weight on one row."""
+    the top-k selections, or p_i itself when dense; not differentiated). It is 1 when every row is used equally,
+    and m (dense) or m / k (top-k) when every token puts all its weight on one row."""
     alpha = alpha.flatten(0, -2)  # (N, m)
     p = alpha.mean(0)  # (m,)
     if top_k < alpha.shape[-1]:
@@ -666,9 +666,9 @@ class Model(nn.Module):
         exempt = set()
         if self.config.mixer == 'fm' and not self.config.router_weight_decay:
             exempt = {id(p) for block in self.blocks for p in (block.mixer.router.weight, block.mixer.rates.weight)}
-        decayed = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
-        groups = [{'params': decayed, 'weight_decay': weight_decay},
-                  {'params': [p for p in params if id(p) not in {id(q) for q in decayed}], 'weight_decay': 0.0}]
+        decays = [p.dim() >= 2 and id(p) not in exempt for p in params]
+        groups = [{'params': [p for p, d in zip(params, decays) if d], 'weight_decay': weight_decay},
+                  {'params': [p for p, d in zip(params, decays) if not d], 'weight_decay': 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
 

@@ -1096,9 +1096,10 @@ def test_harness_runs_a_local_task_offline(tmp_path, monkeypatch):
 
 def test_reproduction_configs_differ_only_in_the_model():
     """The extrapolation baselines have FM's parameter count (within 0.5%) and its data, context, tokens and
-    schedule."""
+    schedule; each its own learning rate (the best of reproduce.sh's sweep)."""
     config, types = defaults()
-    architecture = {f.name for f in fields(ModelConfig)} - {'block_size'} | {'out_dir', 'wandb_run_name'}
+    architecture = {f.name for f in fields(ModelConfig)} - {'block_size'} | {'out_dir', 'wandb_run_name',
+                                                                             'learning_rate', 'min_lr'}
     paths = {name: os.path.join(REPO, 'config', f'extrapolation_{name}.py') for name in ('fm', 'transformer', 'mamba2')}
     training = {name: {k: v for k, v in load_config(config, [path], types).items() if k not in architecture}
                 for name, path in paths.items()}
@@ -2303,6 +2304,7 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     assert {'out', 'out-fm-small', 'out-transformer-small', 'out-attn'} <= set(os.listdir(tmp_path))
     assert torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] == 6  # resumed
     assert os.path.exists(tmp_path / 'results' / 'loss_by_position.csv')
+    assert os.path.exists(tmp_path / 'out-fm-small' / 'routing.json') and os.path.exists(tmp_path / 'results' / 'sweep.csv')
 
 
 if __name__ == "__main__":

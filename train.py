@@ -469,7 +469,12 @@ def train(cfg, config, rank, world_size, device_name, cpu_group, earlier=()):
                                                device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt['optimizer'])
+        try:
+            optimizer.load_state_dict(ckpt['optimizer'])
+        except ValueError:  # parameters the checkpoint's optimizer holds apart that this code holds as one
+            raise TrainError(f'{ckpt_path} was saved by code with separate gate/up (and q/k/v) products; this code '
+                             f'fuses them. The model loads (sample.py and eval.py use it), but its optimizer state '
+                             f'cannot be resumed: start a new run, or resume with the code that wrote it') from None
         if ckpt.get('scaler') and scaler.is_enabled():  # float16 runs only; empty for bfloat16 / float32
             scaler.load_state_dict(ckpt['scaler'])
     model = torch.compile(raw_model) if cfg.compile else raw_model

@@ -24,8 +24,8 @@ top_k = 16  # k = m/4
 tau = 1.0
 chunk_size = 64
 
-learning_rate = 2e-3
-min_lr = 2e-4
+learning_rate = 1e-3  # the best of 2.5e-4 to 2e-3 for k = 16 and dense (k = 4: 5e-4), reproduce.sh extrapolation
+min_lr = 1e-4
 warmup_iters = 60
 max_iters = 640
 

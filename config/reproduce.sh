@@ -26,6 +26,7 @@
 #   LRS_TRANSFORMER="1e-3 2e-3 4e-3"  learning rates of the Transformer (extrapolation and frontier); a rate
 #   LRS_MAMBA2="2e-3 4e-3 8e-3"       added later trains only its own runs; eval.py warns when a model's best
 #   LRS_FM="5e-4 1e-3 2e-3"           rate is the lowest or highest of its grid (every FM model)
+#   LR_FM=1e-3              the learning rate of the routing subset's FM runs (FM's best in the extrapolation subset)
 #   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
 #   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv,
 #                           routing.csv and scaling.csv list are not trained again; the tables and plots include them
@@ -144,10 +145,10 @@ extrapolation() {
     extrapolation_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     local runs
-    runs=$(extrapolation_runs | finished)
-    [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    runs="$(extrapolation_runs | finished) $(previous extrapolation_lr.csv)"
+    [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
-    python eval.py sweep $runs $(previous extrapolation_lr.csv) --out="$RESULTS/extrapolation_lr"
+    python eval.py sweep $runs --out="$RESULTS/extrapolation_lr"
     # each model at its best learning rate, every seed (those trained here; an earlier machine's are in its results);
     # attention runs a document in one pass: its first 32,768 positions (64x its context), the others whole
     runs=$(while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done \
@@ -194,10 +195,10 @@ frontier() {
     frontier_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     local runs
-    runs=$(frontier_runs | finished)
-    [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    runs="$(frontier_runs | finished) $(previous frontier.csv)"
+    [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
-    python eval.py frontier $runs $(previous frontier.csv) --out="$RESULTS/frontier"
+    python eval.py frontier $runs --out="$RESULTS/frontier"
 }
 
 routing_runs() {  # FM's router remedies and unspecified choices against the plain layer, at FM's rate LR_FM
@@ -235,7 +236,7 @@ routing() {
 
 scaling() {
     local done_before=" "
-    [[ -f $PREVIOUS/scaling.csv ]] && done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/scaling.csv")"
+    [[ -n $PREVIOUS && -f $PREVIOUS/scaling.csv ]] && done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/scaling.csv")"
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
     # about 5 GB each, so only a few of those at a time
     for tau in 1 0.5 0.25 0.125; do
