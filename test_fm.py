@@ -1234,9 +1234,12 @@ def routing_by_hand(model, tokens):
         mixer = block.mixer
         x = block.mixer_norm(model.embed(tokens)).detach().double()  # (N, 32)
         probs = torch.softmax(x @ mixer.router.weight.detach().double().T, -1)  # (N, 8), tau = 1
-        chosen = probs if mixer.top_k == 8 else torch.zeros_like(probs).scatter(-1, probs.topk(mixer.top_k).indices, 1.0)
+        if mixer.top_k < 8:  # a selection counts 1
+            probs_or_selections = torch.zeros_like(probs).scatter(-1, probs.topk(mixer.top_k).indices, 1.0)
+        else:
+            probs_or_selections = probs
         eta = torch.sigmoid(x @ mixer.rates.weight[0].detach().double() + mixer.rates.bias[0].item())
-        layers.append({'usage': chosen.mean(0), 'entropy': float(-(probs * probs.log()).sum(-1).mean()),
+        layers.append({'usage': probs_or_selections.mean(0), 'entropy': float(-(probs * probs.log()).sum(-1).mean()),
                        'eta_mean': float(eta.mean())})
     return layers
 
@@ -1273,8 +1276,9 @@ def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
             assert layer['entropy'] == pytest.approx(want['entropy'], abs=1e-9)
             assert layer['eta_mean'] == pytest.approx(want['eta_mean'], abs=1e-6)
         saved = json.loads((tmp_path / name / 'routing.json').read_text())
-        assert [{key: layer[key] for key in ('usage', 'dead_rows', 'entropy', 'eta_mean')} for layer in saved['layers']] \
-            == [{key: layer[key] for key in ('usage', 'dead_rows', 'entropy', 'eta_mean')} for layer in result['layers']]
+        keys = ('usage', 'dead_rows', 'entropy', 'eta_mean')
+        assert [[layer[key] for key in keys] for layer in saved['layers']] == [
+            [layer[key] for key in keys] for layer in result['layers']]
     with open(out.with_suffix('.csv')) as f:
         rows = list(csv.DictReader(f))
     assert [(row['checkpoint'], row['layer']) for row in rows] == [('sparse', '0'), ('sparse', '1'), ('dense', '0'),
@@ -1482,9 +1486,10 @@ def test_frontier_evaluates_only_the_runs_without_losses(tmp_path, monkeypatch):
     opened, open_checkpoint = [], evaluation.open_checkpoint
     monkeypatch.setattr(evaluation, 'open_checkpoint', lambda out_dir, name: opened.append(out_dir) or (
         open_checkpoint(out_dir, name) if out_dir == attn else pytest.fail(f'opened {out_dir}')))
-    records, points = evaluation.main(['frontier', f'--runs={tmp_path / "earlier_frontier.csv"}',
-                                       f'--runs={tmp_path / "here" / "frontier"}', f'--data={routing_texts(tmp_path / "texts")}',
-                                       f'--out={tmp_path / "frontier"}', '--device=cpu'])
+    texts = routing_texts(tmp_path / 'texts')
+    _, points = evaluation.main(['frontier', f'--runs={tmp_path / "earlier_frontier.csv"}',
+                                 f'--runs={tmp_path / "here" / "frontier"}', f'--data={texts}',
+                                 f'--out={tmp_path / "frontier"}', '--device=cpu'])
     assert opened == [attn]
     with open(tmp_path / 'frontier.csv') as f:
         rows = {evaluation.run_key(row): row for row in csv.DictReader(f)}
