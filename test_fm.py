@@ -7,6 +7,7 @@ which run on the CPU under TRITON_INTERPRET=1 when no GPU is present (as in CI).
 
 import contextlib
 import copy
+import csv
 import glob
 import json
 import math
@@ -1198,6 +1199,335 @@ def test_training_flops_match_a_hand_count(name, tmp_path):
     record = evaluation.run_record(tmp_path / 'run')
     assert record['forward_flops'] == forward * tokens and record['non_embedding_parameters'] == params
     assert (record['learning_rate'], record['seed'], record['val_loss'], record['tokens']) == (1e-3, 1, 2.5, tokens)
+
+
+# ----------------------------------------------------------------------------- FM's router settings, eval.py routing,
+# the results of an earlier machine
+
+def planted_router_model(top_k):
+    """A byte FM model (m = 8) whose blocks add nothing (out_proj and down_proj zero), so that every layer's router
+    sees norm(embed[token]). The embedding's first coordinate is 1 for every token, so that input's first coordinate
+    is positive; row 0 of each router, -20 on it and 0 elsewhere, loses to every other row (0 on it): a dead row."""
+    torch.manual_seed(11)
+    model = Model(tiny_config(vocab_size=256, top_k=top_k))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(('out_proj.weight', 'down_proj.weight')):
+                p.zero_()
+        model.embed.weight.normal_(std=0.3)[:, 0] = 1.0
+        for block in model.blocks:
+            weight = block.mixer.router.weight.normal_(std=0.5)  # (8, 32): routing far from uniform
+            weight[:, 0] = 0.0
+            weight[0] = 0.0
+            weight[0, 0] = -20.0
+    for block in model.blocks:  # row 0's logit is below every other row's for every token of the vocabulary
+        logits = block.mixer.router(block.mixer_norm(model.embed.weight)).detach()  # (256, 8)
+        assert (logits[:, 1:].min(-1).values - logits[:, 0] > 5).all()
+    return model
+
+
+def routing_by_hand(model, tokens):
+    """Each layer's usage (dense: mean alpha a row; sparse: the share of tokens selecting it), mean entropy of the
+    softmax and mean eta, for a planted_router_model, whose every layer sees norm(embed[token])."""
+    layers = []
+    for block in model.blocks:
+        mixer = block.mixer
+        x = block.mixer_norm(model.embed(tokens)).detach().double()  # (N, 32)
+        probs = torch.softmax(x @ mixer.router.weight.detach().double().T, -1)  # (N, 8), tau = 1
+        if mixer.top_k < 8:  # a selection counts 1
+            probs_or_selections = torch.zeros_like(probs).scatter(-1, probs.topk(mixer.top_k).indices, 1.0)
+        else:
+            probs_or_selections = probs
+        eta = torch.sigmoid(x @ mixer.rates.weight[0].detach().double() + mixer.rates.bias[0].item())
+        layers.append({'usage': probs_or_selections.mean(0), 'entropy': float(-(probs * probs.log()).sum(-1).mean()),
+                       'eta_mean': float(eta.mean())})
+    return layers
+
+
+def routing_texts(folder):
+    """Two .txt files of 90 and 40 printable bytes."""
+    folder.mkdir()
+    for i, n in enumerate((90, 40)):
+        (folder / f'{i}.txt').write_text(''.join(chr(33 + (j * 37 + i * 11) % 90) for j in range(n)))
+    return folder
+
+
+def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
+    """eval.py routing on a sparse (k = 3) and a dense FM checkpoint, every token measured: usage, dead rows, entropy
+    and eta as counted by hand; usage sums to k (dense: 1); the planted dead row is counted, with usage 0 (dense: below
+    1/(10 m)); routing.json in each out_dir, --out's .csv a row a checkpoint and layer."""
+    texts = routing_texts(tmp_path / 'texts')
+    models = {'sparse': planted_router_model(3), 'dense': planted_router_model(None)}
+    dirs = {name: save_model_checkpoint(model, tmp_path / name) for name, model in models.items()}
+    out = tmp_path / 'all' / 'routing'
+    results = evaluation.main(['routing', *(f'--out_dir={d}' for d in dirs.values()), f'--data={texts}',
+                               '--tokens=1000', '--chunk_len=16', f'--out={out}', '--device=cpu'])
+    tokens = torch.tensor([b for i in (0, 1) for b in (texts / f'{i}.txt').read_bytes()])
+    assert [r['label'] for r in results] == ['sparse', 'dense']
+    for (name, model), result in zip(models.items(), results):
+        k = 3 if name == 'sparse' else 1
+        assert result['tokens'] == 130 and len(result['layers']) == 2
+        for layer, want in zip(result['layers'], routing_by_hand(model, tokens)):
+            usage = torch.tensor(layer['usage'], dtype=torch.float64)
+            assert (usage - want['usage']).abs().max() < 1e-9, name
+            assert abs(usage.sum() - k) < 1e-9
+            assert usage[0] == 0 if name == 'sparse' else usage[0] < 1e-3
+            assert layer['dead_rows'] == int((want['usage'] < 1 / 80).sum()) >= 1
+            assert layer['entropy'] == pytest.approx(want['entropy'], abs=1e-9)
+            assert layer['eta_mean'] == pytest.approx(want['eta_mean'], abs=1e-6)
+        saved = json.loads((tmp_path / name / 'routing.json').read_text())
+        keys = ('usage', 'dead_rows', 'entropy', 'eta_mean')
+        assert [[layer[key] for key in keys] for layer in saved['layers']] == [
+            [layer[key] for key in keys] for layer in result['layers']]
+    with open(out.with_suffix('.csv')) as f:
+        rows = list(csv.DictReader(f))
+    assert [(row['checkpoint'], row['layer']) for row in rows] == [('sparse', '0'), ('sparse', '1'), ('dense', '0'),
+                                                                   ('dense', '1')]
+    assert [int(row['dead_rows']) for row in rows] == [layer['dead_rows'] for r in results for layer in r['layers']]
+
+
+@pytest.mark.parametrize('name', ['attn', 'mamba2'])
+def test_routing_refuses_a_checkpoint_of_another_mixer(name, tmp_path):
+    """An FM and a non-FM checkpoint: refused before any work, naming the other one and its mixer."""
+    fm = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'fm')
+    other = save_model_checkpoint(Model(tiny_config(vocab_size=256, **MIXERS[name])), tmp_path / name)
+    with pytest.raises(evaluation.EvalError, match=rf'{os.path.join(other, "ckpt.pt")} is a {name} model: .*FM'):
+        evaluation.main(['routing', f'--out_dir={fm}', f'--out_dir={other}', '--device=cpu'])
+    assert not (tmp_path / 'fm' / 'routing.json').exists()
+
+
+def test_routing_stats_of_uniform_and_token_independent_routers():
+    """A router of zero weights is uniform: entropy log m, dense usage 1/m a row, m effective rows. The same input for
+    every token leaves only a token-independent part in the router's input and centred logits (shares 1); inputs
+    drawn around zero have almost none."""
+    torch.manual_seed(0)
+    mixer = FactorizationMemory(tiny_config())
+    torch.nn.init.zeros_(mixer.router.weight)
+    stats = evaluation.RoutingStats(8, 8, 32)
+    stats.add(mixer, torch.randn(3, 20, 32))
+    layer = stats.summary()
+    assert layer['entropy'] == pytest.approx(math.log(8), abs=1e-12) and layer['entropy_uniform'] == math.log(8)
+    assert layer['usage'] == pytest.approx([1 / 8] * 8, abs=1e-12)
+    assert layer['effective_rows'] == pytest.approx(8) and layer['dead_rows'] == layer['rare_rows'] == 0
+    mixer = FactorizationMemory(tiny_config(top_k=3))
+    torch.nn.init.normal_(mixer.router.weight, std=0.5)
+    same, spread = evaluation.RoutingStats(8, 3, 32), evaluation.RoutingStats(8, 3, 32)
+    same.add(mixer, torch.randn(32).expand(2, 50, 32))
+    spread.add(mixer, torch.randn(2, 2000, 32))
+    same, spread = same.summary(), spread.summary()
+    assert same['logit_bias_share'] == pytest.approx(1, abs=1e-9) and same['input_mean_share'] == pytest.approx(1)
+    assert same['usage'].count(1.0) == 3 and same['dead_rows'] == 5 and same['busiest_row'] == 1.0
+    assert spread['logit_bias_share'] < 0.01 and spread['input_mean_share'] < 0.01
+
+
+def test_balance_loss_values_and_gradient():
+    """Switch's m * sum_i share_i p_i: 1 for uniform routing, m with every token on one row (k = 1 or dense; m/k with
+    top-k); by hand for two tokens (m = 4, k = 2: shares 1/4, 1/2, 1/4, 0); its gradient flows through p only: m share_i
+    / N for each token."""
+    balance_loss = model_module.balance_loss
+    uniform = torch.full((5, 7, 8), 1 / 8, dtype=torch.float64)
+    for k in (8, 3, 1):
+        assert balance_loss(uniform, k).item() == pytest.approx(1, abs=1e-12)
+    one_row = torch.zeros(5, 7, 8, dtype=torch.float64)
+    one_row[..., 2] = 1.0
+    assert [balance_loss(one_row, k).item() for k in (8, 1, 2)] == pytest.approx([8, 8, 4], abs=1e-12)
+    two = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.3, 0.0]], dtype=torch.float64)
+    assert balance_loss(two, 2).item() == pytest.approx(4 * (0.3 / 4 + 0.45 / 2 + 0.25 / 4), abs=1e-12)
+    assert balance_loss(two, 4).item() == pytest.approx(4 * (0.3 ** 2 + 0.45 ** 2 + 0.25 ** 2), abs=1e-12)
+    torch.manual_seed(0)
+    for k in (8, 3):
+        alpha = torch.softmax(torch.randn(3, 5, 8, dtype=torch.float64), -1).requires_grad_()
+        balance_loss(alpha, k).backward()
+        p = alpha.detach().flatten(0, 1).mean(0)
+        share = p if k == 8 else torch.zeros(15, 8, dtype=torch.float64).scatter(
+            -1, alpha.detach().flatten(0, 1).topk(k).indices, 1.0).mean(0) / k
+        torch.testing.assert_close(alpha.grad, (8 * share / 15).expand(3, 5, 8), rtol=1e-12, atol=1e-15)
+
+
+def test_balance_loss_joins_the_training_loss_only():
+    """Training: the loss is the cross-entropy + router_balance x the mean over layers of each router's balance loss
+    (by hand from the layer's input), which reaches the router's weights; evaluation: the cross-entropy alone."""
+    torch.manual_seed(3)
+    model = Model(tiny_config(top_k=3, router_balance=0.5, init_std=0.2))
+    idx, targets = torch.randint(0, 64, (2, 2, 20))
+    inputs = []
+    hooks = [block.mixer.register_forward_hook(lambda mixer, args, out: inputs.append((mixer, args[0])))
+             for block in model.blocks]
+    logits, loss = model.train()(idx, targets)
+    for hook in hooks:
+        hook.remove()
+    cross_entropy = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    by_hand = [model_module.balance_loss(torch.softmax(mixer.router(x), -1), 3) for mixer, x in inputs]
+    assert len(by_hand) == 2 and by_hand[0].item() != by_hand[1].item()
+    assert loss.item() == pytest.approx((cross_entropy + 0.5 * (by_hand[0] + by_hand[1]) / 2).item(), rel=1e-6)
+    routers = [block.mixer.router.weight for block in model.blocks]
+    assert all(g.abs().max() > 0 for g in torch.autograd.grad(loss - cross_entropy, routers))
+    logits, loss = model.eval()(idx, targets)
+    assert loss.item() == F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+def test_router_center_keeps_a_running_mean_of_the_training_inputs(monkeypatch):
+    """Training passes: the mean of the first batch, then of the first n (n <= 1/CENTER_MOMENTUM), then a running
+    average of weight CENTER_MOMENTUM; the logits are W_alpha (x - mean); evaluation passes leave the mean alone."""
+    torch.manual_seed(4)
+    layer = FactorizationMemory(tiny_config(router_center=True)).double().train()
+    batches = [torch.randn(2, 5, 32, dtype=torch.float64) + 3 for _ in range(4)]
+    layer(batches[0])
+    torch.testing.assert_close(layer.input_mean, batches[0].mean((0, 1)), rtol=0, atol=1e-12)
+    for x in batches[1:]:
+        layer.route(x)
+    want = torch.stack(batches).mean((0, 1, 2))
+    torch.testing.assert_close(layer.input_mean, want, rtol=1e-7, atol=0)  # the weights 1/n are float32
+    monkeypatch.setattr(model_module, 'CENTER_MOMENTUM', 0.5)  # the fifth batch weighs max(1/5, 0.5)
+    x = torch.randn(2, 5, 32, dtype=torch.float64) - 1
+    layer.route(x)
+    want = 0.5 * want + 0.5 * x.mean((0, 1))
+    torch.testing.assert_close(layer.input_mean, want, rtol=1e-7, atol=0)
+    assert layer.input_mean_batches.item() == 5
+    layer.eval()
+    mean = layer.input_mean.clone()
+    x = torch.randn(3, 32, dtype=torch.float64)
+    logits, _ = layer.router_logits(x)
+    layer(x[None])
+    torch.testing.assert_close(logits, (x - mean) @ layer.router.weight.T, rtol=0, atol=1e-12)
+    assert torch.equal(layer.input_mean, mean) and layer.input_mean_batches.item() == 5
+
+
+def test_router_settings_at_their_defaults_leave_the_model_as_it_was(monkeypatch):
+    """The default model's weights are those drawn without init_router, and it has no running-mean buffers (so the
+    checkpoints of before load); router_center adds exactly those two buffers a layer."""
+    torch.manual_seed(5)
+    default = Model(tiny_config(top_k=3))
+    centred = Model(tiny_config(top_k=3, router_center=True))
+    monkeypatch.setattr(FactorizationMemory, 'init_router', lambda self, config: None)
+    torch.manual_seed(5)
+    before = Model(tiny_config(top_k=3))
+    assert list(default.state_dict()) == list(before.state_dict())
+    for name, tensor in before.state_dict().items():
+        assert torch.equal(default.state_dict()[name], tensor), name
+    default.load_state_dict(before.state_dict())
+    assert set(centred.state_dict()) - set(default.state_dict()) == {
+        f'blocks.{i}.mixer.{buffer}' for i in range(2) for buffer in ('input_mean', 'input_mean_batches')}
+
+
+def test_eta_bias_and_router_init_std_change_only_their_weights():
+    """eta_bias sets b_eta (b_mu stays 0) and router_init_std the std of W_alpha; every other weight is the one the
+    same seed draws without them."""
+    torch.manual_seed(6)
+    plain = Model(tiny_config(top_k=3))
+    torch.manual_seed(6)
+    changed = Model(tiny_config(top_k=3, eta_bias=-2.0, router_init_std=0.5))
+    for (name, p), q in zip(plain.state_dict().items(), changed.state_dict().values()):
+        if name.endswith('rates.bias'):
+            assert p.tolist() == [0.0, 0.0] and q.tolist() == [-2.0, 0.0], name
+        elif not name.endswith('router.weight'):
+            assert torch.equal(p, q), name
+    for model, std in ((plain, 0.02), (changed, 0.5)):
+        weights = torch.cat([block.mixer.router.weight.flatten() for block in model.blocks])  # 512 values
+        assert 0.9 * std < weights.std() < 1.1 * std and abs(weights.mean()) < 0.2 * std  # 4.5 standard errors
+
+
+@pytest.mark.parametrize('router_weight_decay', [True, False])
+def test_router_weight_decay_setting(router_weight_decay):
+    """router_weight_decay=False moves W_alpha and the rates' weights (w_eta, w_mu) to the group without decay; every
+    other matrix decays; each parameter is in one group exactly."""
+    model = Model(tiny_config(top_k=3, router_weight_decay=router_weight_decay))
+    decay, no_decay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu').param_groups
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed, not_decayed = ([names[id(p)] for p in group['params']] for group in (decay, no_decay))
+    assert sorted(decayed + not_decayed) == sorted(names.values())
+    router = {f'blocks.{i}.mixer.{w}.weight' for i in range(2) for w in ('router', 'rates')}
+    matrices = {name for name, p in model.named_parameters() if p.dim() >= 2}
+    assert router <= matrices and set(decayed) == (matrices if router_weight_decay else matrices - router)
+    assert decay['weight_decay'] == 0.1 and no_decay['weight_decay'] == 0.0
+
+
+def sweep_run(folder, lr, loss, block_size=48, **model):
+    """A finished run folder of tiny_config(**model), block_size as given, trained at lr to validation loss."""
+    return save_model_checkpoint(Model(tiny_config(block_size=block_size, **model)), folder, best_val_loss=loss,
+                                 iter_num=10, data_state={'tokens_seen': 10 * 4 * block_size},
+                                 train_config={'max_iters': 10, 'learning_rate': lr, 'min_lr': lr / 10, 'seed': 1})
+
+
+def test_sweep_merges_the_csv_of_an_earlier_machine(tmp_path):
+    """eval.py sweep of an earlier machine's .csv and this machine's runs: every run once (the later source's record
+    of a run of the same subset/name), the best learning rate over both."""
+    earlier, here = tmp_path / 'earlier' / 'extrapolation', tmp_path / 'here' / 'extrapolation'
+    for folder, lr, loss in ((earlier, 5e-4, 1.5), (earlier, 1e-3, 9.9), (here, 1e-3, 2.0), (here, 2e-3, 1.9)):
+        sweep_run(folder / f'fm-lr{lr:g}-s1', lr, loss, **MIXERS['fm_sparse'])
+    evaluation.main(['sweep', f'--runs={earlier}', f'--out={tmp_path / "earlier_lr"}'])
+    records, best = evaluation.main(['sweep', f'--runs={tmp_path / "earlier_lr.csv"}', f'--runs={here}',
+                                     f'--out={tmp_path / "lr"}'])
+    assert {evaluation.run_key(r): r['val_loss'] for r in records} == {
+        'extrapolation/fm-lr0.0005-s1': 1.5, 'extrapolation/fm-lr0.001-s1': 2.0, 'extrapolation/fm-lr0.002-s1': 1.9}
+    assert list(best.values()) == [5e-4] and sum(r['best_lr'] for r in records) == 1
+    assert (tmp_path / 'lr_best.txt').read_text() == f"{earlier / 'fm-lr0.0005-s1'}\n"
+    with open(tmp_path / 'lr.csv') as f:
+        assert len(list(csv.DictReader(f))) == 3
+    records, _ = evaluation.main(['sweep', f'--runs={here}', f'--runs={tmp_path / "earlier_lr.csv"}',
+                                  f'--out={tmp_path / "lr2"}'])
+    assert {evaluation.run_key(r): r['val_loss'] for r in records}['extrapolation/fm-lr0.001-s1'] == 9.9
+
+
+def test_frontier_evaluates_only_the_runs_without_losses(tmp_path, monkeypatch):
+    """eval.py frontier of an earlier machine's frontier.csv (FM, its best rate with its losses) and this machine's
+    attention run: only the attention checkpoint is opened; frontier.csv holds both, the earlier losses as they were."""
+    earlier = tmp_path / 'earlier' / 'frontier'
+    for lr, loss in ((5e-4, 1.5), (1e-3, 1.7)):
+        sweep_run(earlier / f'fm-lr{lr:g}-s1', lr, loss, block_size=8, vocab_size=256, **MIXERS['fm_sparse'])
+    records, _, _ = evaluation.sweep([str(earlier)])
+    for r in records:
+        if r['best_lr']:
+            r['loss_so_far_2x'], r['loss_so_far_8x'] = 1.25, 1.125
+    fields = evaluation.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x')
+    evaluation.write_records(records, fields, tmp_path / 'earlier_frontier.csv')
+    attn = sweep_run(tmp_path / 'here' / 'frontier' / 'attn-lr1e-3-s1', 1e-3, 2.0, block_size=8, vocab_size=256,
+                     **MIXERS['attn'])
+    opened, open_checkpoint = [], evaluation.open_checkpoint
+    monkeypatch.setattr(evaluation, 'open_checkpoint', lambda out_dir, name: opened.append(out_dir) or (
+        open_checkpoint(out_dir, name) if out_dir == attn else pytest.fail(f'opened {out_dir}')))
+    texts = routing_texts(tmp_path / 'texts')
+    _, points = evaluation.main(['frontier', f'--runs={tmp_path / "earlier_frontier.csv"}',
+                                 f'--runs={tmp_path / "here" / "frontier"}', f'--data={texts}',
+                                 f'--out={tmp_path / "frontier"}', '--device=cpu'])
+    assert opened == [attn]
+    with open(tmp_path / 'frontier.csv') as f:
+        rows = {evaluation.run_key(row): row for row in csv.DictReader(f)}
+    assert set(rows) == {'frontier/fm-lr0.0005-s1', 'frontier/fm-lr0.001-s1', 'frontier/attn-lr1e-3-s1'}
+    fm, attn_row = rows['frontier/fm-lr0.0005-s1'], rows['frontier/attn-lr1e-3-s1']
+    assert (fm['best_lr'], float(fm['loss_so_far_2x']), float(fm['loss_so_far_8x'])) == ('1', 1.25, 1.125)
+    assert attn_row['best_lr'] == '1' and float(attn_row['loss_so_far_8x']) > 0
+    assert rows['frontier/fm-lr0.001-s1']['loss_so_far_8x'] == ''
+    assert sorted(points) == ['attn', 'fm m=8 k=3 tau=1']
+
+
+def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
+    """bash config/reproduce.sh frontier on the CPU (2 steps a run, one size, one rate a model) with PREVIOUS, whose
+    frontier.csv lists the Mamba-2 run: that run is not trained here, the others are, and frontier.csv holds all
+    three, the earlier one as it was."""
+    previous = tmp_path / 'previous'
+    earlier = {'run': 'out-old/frontier/mamba2-1M-lr2e-3-s1', 'model': '6x128 mamba2 (1.13M)', 'parameters': 1163008,
+               'non_embedding_parameters': 1130240, 'learning_rate': 2e-3, 'min_lr': 2e-4, 'seed': 1,
+               'val_loss': 3.5, 'best_lr': 1, 'iter_num': 2, 'max_iters': 2, 'block_size': 512, 'tokens': 2048,
+               'forward_flops': 1e10, 'loss_so_far_2x': 3.25, 'loss_so_far_8x': 3.125}
+    evaluation.write_records([earlier], evaluation.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'),
+                             previous / 'frontier.csv')
+    env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=str(previous), JOBS='2',
+               SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
+               TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
+    run = subprocess.run(['bash', 'config/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    trained = tmp_path / 'runs' / 'frontier'
+    assert sorted(os.listdir(trained)) == ['fm-k16-1M-lr1e-3-s1', 'transformer-1M-lr1e-3-s1']
+    assert all((trained / name / 'finished').is_file() for name in os.listdir(trained))
+    with open(tmp_path / 'results' / 'frontier.csv') as f:
+        rows = {os.path.basename(row['run']): row for row in csv.DictReader(f)}
+    assert set(rows) == {'transformer-1M-lr1e-3-s1', 'mamba2-1M-lr2e-3-s1', 'fm-k16-1M-lr1e-3-s1'}
+    old = rows['mamba2-1M-lr2e-3-s1']
+    assert (old['run'], old['val_loss'], old['loss_so_far_8x']) == (earlier['run'], '3.5', '3.125')
+    for row in rows.values():
+        assert row['best_lr'] == '1' and float(row['loss_so_far_8x']) > 0
 
 
 # ----------------------------------------------------------------------------- config and accounting
