@@ -1089,10 +1089,10 @@ def print_frontier(points):
           f'{"so far 2x":>10} {"so far 8x":>10}')
     for arch, series in points.items():
         for p in series:
-            so_far = ''.join(f'{p[k]:>10.4f} ' if p[k] is not None else f'{"-":>10} '
+            so_far = ''.join(f' {p[k]:>10.4f}' if p[k] is not None else f' {"-":>10}'
                              for k in ('loss_so_far_2x', 'loss_so_far_8x'))
             print(f"{arch:<22} {p['non_embedding_parameters']:>12,} {p['learning_rate']:>8g} "
-                  f"{p['forward_flops']:>14.3e} {p['val_loss']:>9.4f} {so_far}")
+                  f"{p['forward_flops']:>14.3e} {p['val_loss']:>9.4f}{so_far}")
 
 
 def plot_frontier(points, path):

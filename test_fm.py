@@ -12,6 +12,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1109,6 +1110,67 @@ def test_reproduction_configs_differ_only_in_the_model():
         assert abs(n_params[name] / n_params['fm'] - 1) < 0.005, n_params
         assert training[name] == training['fm'], name
     assert training['fm']['block_size'] == 512
+
+
+def reproduce_sh(call, **env):
+    """The output of `call` in bash after the definitions of config/reproduce.sh's functions (not its main part)."""
+    with open(os.path.join(REPO, 'config', 'reproduce.sh')) as f:
+        functions = re.findall(r'^\w+\(\) \{.*?^\}$', f.read(), re.M | re.S)
+    run = subprocess.run(['bash', '-c', '\n'.join(['set -euo pipefail', *functions, call])], cwd=REPO,
+                         capture_output=True, text=True, env={**os.environ, **env})
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_frontier_sizes_match_in_parameters():
+    """At each size of reproduce.sh's frontier the Transformer (heads of 64, n_kv_head = n_head / 2), Mamba-2
+    (expand 1, heads of 64, d_state 64) and FM (m = 64, k = 16, tau = 1) have the same non-embedding parameters
+    within 1%, about the size's name; the 4M runs are the extrapolation subset's seed-1 runs, the same lines."""
+    config, types = defaults()
+    sizes = {}
+    for line in reproduce_sh('frontier_sizes | while read -r size model args; do '
+                             'echo "$size $model $(extrapolation_model "$model") $args"; done').splitlines():
+        size, model, *args = line.split()
+        c = load_config(config, args, types)
+        with torch.device('meta'):
+            n = Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
+                                  vocab_size=256)).num_params()
+        sizes.setdefault(size, {})[model] = n
+        if c['mixer'] == 'attn':
+            assert c['d_model'] == 64 * c['n_head'] == 128 * c['n_kv_head'], line
+        elif c['mixer'] == 'mamba2':
+            assert (c['mamba_expand'], c['mamba_head_dim'], c['d_state']) == (1, 64, 64), line
+        else:
+            assert (c['n_memory'], c['top_k'], c['tau']) == (64, 16, 1.0), line
+    assert list(sizes) == ['8M', '4M', '2M', '1M']
+    for size, n_params in sizes.items():
+        assert set(n_params) == {'transformer', 'mamba2', 'fm-k16'}, size
+        assert max(n_params.values()) / min(n_params.values()) < 1.01, (size, n_params)
+        assert 0.8 < n_params['fm-k16'] / (int(size[:-1]) * 1e6) < 1.25, (size, n_params)
+    grids = dict(LRS_TRANSFORMER='1e-3 2e-3', LRS_MAMBA2='2e-3', LRS_FM='5e-4 1e-3', SEEDS='1 2')
+    at_4m = reproduce_sh('frontier_runs', SIZES='4M', **grids).splitlines()
+    extrapolation = reproduce_sh('extrapolation_runs', **grids).splitlines()
+    assert len(at_4m) == 5 and set(at_4m) == {line for line in extrapolation if ' --seed=1' in line
+                                              and not line.startswith(('extrapolation/fm-dense', 'extrapolation/fm-k4'))}
+
+
+def test_reproduce_frontier_dry_run(tmp_path):
+    """bash config/reproduce.sh frontier on the CPU, 2 steps a run, one size and one learning rate a model: every
+    run in frontier.csv, at its best rate, with its training FLOPs and losses at 2x and 8x the context."""
+    env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), JOBS='3', SIZES='1M',
+               LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
+               TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
+    run = subprocess.run(['bash', 'config/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / 'results' / 'frontier.csv') as f:
+        rows = {os.path.basename(row['run']): row for row in csv.DictReader(f)}
+    assert set(rows) == {'transformer-1M-lr1e-3-s1', 'mamba2-1M-lr2e-3-s1', 'fm-k16-1M-lr1e-3-s1'}
+    for row in rows.values():
+        assert row['best_lr'] == '1' and int(row['tokens']) == 2 * 2 * 512
+        assert float(row['forward_flops']) > 2 * 1e6 * 2048  # at least 2 FLOPs a parameter and token
+        assert float(row['loss_so_far_2x']) > 0 and float(row['loss_so_far_8x']) > 0
+    assert 'the frontier: each model at its best learning rate' in run.stdout
 
 
 def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
