@@ -2544,6 +2544,17 @@ def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monke
     assert run_bytes(tmp_path) == before
 
 
+def test_a_nonfinite_gradient_norm_alone_stops_the_run(data_dir, tmp_path, trained, monkeypatch):
+    """A step whose loss is finite but whose gradient norm is not stops the run, naming the gradient."""
+    copy_run(trained, tmp_path)
+    before = run_bytes(tmp_path)
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *args, **kw: clip(*args, **kw) * math.nan)
+    with pytest.raises(train.TrainError, match=r'^the gradient norm is not finite .* at step 9 '):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
+    assert run_bytes(tmp_path) == before
+
+
 def test_overwrite_replaces_the_earlier_run_when_it_first_saves(data_dir, tmp_path, trained, monkeypatch, capsys):
     """--overwrite=True: a new run that fails before its first save leaves the earlier run whole; its first save
     replaces ckpt.pt and removes the earlier best.pt if it writes none."""
