@@ -2555,6 +2555,16 @@ def test_a_nonfinite_gradient_norm_alone_stops_the_run(data_dir, tmp_path, train
     assert run_bytes(tmp_path) == before
 
 
+def test_divergence_names_the_best_checkpoint_of_a_run_that_saves_only_best(data_dir, tmp_path, monkeypatch):
+    """--always_save_checkpoint=False writes best.pt alone; a later non-finite step names it as the last good one."""
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_',
+                        lambda *args, **kw: clip(*args, **kw) * (math.nan if calls.append(1) or len(calls) > 3 else 1))
+    with pytest.raises(train.TrainError, match=r'at step 4 .*/best.pt \(step 2\) is the last good checkpoint'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--eval_interval=2', '--always_save_checkpoint=False'))
+    assert sorted(os.listdir(tmp_path)) == ['best.pt', 'train.lock']
+
+
 def test_overwrite_replaces_the_earlier_run_when_it_first_saves(data_dir, tmp_path, trained, monkeypatch, capsys):
     """--overwrite=True: a new run that fails before its first save leaves the earlier run whole; its first save
     replaces ckpt.pt and removes the earlier best.pt if it writes none."""

@@ -498,11 +498,14 @@ def train(cfg, config, rank, world_size, device_name, cpu_group, earlier=()):
                                cfg.block_size)
 
     saved_iter = iter_num if cfg.init_from == 'resume' else None  # the step of out_dir/ckpt.pt of this run
+    best_iter = None  # the step of a best.pt this run wrote
 
     def stop_diverged(what, step):
         """Raise the TrainError of a non-finite value: nothing is saved after it."""
         if saved_iter is not None:
             kept = f'{ckpt_path} (step {saved_iter}) is the last good checkpoint'
+        elif best_iter is not None:
+            kept = f'{os.path.join(cfg.out_dir, "best.pt")} (step {best_iter}) is the last good checkpoint'
         elif earlier:
             kept = f'the earlier run\'s {" and ".join(earlier)} in {cfg.out_dir} stay as they were'
         else:
@@ -592,6 +595,8 @@ def train(cfg, config, rank, world_size, device_name, cpu_group, earlier=()):
                         save(ckpt, names)  # best.pt: a file of its own
                     if 'ckpt.pt' in names:
                         saved_iter = iter_num
+                    if 'best.pt' in names:
+                        best_iter = iter_num
                     del ckpt
                 t_log = time.time()  # leave evaluation out of the timings
             if iter_num >= cfg.max_iters:
