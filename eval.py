@@ -769,10 +769,12 @@ def run_routing(cfg, out_dirs):
             raise EvalError(f"{path} is a {ckpt['model_config']['mixer']} model: routing is measured on FM "
                             f"checkpoints only")
         tokenizer_of(ckpt, path)
-    results = []
+    results, documents = [], {}  # tokenizer -> (docs, description)
     for (ckpt, path), out_dir in zip(checkpoints, out_dirs):
-        docs, description = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)
-        docs = routing_tokens(docs, cfg['tokens'])
+        if ckpt['tokenizer'] not in documents:
+            docs, description = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)
+            documents[ckpt['tokenizer']] = routing_tokens(docs, cfg['tokens']), description
+        docs, description = documents[ckpt['tokenizer']]
         model = build_model(ckpt, path, cfg['device'])
         stats = measure_routing(model, docs, cfg)
         result = {**summary(ckpt, path, model), 'data': description, 'tokens': stats[0].tokens,
