@@ -400,6 +400,14 @@ def pyplot():
     return plt
 
 
+def save_figure(plt, fig, path):
+    """Lay out, write and close a figure -> True (what the plot functions return when they wrote one)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_positions(results, path):
     """Loss by bucket and loss so far against the position (log scale), a line a checkpoint (a colour a model,
     a line style a seed), the training contexts marked. -> whether it wrote the plot (False without matplotlib)."""
@@ -423,10 +431,7 @@ def plot_positions(results, path):
         ax.set(title=title, xlabel=xlabel, ylabel='loss (nats/token)')
         ax.grid(alpha=0.3)
     so_far.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def run_positions(cfg, out_dirs):
@@ -751,10 +756,7 @@ def plot_routing(results, path):
         ax.set(title=f"{r['label']}: {r['model']}", xlabel='memory rows, sorted by usage', ylabel='layer')
         ax.set_yticks(range(len(r['layers'])))
         fig.colorbar(image, ax=ax, label='usage / fair share', fraction=0.03)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def run_routing(cfg, out_dirs):
@@ -889,10 +891,7 @@ def plot_scaling(best, path):
            ylabel='validation loss (nats/token)')
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def run_scaling(cfg, sources):
@@ -1125,10 +1124,7 @@ def plot_frontier(points, path):
         ax.set(title=title, xlabel='forward FLOPs of training (flops_per_token / 3 x tokens)', ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def run_frontier(cfg, sources):
