@@ -6,7 +6,8 @@
     python bench.py generate     # prefill and decode after long prompts: fm_1b (k = 8, dense), mamba2_1b,
                                  # the published mamba2-1.3b shape, transformer_1b; context sweep and plot
     python bench.py generate --profile   # one fm_1b decode step at batch 1 and 64 by kernel kind
-    python bench.py gemv         # one- and 64-row products of fm_1b's shapes: GB/s against the copy bandwidth
+    python bench.py gemv         # one- and 64-row products of fm_1b's shapes (cuBLAS, inductor, gemv.py's
+                                 # Triton product): GB/s against the copy bandwidth
 
 Kernel shapes: one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
 T in {1024, 2048, 8192, 16384}; decode at batch 1 and 64 against a 16K-token KV cache.
@@ -243,9 +244,10 @@ def time_chain(products, x, weights):
 
 
 def bench_gemv():
-    """Products of one and 64 rows at fm_1b's shapes, bf16: cuBLAS (F.linear) and inductor's coordinate-descent
-    tuned product (a reduction for one row, the decoding step's choice), as GB/s of weight and activations read
-    and written, and as % of the copy bandwidth measured in the same run."""
+    """Products of one and 64 rows at fm_1b's shapes, bf16: cuBLAS (F.linear), inductor's coordinate-descent
+    tuned product (a reduction for one row) and, for one row, gemv.linear (the decoding step's down product), as
+    GB/s of weight and activations read and written, and as % of the copy bandwidth measured in the same run."""
+    import gemv
     bandwidth = measure_ceilings()[0]
     rows = []
     for name, d_in, d_outs in gemv_shapes():
@@ -259,7 +261,8 @@ def bench_gemv():
             row = {"product": name, "rows": batch}
             torch._dynamo.reset()  # a compile per shape (dynamo's recompile limit)
             compiled = torch.compile(F.linear, dynamic=False, options={"coordinate_descent_tuning": True})
-            for way, linear in {"cuBLAS": F.linear, "inductor": compiled}.items():
+            ways = {"cuBLAS": F.linear, "inductor": compiled, **({"Triton": gemv.linear} if batch == 1 else {})}
+            for way, linear in ways.items():
                 us = time_chain(lambda x, ws: [linear(x, w) for w in ws], x, weights)
                 row.update({f"{way} us": us, f"{way} GB/s": moved / us / 1e3,
                             f"{way} % copy": 100 * moved / us * 1e6 / bandwidth})
@@ -268,7 +271,7 @@ def bench_gemv():
         del weights
     print(f"\nproducts at fm_1b's decoding shapes, bf16, each weight read from memory (CUDA graph of a chain over "
           f"256 MB of weights); copy bandwidth {bandwidth / 1e12:.2f} TB/s measured now. inductor: coordinate-"
-          f"descent tuning, a reduction for one row, cuBLAS's product for more")
+          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: gemv.linear, one row")
     print_table(rows)
 
 
@@ -564,7 +567,7 @@ def bench_generate(args):
 DECODE_KINDS = (  # (kind, words of library kernel names, ops in inductor's kernel names), first match wins
     ("fm_step", ("_step_kernel",), ()),
     ("router/top-k", (), ("sort", "softmax", "topk", "cat")),  # cat: the router's and the rates' weights
-    ("GEMV", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk"), ("mm", "addmm", "bmm")),
+    ("GEMV", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "_linear_kernel"), ("mm", "addmm", "bmm")),
     ("norms", (), ("rsqrt",)),
     ("sampling", (), ("argmax",)),
 )

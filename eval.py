@@ -661,7 +661,7 @@ class RoutingStats:
         """Add the tokens of x (..., d_model), the layer's input (after its norm)."""
         x = x.flatten(0, -2).double()  # (N, d_model)
         with torch.autocast(x.device.type, enabled=False):
-            logits = mixer.router_logits(x)[0] / mixer.tau  # (N, M)
+            logits = mixer.router_scores(x)[:, :-2] / mixer.tau  # (N, M)
             idx, alpha, eta, mu = mixer.route(x)
         probs = torch.softmax(logits, -1)
         if idx is None:

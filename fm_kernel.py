@@ -14,9 +14,12 @@ theta and phi are zero outside a token's top-k rows, so one code path serves den
 | fm_scan        | the same algorithm in Triton, forward and backward                       |
 | fm_step_naive  | one decode step touching only the selected rows                          |
 | fm_step        | the same step in Triton                                                  |
+| route_naive    | the router's rows and weights from its scores (softmax, top-k, rates)    |
+| fm_route_step_naive, fm_route_step | route_naive then fm_step_naive; the same in one Triton kernel |
 
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
-Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D).
+Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D); with the
+router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu.
 
 The file in order: the references; the Triton device helpers; launch settings; the forward pass, the backward
 pass and the decode step, each kernel beside the function that launches it; the custom ops and the public API.
@@ -41,8 +44,9 @@ fm_scan, backward (fm::scan_backward)
     _rate_grads    _decay_grads_kernel     (chunk, batch)          dk's chunk-end term, d loss / d b summed back
                    _rate_grads_kernel      (chunk, batch)          dtheta and dphi
     _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where theta = 1
-fm_step (fm::step)
-    _step          _step_kernel            (batch)                 the K rows' update, their norms and y
+fm_step (fm::step), fm_route_step (fm::route_step)
+    _step          _step_kernel            (batch)                 the top-k of the scores (route_step), the K
+                                                                    rows' update, their norms and y
 
 The chunked algorithm (chunk of C tokens, chunk-start state H, b = within-chunk cumulative
 log(1 - theta)). Row i inside a chunk is a gated linear recurrence:
@@ -108,6 +112,29 @@ def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
     h.scatter_(1, rows_idx, rows)
     rms = torch.sqrt(rows.pow(2).mean(-1) + eps)  # (B, K)
     return ((phi.to(h.dtype) / rms)[..., None] * rows).sum(1).to(xbar.dtype)
+
+
+def route_naive(scores, top_k, tau):
+    """The router from its float32 scores (..., M + 2): W_alpha x, then the logits of eta and mu (biases included).
+    -> probs (..., M) the softmax of W_alpha x / tau, idx (..., K) its top_k rows (None when top_k = M), alpha (..., K)
+    their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
+    logits, rate_logits = scores[..., :-2], scores[..., -2:]
+    probs = torch.softmax(logits / tau, dim=-1)  # (..., M)
+    idx, alpha = None, probs
+    if top_k < probs.shape[-1]:
+        ranked, order = probs.sort(-1, descending=True)  # torch.compile generates a kernel for a sort of m values;
+        alpha, idx = ranked[..., :top_k], order[..., :top_k]  # topk is a library call
+        alpha = alpha / alpha.sum(-1, keepdim=True)
+    rates = torch.sigmoid(rate_logits)  # (..., 2)
+    return probs, idx, alpha, rates[..., :1], rates[..., 1:]
+
+
+def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6):
+    """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B, D)."""
+    _, idx, alpha, eta, mu = route_naive(scores, top_k, tau)
+    if idx is None:
+        idx = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)  # (B, M)
+    return fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
 
 
 def _pad_time(x, multiple):
@@ -1076,16 +1103,47 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, y_ptr, eps, D, M, K,
-                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr):
-        """One decode step of sequence bi on its K rows idx: h_k <- (1 - theta_k) h_k + theta_k x, then
-        y = sum_k phi_k h_k / rms(h_k). ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
+    def _route(scores_ptr, tau, M, K, offs_k, BM: tl.constexpr, DENSE: tl.constexpr):
+        """The rows (BK,) a token selects and their weights (BK,) from its scores (M + 2): the K largest of the
+        logits W_alpha x / tau (all M in order when DENSE), their softmax among themselves (the full softmax
+        renormalised over the top K), and sigmoid of the rate logits, eta and mu. Row i takes slot rank_i, the
+        number of rows ahead of it (larger, or equal and first): a few reductions, no loop over K."""
+        offs_m = tl.arange(0, BM)
+        logits = tl.load(scores_ptr + offs_m, mask=offs_m < M, other=float("-inf")) / tau  # (BM,)
+        if not DENSE:
+            ahead = (logits[None, :] > logits[:, None]) | ((logits[None, :] == logits[:, None]) &
+                                                          (offs_m[None, :] < offs_m[:, None]))  # (BM, BM): j before i
+            rank = tl.sum(ahead.to(tl.int32), axis=1)  # (BM,)
+            slot = rank[None, :] == offs_k[:, None]  # (BK, BM): row i fills slot rank_i
+            rows = tl.sum(tl.where(slot, offs_m[None, :], 0), axis=1)  # (BK,)
+            picked = tl.sum(tl.where(slot, logits[None, :], 0.0), axis=1)
+            picked = tl.where(offs_k < K, picked, float("-inf"))
+        else:
+            rows, picked = offs_k, logits  # K = M, BK = BM
+        weights = tl.exp(picked - tl.max(picked, axis=0))  # (BK,), 0 past K
+        alpha = weights / tl.sum(weights, axis=0)
+        eta = tl.sigmoid(tl.load(scores_ptr + M).to(tl.float32))
+        mu = tl.sigmoid(tl.load(scores_ptr + M + 1).to(tl.float32))
+        return rows, eta * alpha, mu * alpha
+
+    @triton.jit
+    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, eps, tau, D, M, K,
+                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, ROUTE: tl.constexpr,
+                     BM: tl.constexpr, DENSE: tl.constexpr):
+        """One decode step of sequence bi on its K rows: h_k <- (1 - theta_k) h_k + theta_k x, then
+        y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route),
+        else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
         and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows."""
         bi = tl.program_id(0)
         offs_k = tl.arange(0, BK)
         k_ok = offs_k < K
-        rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)  # (BK,)
-        write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]  # (BK, 1)
+        if ROUTE:
+            rows, write, phi = _route(scores_ptr + bi * (M + 2), tau, M, K, offs_k, BM, DENSE)
+        else:
+            rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)  # (BK,)
+            write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        write = write[:, None]  # (BK, 1)
         row_ptrs = h_ptr + bi * M * D + rows[:, None] * D  # (BK, 1)
         if ONE_PASS:
             offs_d = tl.arange(0, BD)
@@ -1097,7 +1155,6 @@ if triton is not None:
                 h = _step_rows(row_ptrs, x_ptr + bi * D, write, d0 + tl.arange(0, BD), k_ok, D)  # (BK, BD)
                 sq_norm += tl.sum(h * h, axis=1)
             tl.debug_barrier()  # the second pass reads rows that other threads stored
-        phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
         if ONE_PASS:
             tl.store(y_ptr + bi * D + offs_d, tl.sum(read[:, None] * h, axis=0).to(y_ptr.dtype.element_ty),
@@ -1231,8 +1288,8 @@ def _step(h: Tensor, xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, eps:
     B, M, D = h.shape
     x = xbar.contiguous()
     y = torch.empty_like(x)
-    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), y, eps, D, M, idx.shape[1],
-                       **_step_meta(idx.shape[1], D))
+    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), None, y, eps, 1.0, D, M,
+                       idx.shape[1], ROUTE=False, BM=1, DENSE=False, **_step_meta(idx.shape[1], D))
     return y
 
 
@@ -1241,9 +1298,41 @@ def _(h, xbar, idx, theta, phi, eps):
     return torch.empty_like(xbar, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("fm::route_step", mutates_args={"h"})
+def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float, eps: float) -> Tensor:
+    """y (B, D); the top_k rows the scores select updated in place."""
+    B, M, D = h.shape
+    x = xbar.contiguous()
+    y = torch.empty_like(x)
+    _step_kernel[(B,)](h, x, None, None, None, scores.contiguous(), y, eps, tau, D, M, top_k, ROUTE=True,
+                       BM=max(2, triton.next_power_of_2(M)), DENSE=top_k == M, **_step_meta(top_k, D))
+    return y
+
+
+@_route_step.register_fake
+def _(h, xbar, scores, top_k, tau, eps):
+    return torch.empty_like(xbar, memory_format=torch.contiguous_format)
+
+
+def _check_step_state(h):
+    if h.dtype != torch.float32 or not h.is_contiguous():
+        raise ValueError("the decode state h must be a contiguous float32 tensor (B, M, D)")
+
+
 def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
     """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D). A custom op (fm::step):
     torch.compile traces a decode step through it and CUDA graphs capture it."""
-    if h.dtype != torch.float32 or not h.is_contiguous():
-        raise ValueError("the decode state h must be a contiguous float32 tensor (B, M, D)")
+    _check_step_state(h)
     return _step(h, xbar, idx, theta, phi, float(eps))
+
+
+def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6):
+    """Triton decode step with its router (fm_route_step_naive in one kernel): selects the top_k rows from scores
+    (B, M + 2) float32, then updates them as fm_step does; returns y (B, D). A custom op (fm::route_step)."""
+    _check_step_state(h)
+    if scores.dtype != torch.float32 or scores.shape != (h.shape[0], h.shape[1] + 2):
+        raise ValueError(f"scores must be float32 (B, M + 2) = {(h.shape[0], h.shape[1] + 2)}, "
+                         f"got {scores.dtype} {tuple(scores.shape)}")
+    if not 1 <= top_k <= h.shape[1]:
+        raise ValueError(f"top_k must be in [1, M = {h.shape[1]}], got {top_k}")
+    return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps))

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fm_kernel
+import gemv
 
 try:  # optional fused Mamba-2 scan and decode step for CUDA tensors; the pure PyTorch ones below are the reference
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
@@ -164,6 +165,11 @@ class SwiGLU(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def step(self, x):  # x (B, d_model)
+        """One token: the down product as a decoding product (gemv.decode_linear: its input materialised once)."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return gemv.decode_linear(F.silu(gate) * up, self.down_proj.weight)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         merge_split_weights(state_dict, prefix, ('gate_proj', 'up_proj'), 'gate_up_proj')
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -179,11 +185,12 @@ def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
 
 
-def memory_step(h, xbar, idx, theta, phi, eps):
-    """One FM decode step, updating rows idx of h in place -> y: Triton on CUDA, PyTorch elsewhere."""
+def memory_step(h, xbar, scores, top_k, tau, eps):
+    """One FM decode step from the router's scores (B, M + 2), updating the top_k rows of h in place -> y: one Triton
+    kernel on CUDA, PyTorch elsewhere."""
     if h.is_cuda and h.dtype == torch.float32:
-        return fm_kernel.fm_step(h, xbar, idx, theta, phi, eps)
-    return fm_kernel.fm_step_naive(h, xbar, idx, theta, phi, eps)
+        return fm_kernel.fm_route_step(h, xbar, scores, top_k, tau, eps)
+    return fm_kernel.fm_route_step_naive(h, xbar, scores, top_k, tau, eps)
 
 
 class FactorizationMemory(nn.Module):
@@ -209,41 +216,32 @@ class FactorizationMemory(nn.Module):
         with torch.no_grad():
             self.rates.bias[0] = config.eta_bias
 
-    def router_logits(self, x):
-        """x (..., d_model) -> the router's logits W_alpha x (..., M) and the rates' logits (..., 2), in at least
-        float32 (so that the top-k is exact); call with autocast off."""
+    def router_scores(self, x):
+        """x (..., d_model) -> the router's scores (..., M + 2): W_alpha x, then the logits of eta and mu with their
+        biases, in at least float32 (so that the top-k is exact); call with autocast off."""
         dtype = compute_dtype(x.dtype)
         weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-        if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
-            scores = (x.to(dtype)[:, None, :] * weight).sum(-1)  # (B, M + 2), not materialised when compiled
-        else:
-            weight = F.pad(weight, (0, 0, 0, -len(weight) % 4))  # 16-byte rows: cuBLAS's aligned kernels
-            scores = F.linear(x.to(dtype), weight)  # (..., M + 2 + pad)
-        logits = scores[..., :self.n_memory]
+        bias = F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))  # (M + 2,): 0 for the router's rows
         if hasattr(self, 'input_mean'):  # W_alpha (x - mean) = W_alpha x - W_alpha mean
-            logits = logits - F.linear(self.input_mean.to(dtype, copy=True), self.router.weight.to(dtype))
+            bias = bias - F.pad(F.linear(self.input_mean.to(dtype, copy=True), self.router.weight.to(dtype)), (0, 2))
             if self.training:
                 with torch.no_grad():
                     self.input_mean_batches += 1
-                    weight = (1 / self.input_mean_batches).clamp(min=CENTER_MOMENTUM).to(self.input_mean.dtype)
-                    self.input_mean.lerp_(x.flatten(0, -2).mean(0).to(self.input_mean.dtype), weight)
-        return logits, scores[..., self.n_memory:self.n_memory + 2] + self.rates.bias.to(dtype)
+                    share = (1 / self.input_mean_batches).clamp(min=CENTER_MOMENTUM).to(self.input_mean.dtype)
+                    self.input_mean.lerp_(x.flatten(0, -2).mean(0).to(self.input_mean.dtype), share)
+        if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
+            return (x.to(dtype)[:, None, :] * weight).sum(-1) + bias  # (B, M + 2), not materialised when compiled
+        pad = -len(weight) % 4  # 16-byte rows: cuBLAS's aligned kernels
+        return F.linear(x.to(dtype), F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)))[..., :len(weight)]
 
     def route(self, x):
         """Router in at least float32: x (..., d_model) -> idx (..., K) of the selected rows (None when dense),
         alpha (..., K) summing to 1, eta and mu (..., 1)."""
         with torch.autocast(x.device.type, enabled=False):
-            logits, rate_logits = self.router_logits(x)
-            alpha = torch.softmax(logits / self.tau, dim=-1)  # (..., M)
+            probs, idx, alpha, eta, mu = fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
             if self.training and self.balance > 0:
-                self.balance_loss = balance_loss(alpha, self.top_k)
-            idx = None
-            if self.top_k < self.n_memory:
-                ranked, order = alpha.sort(-1, descending=True)  # torch.compile generates a kernel for a sort of
-                alpha, idx = ranked[..., :self.top_k], order[..., :self.top_k]  # m values; topk is a library call
-                alpha = alpha / alpha.sum(-1, keepdim=True)
-            rates = torch.sigmoid(rate_logits)  # (..., 2)
-        return idx, alpha, rates[..., :1], rates[..., 1:]
+                self.balance_loss = balance_loss(probs, self.top_k)
+        return idx, alpha, eta, mu
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         """-> y (B, T, d_model), state {'h'} after each row's last real token (lengths (B,); None: all T)."""
@@ -260,10 +258,9 @@ class FactorizationMemory(nn.Module):
 
     def step(self, x, state):  # x (B, d_model)
         """One token: updates state['h'] in place -> y (B, d_model)."""
-        idx, alpha, eta, mu = self.route(x)  # alpha (B, K)
-        if idx is None:
-            idx = torch.arange(self.n_memory, device=x.device).expand(x.shape[0], -1)  # (B, M)
-        y = memory_step(state['h'], self.in_proj(x), idx, eta * alpha, mu * alpha, self.eps)  # (B, d_memory)
+        with torch.autocast(x.device.type, enabled=False):
+            scores = self.router_scores(x)  # (B, M + 2)
+        y = memory_step(state['h'], self.in_proj(x), scores, self.top_k, self.tau, self.eps)  # (B, d_memory)
         return self.out_proj(y)
 
     def init_state(self, batch_size, max_len, device):
@@ -529,7 +526,8 @@ class Block(nn.Module):
         return self.add_mlp(x + y), state
 
     def step(self, x, state):  # x (B, d_model)
-        return self.add_mlp(x + self.mixer.step(self.mixer_norm(x), state))
+        x = x + self.mixer.step(self.mixer_norm(x), state)
+        return x if self.mlp is None else x + self.mlp.step(self.mlp_norm(x))
 
 
 class Model(nn.Module):

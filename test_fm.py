@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 import pytest
 
 import fm_kernel
+import gemv
 import prepare_data
 import sample
 import train
@@ -420,12 +421,67 @@ def test_triton_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
 
 
 @needs_triton
+@pytest.mark.parametrize("K, M, D, one_pass", [(1, 4, 16, True), (3, 10, 40, True), (8, 64, 100, True),
+                                               (10, 10, 40, True), (5, 12, 3000, False), (16, 16, 1100, False)])
+def test_triton_route_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
+    """The router in the step's kernel: the same rows (sparse and dense, K = M), weights and update as route_naive
+    followed by fm_step_naive; every other row untouched."""
+    assert fm_kernel._step_meta(K, D)["ONE_PASS"] == one_pass
+    torch.manual_seed(K + M + D)
+    B = 3
+    h, x, *_ = step_inputs(B, K, M, D)
+    scores = 3 * torch.randn(B, M + 2, device=DEVICE)
+    h_naive = h.clone()
+    y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 0.7)
+    y = fm_kernel.fm_route_step(h, x, scores, K, 0.7)
+    assert rel_err(y, y_naive) < 1e-6
+    assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6)
+    _, idx, *_ = fm_kernel.route_naive(scores, K, 0.7)
+    if idx is not None:
+        untouched = torch.ones(B, M, dtype=torch.bool, device=DEVICE).scatter(1, idx, False)
+        assert torch.equal(h[untouched], h_naive[untouched])
+
+
+@needs_triton
+def test_route_step_refuses_bad_scores():
+    h, x, *_ = step_inputs(2, 3, 10, 40)
+    with pytest.raises(ValueError, match=r"scores must be float32 \(B, M \+ 2\)"):
+        fm_kernel.fm_route_step(h, x, torch.zeros(2, 10, device=DEVICE), 3)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        fm_kernel.fm_route_step(h, x, torch.zeros(2, 12, device=DEVICE), 11)
+
+
+@needs_triton
+@pytest.mark.parametrize("N, K", [(8, 16), (40, 300), (33, 2100)])
+def test_triton_decode_product_matches_naive(N, K, poisoned_outputs):
+    """gemv.linear against F.linear in float64 (outputs and inner width not multiples of the tiles, K over several
+    tiles), and in bfloat16 against the float64 product of the same numbers; opcheck on the custom op."""
+    torch.manual_seed(N + K)
+    x, weight = (torch.randn(*shape, device=DEVICE, dtype=torch.float64) for shape in ((1, K), (N, K)))
+    assert rel_err(gemv.linear(x, weight), gemv.linear_naive(x, weight)) < 1e-12
+    x16, weight16 = x.bfloat16(), weight.bfloat16()
+    y16 = gemv.linear(x16, weight16)
+    assert y16.dtype == torch.bfloat16 and rel_err(y16, gemv.linear_naive(x16.double(), weight16.double())) < 1e-2
+    torch.library.opcheck(gemv._linear, (x16, weight16))
+
+
+@needs_triton
+def test_decode_product_refuses_what_it_cannot_do():
+    for x, weight in ((torch.zeros(1, 8), torch.zeros(4, 9)), (torch.zeros(2, 8), torch.zeros(4, 8))):
+        with pytest.raises(ValueError, match="one row"):
+            gemv.linear(x.to(DEVICE), weight.to(DEVICE))
+    with pytest.raises(ValueError, match="one dtype"):
+        gemv.linear(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE, dtype=torch.float64))
+
+
+@needs_triton
 def test_fm_step_compiles_without_graph_break():
     """fm_step is a registered custom op (fm::step, mutating h; schema and fake tensors checked by opcheck), so
     torch.compile(fullgraph=True) traces a decode step through it, with the eager step's output and state."""
     torch.manual_seed(1)
     h, x, idx, theta, phi = step_inputs(2, 3, 10, 40)
     torch.library.opcheck(fm_kernel._step, (h.clone(), x, idx, theta, phi, 1e-6))
+    torch.library.opcheck(fm_kernel._route_step, (h.clone(), x, torch.randn(2, 12, device=DEVICE), 3, 1.0, 1e-6))
 
     def decode(h, x, idx, theta, phi):
         return fm_step(h, 2 * x, idx, theta.softmax(-1), phi).sum(-1)
@@ -747,13 +803,15 @@ def test_mamba_ssm_fused_step_equals_the_models_own_gpu():
 @needs_triton
 @pytest.mark.parametrize('top_k', [3, None])
 def test_step_matches_forward_through_the_triton_kernels(top_k):
-    """The dispatch the model takes on CUDA (fm_scan, fm_step), here under the interpreter, in float32."""
+    """The dispatch the model takes on CUDA (fm_scan, fm_route_step, gemv.linear), here under the interpreter, in
+    float32."""
     torch.manual_seed(0)
     model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1)).to(DEVICE).eval()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, _: fm_scan(x, theta, phi, h0, eps))
-        patch.setattr(model_module, 'memory_step', fm_step)
+        patch.setattr(model_module, 'memory_step', fm_kernel.fm_route_step)
+        patch.setattr(gemv, 'decode_linear', lambda x, weight: torch.cat([gemv.linear(row[None], weight) for row in x]))
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
         stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
@@ -1449,7 +1507,7 @@ def test_router_center_keeps_a_running_mean_of_the_training_inputs(monkeypatch):
     layer.eval()
     mean = layer.input_mean.clone()
     x = torch.randn(3, 32, dtype=torch.float64)
-    logits, _ = layer.router_logits(x)
+    logits = layer.router_scores(x)[:, :-2]
     layer(x[None])
     torch.testing.assert_close(logits, (x - mean) @ layer.router.weight.T, rtol=0, atol=1e-12)
     assert torch.equal(layer.input_mean, mean) and layer.input_mean_batches.item() == 5
