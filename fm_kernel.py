@@ -15,7 +15,8 @@ theta and phi are zero outside a token's top-k rows, so one code path serves den
 | fm_step_naive  | one decode step touching only the selected rows                          |
 | fm_step        | the same step in Triton                                                  |
 | route_naive    | the router's rows and weights from its scores (softmax, top-k, rates)    |
-| fm_route_step_naive, fm_route_step | route_naive then fm_step_naive; the same in one Triton kernel |
+| fm_route_step_naive | route_naive, then fm_step_naive                                     |
+| fm_route_step  | the same in one Triton kernel (the model's decoding step)                |
 
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
 Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D); with the
@@ -115,8 +116,8 @@ def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
 
 
 def route_naive(scores, top_k, tau):
-    """The router from its float32 scores (..., M + 2): W_alpha x, then the logits of eta and mu (biases included).
-    -> probs (..., M) the softmax of W_alpha x / tau, idx (..., K) its top_k rows (None when top_k = M), alpha (..., K)
+    """The router from its scores (..., M + 2), float32 or float64: W_alpha x, then the logits of eta and mu
+    (biases included). -> probs (..., M) the softmax of W_alpha x / tau, idx (..., K) its top_k rows (None when top_k = M), alpha (..., K)
     their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
     logits, rate_logits = scores[..., :-2], scores[..., -2:]
     probs = torch.softmax(logits / tau, dim=-1)  # (..., M)
@@ -1104,15 +1105,18 @@ if triton is not None:
 
     @triton.jit
     def _route(scores_ptr, tau, M, K, offs_k, BM: tl.constexpr, DENSE: tl.constexpr):
-        """The rows (BK,) a token selects and their weights (BK,) from its scores (M + 2): the K largest of the
-        logits W_alpha x / tau (all M in order when DENSE), their softmax among themselves (the full softmax
-        renormalised over the top K), and sigmoid of the rate logits, eta and mu. Row i takes slot rank_i, the
-        number of rows ahead of it (larger, or equal and first): a few reductions, no loop over K."""
+        """-> rows, theta, phi (BK,) of a token from its scores (M + 2): the K largest of the logits W_alpha x
+        (all M in order when DENSE), theta = eta alpha and phi = mu alpha, alpha the softmax of the selected
+        logits / tau among themselves (the full softmax renormalised over the top K), eta and mu the sigmoids of
+        the rate logits. Row i takes slot rank_i, the number of rows ahead of it (larger, or equal and first; NaN
+        counts as +inf, so that ranks stay a permutation and no other sequence's rows are touched): a few
+        reductions, no loop over K."""
         offs_m = tl.arange(0, BM)
-        logits = tl.load(scores_ptr + offs_m, mask=offs_m < M, other=float("-inf")) / tau  # (BM,)
+        logits = tl.load(scores_ptr + offs_m, mask=offs_m < M, other=float("-inf"))  # (BM,)
         if not DENSE:
-            ahead = (logits[None, :] > logits[:, None]) | ((logits[None, :] == logits[:, None]) &
-                                                          (offs_m[None, :] < offs_m[:, None]))  # (BM, BM): j before i
+            key = tl.where(logits != logits, float("inf"), logits)
+            ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) &
+                                                      (offs_m[None, :] < offs_m[:, None]))  # (BM, BM): j before i
             rank = tl.sum(ahead.to(tl.int32), axis=1)  # (BM,)
             slot = rank[None, :] == offs_k[:, None]  # (BK, BM): row i fills slot rank_i
             rows = tl.sum(tl.where(slot, offs_m[None, :], 0), axis=1)  # (BK,)
@@ -1120,25 +1124,25 @@ if triton is not None:
             picked = tl.where(offs_k < K, picked, float("-inf"))
         else:
             rows, picked = offs_k, logits  # K = M, BK = BM
-        weights = tl.exp(picked - tl.max(picked, axis=0))  # (BK,), 0 past K
+        weights = tl.exp((picked - tl.max(picked, axis=0)) / tau)  # (BK,), 0 past K
         alpha = weights / tl.sum(weights, axis=0)
         eta = tl.sigmoid(tl.load(scores_ptr + M).to(tl.float32))
         mu = tl.sigmoid(tl.load(scores_ptr + M + 1).to(tl.float32))
         return rows, eta * alpha, mu * alpha
 
     @triton.jit
-    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, eps, tau, D, M, K,
+    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, eps, tau, D, M, K, S,
                      BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, ROUTE: tl.constexpr,
                      BM: tl.constexpr, DENSE: tl.constexpr):
         """One decode step of sequence bi on its K rows: h_k <- (1 - theta_k) h_k + theta_k x, then
-        y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route),
-        else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
+        y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route; rows
+        S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
         and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows."""
         bi = tl.program_id(0)
         offs_k = tl.arange(0, BK)
         k_ok = offs_k < K
         if ROUTE:
-            rows, write, phi = _route(scores_ptr + bi * (M + 2), tau, M, K, offs_k, BM, DENSE)
+            rows, write, phi = _route(scores_ptr + bi * S, tau, M, K, offs_k, BM, DENSE)
         else:
             rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)  # (BK,)
             write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -1289,7 +1293,7 @@ def _step(h: Tensor, xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, eps:
     x = xbar.contiguous()
     y = torch.empty_like(x)
     _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), None, y, eps, 1.0, D, M,
-                       idx.shape[1], ROUTE=False, BM=1, DENSE=False, **_step_meta(idx.shape[1], D))
+                       idx.shape[1], 0, ROUTE=False, BM=1, DENSE=False, **_step_meta(idx.shape[1], D))
     return y
 
 
@@ -1304,7 +1308,8 @@ def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float,
     B, M, D = h.shape
     x = xbar.contiguous()
     y = torch.empty_like(x)
-    _step_kernel[(B,)](h, x, None, None, None, scores.contiguous(), y, eps, tau, D, M, top_k, ROUTE=True,
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()  # rows may be strided (a padded product's)
+    _step_kernel[(B,)](h, x, None, None, None, scores, y, eps, tau, D, M, top_k, scores.stride(0), ROUTE=True,
                        BM=max(2, triton.next_power_of_2(M)), DENSE=top_k == M, **_step_meta(top_k, D))
     return y
 

@@ -187,8 +187,8 @@ def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
 
 def memory_step(h, xbar, scores, top_k, tau, eps):
     """One FM decode step from the router's scores (B, M + 2), updating the top_k rows of h in place -> y: one Triton
-    kernel on CUDA, PyTorch elsewhere."""
-    if h.is_cuda and h.dtype == torch.float32:
+    kernel on CUDA (up to fm_kernel.MAX_ROWS memory rows), PyTorch elsewhere."""
+    if h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and h.shape[1] <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_route_step(h, xbar, scores, top_k, tau, eps)
     return fm_kernel.fm_route_step_naive(h, xbar, scores, top_k, tau, eps)
 
@@ -230,7 +230,7 @@ class FactorizationMemory(nn.Module):
                     share = (1 / self.input_mean_batches).clamp(min=CENTER_MOMENTUM).to(self.input_mean.dtype)
                     self.input_mean.lerp_(x.flatten(0, -2).mean(0).to(self.input_mean.dtype), share)
         if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
-            return (x.to(dtype)[:, None, :] * weight).sum(-1) + bias  # (B, M + 2), not materialised when compiled
+            return (x.to(dtype)[:, None, :] * weight).sum(-1) + bias  # (B, M + 2); the weight's cat is not stored
         pad = -len(weight) % 4  # 16-byte rows: cuBLAS's aligned kernels
         return F.linear(x.to(dtype), F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)))[..., :len(weight)]
 

@@ -430,7 +430,7 @@ def test_triton_route_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     torch.manual_seed(K + M + D)
     B = 3
     h, x, *_ = step_inputs(B, K, M, D)
-    scores = 3 * torch.randn(B, M + 2, device=DEVICE)
+    scores = 3 * torch.randn(B, M + 5, device=DEVICE)[:, :M + 2]  # rows strided, as a padded product returns them
     h_naive = h.clone()
     y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 0.7)
     y = fm_kernel.fm_route_step(h, x, scores, K, 0.7)
@@ -440,6 +440,30 @@ def test_triton_route_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     if idx is not None:
         untouched = torch.ones(B, M, dtype=torch.bool, device=DEVICE).scatter(1, idx, False)
         assert torch.equal(h[untouched], h_naive[untouched])
+
+
+@needs_triton
+def test_route_step_breaks_ties_by_row_and_keeps_nan_in_its_sequence():
+    """Equal logits: the first rows, equal weights. A NaN score: that sequence's y is NaN, every other sequence's
+    rows and y are as without it (ranks stay a permutation: no row index past the sequence's own)."""
+    torch.manual_seed(3)
+    B, K, M, D = 3, 3, 10, 40
+    h, x, *_ = step_inputs(B, K, M, D)
+    scores = torch.randn(B, M + 2, device=DEVICE)
+    scores[0, :M] = 0.5
+    h_tied = h.clone()
+    fm_kernel.fm_route_step(h_tied, x, scores, K)
+    theta = torch.sigmoid(scores[0, M]) / K
+    want = (1 - theta) * h[0, :K] + theta * x[0]
+    assert torch.allclose(h_tied[0, :K], want, atol=1e-6) and torch.equal(h_tied[0, K:], h[0, K:])
+    poisoned = scores.clone()
+    poisoned[1, [8, 9]] = float("nan")  # unordered NaN: rows 8, 9 and the largest rank 0, slot 0 reads row >= 17
+    h_clean, h_poisoned = h.clone(), h.clone()
+    y_clean = fm_kernel.fm_route_step(h_clean, x, scores, K)
+    y_poisoned = fm_kernel.fm_route_step(h_poisoned, x, poisoned, K)
+    assert torch.isnan(y_poisoned[1]).all()
+    for b in (0, 2):
+        assert torch.equal(h_poisoned[b], h_clean[b]) and torch.equal(y_poisoned[b], y_clean[b])
 
 
 @needs_triton
@@ -476,8 +500,9 @@ def test_decode_product_refuses_what_it_cannot_do():
 
 @needs_triton
 def test_fm_step_compiles_without_graph_break():
-    """fm_step is a registered custom op (fm::step, mutating h; schema and fake tensors checked by opcheck), so
-    torch.compile(fullgraph=True) traces a decode step through it, with the eager step's output and state."""
+    """fm_step and fm_route_step are registered custom ops (fm::step, fm::route_step, mutating h; schema and fake
+    tensors checked by opcheck), so torch.compile(fullgraph=True) traces a decode step through them, with the eager
+    step's output and state."""
     torch.manual_seed(1)
     h, x, idx, theta, phi = step_inputs(2, 3, 10, 40)
     torch.library.opcheck(fm_kernel._step, (h.clone(), x, idx, theta, phi, 1e-6))
@@ -486,12 +511,17 @@ def test_fm_step_compiles_without_graph_break():
     def decode(h, x, idx, theta, phi):
         return fm_step(h, 2 * x, idx, theta.softmax(-1), phi).sum(-1)
 
-    h_before, h_compiled = h.clone(), h.clone()
+    def decode_routed(h, x, scores):
+        return fm_kernel.fm_route_step(h, 2 * x, scores + 1, 3, 0.5).sum(-1)
+
     backend = "inductor" if CUDA else "aot_eager"  # inductor on the CPU needs a C++ compiler
-    got = torch.compile(decode, backend=backend, fullgraph=True)(h_compiled, x, idx, theta, phi)
-    want = decode(h, x, idx, theta, phi)
-    assert not torch.equal(h, h_before)  # the step updated its state in place
-    assert rel_err(got, want) < 1e-6 and rel_err(h_compiled, h) < 1e-6  # inductor's fused softmax: rounding apart
+    scores = torch.randn(2, 12, device=DEVICE)
+    for step, args in ((decode, (x, idx, theta, phi)), (decode_routed, (x, scores))):
+        h_before, h_compiled, h_eager = h.clone(), h.clone(), h.clone()
+        got = torch.compile(step, backend=backend, fullgraph=True)(h_compiled, *args)
+        want = step(h_eager, *args)
+        assert not torch.equal(h_eager, h_before)  # the step updated its state in place
+        assert rel_err(got, want) < 1e-6 and rel_err(h_compiled, h_eager) < 1e-6  # fused softmax: rounding apart
 
 
 @needs_triton
@@ -801,12 +831,14 @@ def test_mamba_ssm_fused_step_equals_the_models_own_gpu():
 
 
 @needs_triton
-@pytest.mark.parametrize('top_k', [3, None])
-def test_step_matches_forward_through_the_triton_kernels(top_k):
+@pytest.mark.parametrize('top_k, tau, center', [(3, 1.0, False), (None, 1.0, False), (3, 0.5, True)])
+def test_step_matches_forward_through_the_triton_kernels(top_k, tau, center):
     """The dispatch the model takes on CUDA (fm_scan, fm_route_step, gemv.linear), here under the interpreter, in
-    float32."""
+    float32; with tau and router centring, which reach the step's kernel apart from the forward's router."""
     torch.manual_seed(0)
-    model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1)).to(DEVICE).eval()
+    model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1, tau=tau, router_center=center)).to(DEVICE).eval()
+    for block in model.blocks if center else ():
+        block.mixer.input_mean.normal_()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, _: fm_scan(x, theta, phi, h0, eps))
