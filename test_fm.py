@@ -430,7 +430,7 @@ def test_triton_route_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     torch.manual_seed(K + M + D)
     B = 3
     h, x, *_ = step_inputs(B, K, M, D)
-    scores = 3 * torch.randn(B, M + 5, device=DEVICE)[:, :M + 2]  # rows strided, as a padded product returns them
+    scores = (3 * torch.randn(B, M + 5, device=DEVICE))[:, :M + 2]  # rows strided, as a padded product returns them
     h_naive = h.clone()
     y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 0.7)
     y = fm_kernel.fm_route_step(h, x, scores, K, 0.7)
