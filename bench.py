@@ -583,12 +583,18 @@ def decode_kernel_kind(name):
 
 
 def profile_decode(args, steps=10):
-    """torch.profiler over fm_1b k = 8's compiled decoding step run eagerly (no graph: each kernel shows), at each
-    of args.batch: launches and microseconds a step by kernel kind (the LM head is the step's last product), then
-    the kernels by time. Printed and written to args.out_dir/generate_profile.txt."""
+    """torch.profiler over the compiled decoding step of the first model args.models selects (fm_1b k = 8 by
+    default), run eagerly (no graph: each kernel shows), at each of args.batch: launches and microseconds a step by
+    kernel kind (the LM head is the step's last product), then the kernels by time. Printed and written to
+    args.out_dir/generate_profile.txt."""
+    import model as model_module
     from torch.profiler import ProfilerActivity, profile
     from model import Generator, Sampling
-    name, path, overrides, _ = GENERATE_MODELS[0]
+    name, path, overrides, fused = generate_models(args)[0]
+    if fused and model_module.selective_state_update is None:
+        sys.exit(f"{name} needs mamba-ssm")
+    if not fused:
+        model_module.selective_state_update = None
     vocab = VOCAB_SIZES[config_value(path, "tokenizer")]
     with torch.device("cuda"):
         model = model_from_config_file(path, vocab, **overrides).to(torch.bfloat16).eval()
@@ -684,7 +690,8 @@ def main():
     parser.add_argument("--compile", type=int, default=1)
     parser.add_argument("--compile_mode", default="default", help="torch.compile mode (train, generate)")
     parser.add_argument("--profile", action="store_true",
-                        help="train: also print one step's GPU time by kernel; generate: only profile fm_1b's step")
+                        help="train: also print one step's GPU time by kernel; generate: only profile one model's step "
+                             "(the first --models selects; fm_1b k = 8 by default)")
     parser.add_argument("--prompt", type=int, default=16384, help="generate: prompt length")
     parser.add_argument("--new_tokens", type=int, default=64, help="generate: tokens a timing")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="generate: batch sizes")
