@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import fm_kernel
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from model import Generator, Model, ModelConfig, Sampling
@@ -661,9 +662,9 @@ class RoutingStats:
         """Add the tokens of x (..., d_model), the layer's input (after its norm)."""
         x = x.flatten(0, -2).double()  # (N, d_model)
         with torch.autocast(x.device.type, enabled=False):
-            logits = mixer.router_scores(x)[:, :-2] / mixer.tau  # (N, M)
-            idx, alpha, eta, mu = mixer.route(x)
-        probs = torch.softmax(logits, -1)
+            scores = mixer.router_scores(x)  # (N, M + 2)
+        probs, idx, alpha, eta, mu = fm_kernel.route_naive(scores, mixer.top_k, mixer.tau)  # as mixer.route
+        logits = scores[:, :-2] / mixer.tau  # (N, M)
         if idx is None:
             self.usage += probs.sum(0).cpu()
         else:

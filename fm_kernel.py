@@ -117,8 +117,8 @@ def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
 
 def route_naive(scores, top_k, tau):
     """The router from its scores (..., M + 2), float32 or float64: W_alpha x, then the logits of eta and mu
-    (biases included). -> probs (..., M) the softmax of W_alpha x / tau, idx (..., K) its top_k rows (None when top_k = M), alpha (..., K)
-    their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
+    (biases included). -> probs (..., M) the softmax of W_alpha x / tau, idx (..., K) its top_k rows (None when
+    top_k = M), alpha (..., K) their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
     logits, rate_logits = scores[..., :-2], scores[..., -2:]
     probs = torch.softmax(logits / tau, dim=-1)  # (..., M)
     idx, alpha = None, probs
