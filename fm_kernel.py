@@ -76,13 +76,10 @@ try:
 except ImportError:  # the PyTorch references work without Triton
     triton = None
 
-LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1 and at document starts, in the cumulative log-decays b
-# (the Triton walks take the decay itself there as 0): e^-80 = 1.8e-35 leaks nothing measurable, but every document
-# start in a chunk adds -80 to its cumulative log-decay, which costs float32 precision in the relative decays
-# (about 3e-5 relative error with 40 boundaries in one chunk, 1e-6 with 1)
+LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1, in the cumulative log-decays b (the Triton walks take the
+# decay itself there as 0): e^-80 = 1.8e-35 leaks nothing measurable
 CHUNK = 64  # tokens per chunk in the Triton scan
 MAX_ROWS = 128  # memory rows fm_scan takes: at m = 256 some kernels' tiles overflow shared memory
-# (docs/kernel_log.md, change 46)
 STEP_TILE = 16384  # elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
 
 
@@ -117,8 +114,8 @@ def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
 
 def route_naive(scores, top_k, tau):
     """The router from its scores (..., M + 2), float32 or float64: W_alpha x, then the logits of eta and mu
-    (biases included). -> probs (..., M) the softmax of W_alpha x / tau, idx (..., K) its top_k rows (None when
-    top_k = M), alpha (..., K) their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
+    (biases included). -> idx (..., K), the top_k rows of the softmax of W_alpha x / tau (None when top_k = M),
+    alpha (..., K) their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
     logits, rate_logits = scores[..., :-2], scores[..., -2:]
     probs = torch.softmax(logits / tau, dim=-1)  # (..., M)
     idx, alpha = None, probs
@@ -127,12 +124,12 @@ def route_naive(scores, top_k, tau):
         alpha, idx = ranked[..., :top_k], order[..., :top_k]  # topk is a library call
         alpha = alpha / alpha.sum(-1, keepdim=True)
     rates = torch.sigmoid(rate_logits)  # (..., 2)
-    return probs, idx, alpha, rates[..., :1], rates[..., 1:]
+    return idx, alpha, rates[..., :1], rates[..., 1:]
 
 
 def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6):
     """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B, D)."""
-    _, idx, alpha, eta, mu = route_naive(scores, top_k, tau)
+    idx, alpha, eta, mu = route_naive(scores, top_k, tau)
     if idx is None:
         idx = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)  # (B, M)
     return fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
@@ -226,8 +223,8 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # ----------------------------------------------------------------------------- Triton device helpers
 #
 # The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
-# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at document starts and
-# theta = 1; stored, not formed from the log-decays step by step) as plain factors: no exponent of a difference of
+# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at theta = 1; stored,
+# not formed from the log-decays step by step) as plain factors: no exponent of a difference of
 # log-decays, so nothing overflows however fast a row decays. Two kinds of walk:
 #   _walk_dots:    D[i, t] = h_s[i] . v_t for all t, from H_i . v_t, as s goes: D <- a_s D + theta_s (x_s . v_t);
 #                  kept where s = t, it gives h_t[i] . x_t (for the norms) and h_t[i] . dy_t (for dq)
@@ -373,7 +370,7 @@ if triton is not None:
         """A chunk's read matrix (C, C), P[t, s] = sum_i query_t[i] L_i[t, s], row by row: the write weights
         L_i[t, s] = e^{b_t - b_s} theta_s of every earlier token s into row i (`weights`, zeros (BM, C) in the walks'
         layout) walk with t. The rows collect in registers and go out in one store, cheaper than a store a row
-        (docs/kernel_log.md, change 47)."""
+        (docs/kernel_log.md)."""
         offs_c = tl.arange(0, C)
         reads = tl.zeros([C, C], dtype=tl.float32)
         for t0 in range(0, C, S):
@@ -412,7 +409,7 @@ def _start_dtype(x):
     """Storage dtype of the chunk-start states and of the state gradients (each chunk's own and those at the
     chunk ends): bfloat16 for bfloat16 inputs, else float32 (half the bytes of the largest tensors of the scan;
     the products take them as single bfloat16 operands, the scans add them into float32 carries, and hT and dh0
-    stay float32), for bfloat16-level errors in the float32 gradients (docs/kernel_log.md, changes 31 and 49)."""
+    stay float32), for bfloat16-level errors in the float32 gradients (docs/kernel_log.md)."""
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
@@ -429,21 +426,21 @@ def _meta(x, M, num_warps, num_stages=1):
 def _walk_meta(x, M, unroll, warps):
     """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
     `warps` at m = 64, scaled with the padded rows (_block_m); the callers' values are the best of sweeps
-    (docs/kernel_log.md, changes 47 and 55)."""
+    (docs/kernel_log.md)."""
     return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
 
 
 def _columns_per_program(x):
     """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up, a few
     (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs
-    (docs/kernel_log.md, change 38)."""
+    (docs/kernel_log.md)."""
     chunks = x.shape[0] * triton.cdiv(x.shape[1], CHUNK)
     return triton.cdiv(x.shape[-1], triton.cdiv(_sm_count(x), chunks))
 
 
 def _streaming(x, M, num_stages=3):
     """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time
-    (num_stages: tiles in flight, swept in docs/kernel_log.md, changes 33 and 49)."""
+    (num_stages: tiles in flight, swept in docs/kernel_log.md)."""
     split = 64 * triton.cdiv(_columns_per_program(x), 64)  # whole steps of BD = 64 columns
     return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
                                                  **_meta(x, M, num_warps=4, num_stages=num_stages))
@@ -460,9 +457,9 @@ def _scratch(theta, NC, *rows):
 if triton is not None:
 
     @triton.jit
-    def _decay_kernel(theta_ptr, starts_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
-                      BM: tl.constexpr, HAS_STARTS: tl.constexpr, FLOOR: tl.constexpr):
-        """The decays a = e^{log(1 - theta)} (0 at theta = 1 and at document starts), the within-chunk cumulative
+    def _decay_kernel(theta_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr, BM: tl.constexpr,
+                      FLOOR: tl.constexpr):
+        """The decays a = e^{log(1 - theta)} (0 at theta = 1), the within-chunk cumulative
         sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
         (BM, C) a chunk (0 on padded rows)."""
         n, bi = tl.program_id(0), tl.program_id(1)
@@ -472,8 +469,6 @@ if triton is not None:
         # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
         log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / tl.where(kept == 1.0, -1.0, kept - 1.0)))
         forget = theta >= 1.0
-        if HAS_STARTS:
-            forget |= (tl.load(starts_ptr + offs_t) != 0)[:, None]
         tl.store(decay_ptr + offs_tile, tl.where(forget, 0.0, tl.exp(log_decay)), mask=rows_ok)
         log_decay = tl.where(forget, FLOOR, log_decay)
         b = tl.cumsum(log_decay, axis=0)  # (C, BM)
@@ -489,32 +484,22 @@ def _padded(weights):
     return _pad_time(weights.float(), CHUNK).contiguous()
 
 
-def _document_starts(cu_seqlens, Tp):
-    """1 at the tokens where a packed document starts (and the memory forgets), int8 (Tp,); None without cu_seqlens."""
-    if cu_seqlens is None:
-        return None
-    starts = torch.zeros(Tp, dtype=torch.int8, device=cu_seqlens.device)
-    starts[cu_seqlens[1:-1].long()] = 1
-    return starts
-
-
-def _decays(theta_p, cu_seqlens):
+def _decays(theta_p):
     """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative sum b of
     log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys to its end state
     (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
-    starts = _document_starts(cu_seqlens, Tp)
     decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
     keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
-    _decay_kernel[(Tp // CHUNK, B)](theta_p, starts, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
-                                    HAS_STARTS=starts is not None, FLOOR=LOG_DECAY_FLOOR, num_warps=8)
+    _decay_kernel[(Tp // CHUNK, B)](theta_p, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M), FLOOR=LOG_DECAY_FLOOR,
+                                    num_warps=8)
     return decay, b, keys
 
 
-def _prepare(theta, phi, cu_seqlens):
+def _prepare(theta, phi):
     """What the forward makes of theta and phi first: padded theta and phi, the decays, b and the keys."""
     theta_p = _padded(theta)
-    return (theta_p, _padded(phi), *_decays(theta_p, cu_seqlens))
+    return (theta_p, _padded(phi), *_decays(theta_p))
 
 
 # ----------------------------------------------------------------------------- forward: chunk-start states
@@ -558,8 +543,7 @@ if triton is not None:
                            C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
                            REVERSE: tl.constexpr):
         """out[n] <- carry; carry <- e^{b_end[n]} * carry + added[n], over n. Loads run two chunks ahead, so
-        that a program walking many chunks (batch 1) does not wait on memory at each (docs/kernel_log.md,
-        change 35)."""
+        that a program walking many chunks (batch 1) does not wait on memory at each (docs/kernel_log.md)."""
         bi, block = tl.program_id(0), tl.program_id(1)
         offs = block * BLOCK + tl.arange(0, BLOCK)
         ok = offs < M * D
@@ -585,14 +569,14 @@ def _state_groups(x, NC, columns):
     """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
     least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
     first each group's own end state, then a scan over groups, then the states from the group starts
-    (docs/kernel_log.md, changes 41 and 45)."""
+    (docs/kernel_log.md)."""
     programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], columns), _sm_count(x)
     return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
 
 
 def _state_columns(M):
     """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above 64 rows, so
-    that its float32 carry stays 8K elements and does not spill (docs/kernel_log.md, changes 42 and 46)."""
+    that its float32 carry stays 8K elements and does not spill (docs/kernel_log.md)."""
     return 128 if _block_m(M) <= 64 else 64
 
 
@@ -626,9 +610,9 @@ def _scan_states(added, carries, b, init, final, reverse):
     """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC, M, D), what
     each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the
     gradients at the chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in
-    place: in place, the loads ahead would wait on the stores before them (docs/kernel_log.md, change 35)."""
+    place: in place, the loads ahead would wait on the stores before them (docs/kernel_log.md)."""
     B, NC, M, D = added.shape
-    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs (change 18)
+    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
         added, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
         C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
@@ -923,7 +907,7 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory only for bfloat16
-    # states of at most 64 rows (docs/kernel_log.md, change 49)
+    # states of at most 64 rows (docs/kernel_log.md)
     deep = states.element_size() == 2 and _block_m(M) <= 64
     splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
     dhx = _scratch(theta, NC, splits, _block_m(M))
@@ -974,13 +958,13 @@ if triton is not None:
                            T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
         """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
         later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n. Where the memory
-        forgets, dtheta = dk: exact at document starts; at theta = 1 _forget_grads_kernel adds the decay term."""
+        forgets (theta = 1), dtheta = dk: _forget_grads_kernel adds the decay term."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
         later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
         d_log_decay = tl.load(d_b_ptr + offs_tile, mask=rows_ok, other=0.0) + later[None, :]
         theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
-        decaying = tl.load(decay_ptr + offs_tile, mask=rows_ok, other=0.0) > 0.0  # theta < 1, not a document start
+        decaying = tl.load(decay_ptr + offs_tile, mask=rows_ok, other=0.0) > 0.0  # theta < 1
         dtheta = tl.load(dk_ptr + offs_tile, mask=rows_ok, other=0.0) - tl.where(
             decaying, d_log_decay / tl.where(decaying, 1.0 - theta, 1.0), 0.0)
         dphi = (tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0)
@@ -999,7 +983,7 @@ def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
     B, Tp, M = theta.shape
     NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
     d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
-    meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill (docs/kernel_log.md, change 24)
+    meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill (docs/kernel_log.md)
     _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
                                  splits, **meta)
     later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
@@ -1011,11 +995,11 @@ def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
 if triton is not None:
 
     @triton.jit
-    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, starts_ptr, b_ptr, q_ptr, omega_ptr, states_ptr, dends_ptr,
-                             dtheta_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                             HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row forgets; document
-        starts aside, where h_{t-1} belongs to another document), which _rate_grads_kernel leaves out: it divides
+    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, q_ptr, omega_ptr, states_ptr, dends_ptr, dtheta_ptr,
+                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             PRECISION: tl.constexpr, OP: tl.constexpr):
+        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row forgets), which
+        _rate_grads_kernel leaves out: it divides
         d loss / d log(a_t) = a_t (d loss / d a_t) by a_t, 0 there. d loss / d a_t = G_t . h_{t-1}, G_t the gradient
         at h_t. In the chunk, with H its start state,
             h_{t-1} = e^{b_{t-1}} H + sum_{s<t} e^{b_{t-1} - b_s} theta_s x_s,
@@ -1030,8 +1014,6 @@ if triton is not None:
         m_ok = offs_m < M
         chunk_base = bi * Tp * M + n * C * M
         forgets = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) >= 1.0  # (BM, C)
-        if HAS_STARTS:
-            forgets &= (tl.load(starts_ptr + n * C + offs_c) == 0)[None, :]
         if tl.max(forgets.to(tl.int32)) > 0:
             chunk = bi * NC + n
             t_ok = n * C + offs_c < T
@@ -1058,8 +1040,6 @@ if triton is not None:
             b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
             for t in range(C):
                 forget = _at(theta_ptr, chunk_base, t, offs_m, m_ok, M) >= 1.0  # (BM,)
-                if HAS_STARTS:  # (a vector & a scalar mask fails in Triton 3.9's interpreter)
-                    forget = tl.where(tl.load(starts_ptr + n * C + t) != 0, False, forget)
                 if tl.max(forget.to(tl.int32)) > 0:
                     b = _tile(b_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
                     b_t = _at(b_ptr, chunk_base, t, offs_m, m_ok, M)  # (BM,)
@@ -1079,12 +1059,12 @@ if triton is not None:
                     tl.store(dtheta_t, tl.load(dtheta_t, mask=forget, other=0.0) - d_decay, mask=forget)
 
 
-def _forget_grads(dtheta, x, dy, theta, starts, b, q, omega, states, dends):
+def _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends):
     """dtheta (B, T, M) gets its decay term where theta = 1 (_forget_grads_kernel), in place."""
     B, Tp, M = theta.shape
     NC = Tp // CHUNK
-    _forget_grads_kernel[(NC, B)](x, dy, theta, starts, b, q, omega, states, dends, dtheta, x.shape[1], Tp,
-                                  x.shape[-1], M, NC, BD=32, HAS_STARTS=starts is not None, OP=_operand(x),
+    _forget_grads_kernel[(NC, B)](x, dy, theta, b, q, omega, states, dends, dtheta, x.shape[1], Tp, x.shape[-1], M,
+                                  NC, BD=32, OP=_operand(x),
                                   **_meta(x, M, num_warps=4))
 
 
@@ -1190,19 +1170,18 @@ Tensor = torch.Tensor
 
 
 @torch.library.custom_op("fm::scan_forward", mutates_args=())
-def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float,
-                  cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                         Tensor, Tensor]:
+def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y, hT, then the decays, b, the chunk-start states, the row rms, q, P and h_t . x_t (see _chunk_out)."""
     x = xbar.contiguous()
-    theta_p, phi_p, decay, b, keys = _prepare(theta, phi, cu_seqlens)
+    theta_p, phi_p, decay, b, keys = _prepare(theta, phi)
     states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
     y, rms, q, P, h_dot_x = _chunk_out(x, theta_p, phi_p, decay, b, states, eps)
     return y, hT, decay, b, states, rms, q, P, h_dot_x
 
 
 @_scan_forward.register_fake
-def _(xbar, theta, phi, h0, eps, cu_seqlens):
+def _(xbar, theta, phi, h0, eps):
     B, T, D = xbar.shape
     M, Tp = theta.shape[-1], CHUNK * -(-T // CHUNK)
     f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
@@ -1213,8 +1192,8 @@ def _(xbar, theta, phi, h0, eps, cu_seqlens):
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
 def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, decay: Tensor,
-                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, h_dot_x: Tensor, eps: float,
-                   cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, h_dot_x: Tensor, eps: float
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
     x, dy = xbar.contiguous(), dy.contiguous()
     dhT = None if dhT is None else dhT.float().contiguous()
@@ -1229,34 +1208,34 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps)
-    _forget_grads(dtheta, x, dy, theta, _document_starts(cu_seqlens, theta.shape[1]), b, q, omega, states, dends)
+    _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends)
     return dx, dtheta, dphi, dh0
 
 
 @_scan_backward.register_fake
-def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps, cu_seqlens):
+def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps):
     dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
     return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
 
 
 def _scan_setup_context(ctx, inputs, output):
-    xbar, theta, phi, h0, eps, cu_seqlens = inputs
-    ctx.save_for_backward(xbar, theta, cu_seqlens, *output[1:])
+    xbar, theta, phi, h0, eps = inputs
+    ctx.save_for_backward(xbar, theta, *output[1:])
     ctx.eps, ctx.has_h0, ctx.phi_dtype = eps, h0 is not None, phi.dtype
     ctx.set_materialize_grads(False)  # no zero gradients for the seven outputs only the backward reads
 
 
 def _scan_grads(ctx, dy, dhT, *unused):
-    xbar, theta, cu_seqlens, hT, *saved = ctx.saved_tensors
+    xbar, theta, hT, *saved = ctx.saved_tensors
     dy = torch.zeros_like(xbar) if dy is None else dy
-    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps, cu_seqlens)
-    return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None, None
+    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
+    return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None
 
 
 _scan_forward.register_autograd(_scan_grads, setup_context=_scan_setup_context)
 
 
-def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
+def _check_scan_args(xbar, theta, phi, h0, eps):
     B, T, D = xbar.shape
     M = theta.shape[-1]
     if not eps > 0:
@@ -1268,8 +1247,6 @@ def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
         raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
     if M > MAX_ROWS:
         raise ValueError(f"fm_scan's kernels take at most {MAX_ROWS} memory rows, got M = {M}: use fm_scan_torch")
-    if cu_seqlens is not None and (B != 1 or h0 is not None):
-        raise ValueError("cu_seqlens packs documents into one row: use batch size 1 and h0=None")
     Tp = CHUNK * -(-T // CHUNK)
     widest = max(D, CHUNK, _block_m(M) * -(-D // 64))  # per token: x and y, the (C, C) work, dH X^T shares
     if B * Tp * widest >= 2**31 or B * (Tp // CHUNK) * M * D >= 2**31:
@@ -1277,12 +1254,10 @@ def _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens):
                          f"large for one call; split the batch into calls of fewer tokens")
 
 
-def fm_scan(xbar, theta, phi, h0=None, eps=1e-6, cu_seqlens=None):
-    """Triton FM scan (forward and backward). cu_seqlens (N+1,) int: document boundaries in a
-    packed batch of one row; the memory restarts at each (see LOG_DECAY_FLOOR), and hT is the state
-    after the last token."""
-    _check_scan_args(xbar, theta, phi, h0, eps, cu_seqlens)
-    y, hT, *_ = _scan_forward(xbar, theta, phi, h0, float(eps), cu_seqlens)
+def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
+    """Triton FM scan (forward and backward) -> y (B, T, D), hT (B, M, D) float32."""
+    _check_scan_args(xbar, theta, phi, h0, eps)
+    y, hT, *_ = _scan_forward(xbar, theta, phi, h0, float(eps))
     return y, hT
 
 

@@ -2,10 +2,10 @@
 Triton, beside its naive twin.
 
 At batch 1 a decoding step is a chain of such products, each reading its whole weight once: the step's speed is
-the bandwidth they reach. inductor writes a one-row product as a reduction (STEP_COMPILE_OPTIONS in model.py),
+the bandwidth they reach. inductor writes a one-row product as a reduction (STEP_COMPILE_OPTIONS in generate.py),
 fast alone, but inside a compiled step it fuses SwiGLU's silu(gate) * up into the down product's loads, where every
-program recomputes it, and the product then runs at 38% of the copy bandwidth (docs/kernel_log.md, changes 68 and
-70). This kernel is a custom op, so that its input is computed once, and streams the weight in (BN, BK) tiles,
+program recomputes it, and the product then runs at 38% of the copy bandwidth (docs/kernel_log.md).
+This kernel is a custom op, so that its input is computed once, and streams the weight in (BN, BK) tiles,
 STAGES of them in flight, one program per BN outputs.
 
 | function     | what it is                                      |
@@ -49,7 +49,7 @@ if triton is not None:
 
 def _linear_meta(K):
     """Launch settings, the best of a sweep at fm_1b's down product (K = 5,504 inputs, N = 2048 outputs) on an H200
-    (kernel_log.md, change 70): 8 outputs a program, 1024-wide tiles, 3 in flight, 4 warps."""
+    (docs/kernel_log.md): 8 outputs a program, 1024-wide tiles, 3 in flight, 4 warps."""
     return dict(BN=8, BK=min(1024, triton.next_power_of_2(K)), STAGES=3, num_warps=4)
 
 
@@ -81,7 +81,7 @@ def linear(x, weight):
 
 def decode_linear(x, weight):
     """A decoding step's product x (B, K) W^T: the Triton product for one row on CUDA in half precision, F.linear
-    elsewhere (for more rows this kernel is far slower than cuBLAS's, kernel_log.md change 70)."""
+    elsewhere (for more rows this kernel is far slower than cuBLAS's, docs/kernel_log.md)."""
     if triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 \
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         return linear(x, weight)
