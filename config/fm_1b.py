@@ -11,11 +11,8 @@
 # Tokens: 8 sequences x 1024 tokens x 64 micro-batches (8 per GPU on 8 GPUs) = 524,288 tokens per step;
 # 48,000 steps = 25.2B tokens, about 28 tokens per parameter (the paper trains compute-optimally, >= 20 tokens
 # per parameter; its public DCLM comparison uses 84B tokens: max_iters = lr_decay_iters = 160_000).
-# Measured on one H200 (torch 2.11, the PyTorch chunked FM scan; --max_iters=10 --gradient_accumulation_steps=1):
-#   compile=True,  batch 8:  122 ms/step, 67K tokens/s, MFU 36%, 36.5 GB peak (the first step compiles, ~100 s)
-#   compile=False, batch 8:  243 ms/step, 34K tokens/s, MFU 18%, 50 GB;  batch 16: 443 ms, 37K tokens/s, 89 GB
-# so the 25.2B tokens take about 13 hours on 8 such GPUs. Batch 8 fits 80 GB GPUs; with 141 GB,
-# --batch_size=16 --gradient_accumulation_steps=32 is the same step.
+# Speed: `python bench.py train` (tokens/s, MFU and memory of the 1B configs; README, Results). Batch 8 fits 80 GB
+# GPUs; with 141 GB, --batch_size=16 --gradient_accumulation_steps=32 is the same step.
 
 out_dir = 'out-fm-1b'
 wandb_log = False

@@ -9,8 +9,7 @@
 #
 #   torchrun --standalone --nproc_per_node=8 train.py config/mamba2_1b.py
 # (the data and the batch: see config/fm_1b.py)
-# Measured on one H200 (torch 2.11, compile=False, batch 8, the PyTorch SSD scan, no mamba_ssm): 262 ms/step,
-# 31K tokens/s, MFU 17%, 48 GB peak.
+# Speed: `python bench.py train` (README, Results).
 
 out_dir = 'out-mamba2-1b'
 wandb_log = False

@@ -5,7 +5,7 @@
 #
 #   torchrun --standalone --nproc_per_node=8 train.py config/transformer_1b.py
 # (the data and the batch: see config/fm_1b.py)
-# Measured on one H200 (torch 2.11, compile=False, batch 16, SDPA): 272 ms/step, 60K tokens/s, MFU 35%, 64.5 GB peak.
+# Speed: `python bench.py train` (README, Results).
 
 out_dir = 'out-transformer-1b'
 wandb_log = False
