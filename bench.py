@@ -302,7 +302,7 @@ def bench_stages():
         B = TOKENS // T
         x, theta, phi, h0 = fm_inputs(B, T, K_SPARSE, torch.bfloat16)
         dy = torch.randn_like(x)
-        theta_p, phi_p, decay, b, keys = fm_kernel._prepare(theta, phi, None)
+        theta_p, phi_p, decay, b, keys = fm_kernel._prepare(theta, phi)
         states, hT = fm_kernel._chunk_states(x, keys, b, h0)
         y, rms, q, P, hx = fm_kernel._chunk_out(x, theta_p, phi_p, decay, b, states, 1e-6)
         dq, c, omega, kappa, dk, p_w = fm_kernel._chunk_grads(x, dy, theta_p, q, decay, states, rms, hx)
@@ -312,7 +312,7 @@ def bench_stages():
         dhx = fm_kernel._chunk_dx(x, dy, theta_p, b, states, dends, omega, P, p_w)[1]
         end_dot = (hT * torch.randn_like(hT)).sum(-1)
         stages = {
-            "prepare": lambda: fm_kernel._prepare(theta, phi, None),
+            "prepare": lambda: fm_kernel._prepare(theta, phi),
             "states": lambda: fm_kernel._chunk_states(x, keys, b, h0),
             "fwd products": lambda: fm_kernel._products(x, states, theta_p),
             "out (all)": lambda: fm_kernel._chunk_out(x, theta_p, phi_p, decay, b, states, 1e-6),
@@ -490,7 +490,7 @@ def prefill_ms(generator, prompts):
 
 def measure_decode(model, batch, prompt_len, args, bandwidth, vocab):
     """Prefill `batch` random prompts of prompt_len tokens, then time greedy decoding: ms/token, peak GB, floor."""
-    from model import Generator, Sampling
+    from generate import Generator, Sampling
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     generator = Generator(model, Sampling(temperature=0), compile=args.compile_mode if args.compile else None)
@@ -514,17 +514,18 @@ def generate_models(args):
 
 def set_decode_switches(args):
     """The decoding step's compile options as args ask (to attribute their gain)."""
-    import model as model_module
+    import generate
     if not args.coordinate_descent:
-        model_module.STEP_COMPILE_OPTIONS = {}
+        generate.STEP_COMPILE_OPTIONS = {}
 
 
 def bench_generate(args):
     """Decoding after long prompts, every model in one run (random bf16 weights at the 1B shapes): prefill time,
     decode ms/token at batch 1 and 64 after args.prompt tokens, a context sweep at batch 1, the bandwidth floor
     (weights + the state a step touches, over the copy bandwidth measured now) and the share of it reached."""
+    import generate
     import model as model_module
-    from model import Generator, Sampling
+    from generate import Generator, Sampling
     fused_step = model_module.selective_state_update
     bandwidth = measure_ceilings()[0]
     rows, sweep = [], {}
@@ -551,7 +552,7 @@ def bench_generate(args):
         torch._dynamo.reset()  # a fresh compile for the next model (its guards would otherwise pile up)
     model_module.selective_state_update = fused_step
     print(f"\ngeneration: greedy, one CUDA graph a step (every layer, head, sampling; compile={args.compile}, "
-          f"{args.compile_mode}, options {model_module.STEP_COMPILE_OPTIONS}), random bf16 weights; "
+          f"{args.compile_mode}, options {generate.STEP_COMPILE_OPTIONS}), random bf16 weights; "
           f"prefill of one {args.prompt}-token prompt; decode after {args.prompt}-token prompts, median of 3 x "
           f"{args.new_tokens} tokens; floor = (weights + batch x state a step touches) / copy "
           f"{bandwidth / 1e12:.2f} TB/s measured now")
@@ -589,7 +590,7 @@ def profile_decode(args, steps=10):
     args.out_dir/generate_profile.txt."""
     import model as model_module
     from torch.profiler import ProfilerActivity, profile
-    from model import Generator, Sampling
+    from generate import Generator, Sampling
     name, path, overrides, fused = generate_models(args)[0]
     if fused and model_module.selective_state_update is None:
         sys.exit(f"{name} needs mamba-ssm")

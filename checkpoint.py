@@ -168,10 +168,15 @@ def model_from_checkpoint(ckpt, path):
         raise CheckpointError(f'{path} holds a model config this model.py cannot build ({e}): use the model.py '
                               f'version that wrote it, or train a new model in a new --out_dir') from None
     try:
-        model.load_state_dict(ckpt['model'])
-    except RuntimeError as e:
-        raise CheckpointError(f'the weights in {path} do not fit the model they describe ({str(e)[:500]}): use the '
-                              f'model.py version that wrote it, or train a new model in a new --out_dir') from None
+        missing, unexpected = model.load_state_dict(ckpt['model'], strict=False)
+        problem = '; '.join(f'{what} {", ".join(keys[:3])}{", ..." if len(keys) > 3 else ""}'
+                            for what, keys in (('missing', missing), ('unexpected', unexpected)) if keys)
+    except RuntimeError as e:  # a weight of another shape
+        problem = ' '.join(str(e).split())[:300]
+    if problem:
+        raise CheckpointError(f'the weights in {path} do not fit the model they describe ({problem}): it was written '
+                              f'by another version of model.py; use the version that wrote it, or train a new model '
+                              f'in a new --out_dir')
     return model
 
 

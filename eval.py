@@ -59,7 +59,8 @@ import torch.nn.functional as F
 import fm_kernel
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
-from model import Generator, Model, ModelConfig, Sampling
+from generate import Generator, Sampling
+from model import Model, ModelConfig
 from prepare_data import get_tokenizer, load_tokens, prepare, read_utf8
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -663,7 +664,8 @@ class RoutingStats:
         x = x.flatten(0, -2).double()  # (N, d_model)
         with torch.autocast(x.device.type, enabled=False):
             scores = mixer.router_scores(x)  # (N, M + 2)
-        probs, idx, alpha, eta, mu = fm_kernel.route_naive(scores, mixer.top_k, mixer.tau)  # as mixer.route
+        idx, alpha, eta, mu = fm_kernel.route_naive(scores, mixer.top_k, mixer.tau)  # as mixer.route
+        probs = torch.softmax(scores[:, :-2] / mixer.tau, -1)  # (N, M)
         logits = scores[:, :-2] / mixer.tau  # (N, M)
         if idx is None:
             self.usage += probs.sum(0).cpu()

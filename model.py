@@ -1,7 +1,7 @@
 """
-A LLaMA-style decoder whose sequence mixer is Factorization Memory ('fm'), causal attention ('attn')
-or Mamba-2 ('mamba2'). Every mixer has a parallel path (training, prefill) and a one-token step
-path (decoding) that agree to rounding.
+A LLaMA-style decoder whose sequence mixer is Factorization Memory ('fm'), causal attention ('attn') or Mamba-2
+('mamba2'). Every mixer has a parallel path (training, prefill) and a one-token step (decoding) that agree to
+rounding; generate.py runs the steps.
 
 Factorization Memory ("Language Modeling With Factorization Memory", Section 3), per token x:
     alpha = softmax(W_alpha x / tau)        (m)  router; sparse keeps the top-k, renormalised to sum 1
@@ -29,44 +29,37 @@ except ImportError:
     mamba_chunk_scan_combined = selective_state_update = None
 
 MIXERS = ('fm', 'attn', 'mamba2')
-CENTER_MOMENTUM = 0.01  # router_center: the weight of each training batch's mean in the running mean
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
 
 
 @dataclass
 class ModelConfig:
     """Model hyper-parameters; None fields resolve through the properties below."""
-    vocab_size: int = 256
-    block_size: int = 256  # training context; the model itself has no length limit
-    n_layer: int = 4
-    d_model: int = 256
-    mixer: str = 'fm'
-    d_ff: int | None = None  # SwiGLU hidden size; None -> 8/3 d_model rounded up to a multiple of 64; 0: no MLP
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
+    vocab_size: int = 256  # tokens the embedding holds (train.py sets it from the tokenizer)
+    block_size: int = 256  # training context in tokens; the model itself has no length limit
+    n_layer: int = 4  # blocks
+    d_model: int = 256  # width of the residual stream
+    mixer: str = 'fm'  # the sequence mixer of every block: 'fm', 'attn' or 'mamba2'
+    d_ff: int | None = None  # SwiGLU hidden size; None: 8/3 d_model rounded up to a multiple of 64; 0: no MLP
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = True  # the LM head shares the embedding's weight
+    init_std: float = 0.02  # std of the normal initialisation of every matrix
     # fm
     n_memory: int = 64  # m, memory rows
-    top_k: int | None = None  # k rows read and written per token; None -> m (dense)
-    d_memory: int | None = None  # width of a memory row; None -> d_model
+    top_k: int | None = None  # k rows read and written per token; None: m (dense)
+    d_memory: int | None = None  # width of a memory row; None: d_model
     tau: float = 1.0  # router softmax temperature
-    # choices the paper leaves open (see the README's "departures from the paper")
-    router_init_std: float | None = None  # std of W_alpha's normal init; None -> init_std
-    eta_bias: float = 0.0  # initial b_eta: 0 gives eta = 0.5 at init; below 0 the memory starts writing (and forgetting) slower
-    router_weight_decay: bool = True  # AdamW's weight decay on W_alpha, w_eta and w_mu (False: none)
-    router_balance: float = 0.0  # weight of a load-balancing loss on the router's row usage (0: none, the paper's layer)
-    router_center: bool = False  # the router sees its input minus a running mean over training tokens (False: as is)
-    fm_eps: float = 1e-6
-    chunk_size: int = 64  # chunk length of the PyTorch fm scan and of the mamba2 scan (Triton fm: 64)
+    fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
+    chunk_size: int = 64  # tokens a chunk of the PyTorch FM scan and of the Mamba-2 scan (a power of 2)
     # attn
-    n_head: int = 8
-    n_kv_head: int | None = None  # None -> n_head
-    rope_theta: float = 10000.0
+    n_head: int = 8  # query heads
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    rope_theta: float = 10000.0  # RoPE's base
     # mamba2
-    d_state: int = 64
-    mamba_head_dim: int = 64
-    mamba_expand: int = 2
-    d_conv: int = 4
+    d_state: int = 64  # N, the state size of a head
+    mamba_head_dim: int = 64  # P, channels a head
+    mamba_expand: int = 2  # d_inner = mamba_expand * d_model
+    d_conv: int = 4  # taps of the causal depthwise convolution
 
     @property
     def ffn_dim(self):
@@ -108,10 +101,12 @@ class ModelConfig:
         check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff >= 0), 'd_ff',
               'must be >= 0 (0: blocks without an MLP, as the original Mamba-2) or None')
         check(self.mixer in MIXERS, 'mixer', f"unknown mixer; use one of {', '.join(MIXERS)}")
+        if self.mixer in ('fm', 'mamba2'):
+            positive('chunk_size')
+            check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
         if self.mixer == 'fm':
-            positive('n_memory', 'tau', 'fm_eps', 'chunk_size')
-            positive('d_memory', 'router_init_std', optional=True)
-            check(self.router_balance >= 0, 'router_balance', 'must be >= 0 (0: no load-balancing loss)')
+            positive('n_memory', 'tau', 'fm_eps')
+            positive('d_memory', optional=True)
             check(self.top_k is None or 1 <= self.top_k <= self.n_memory, 'top_k',
                   f"must be between 1 and n_memory={self.n_memory} (None means dense, k = m)")
         if self.mixer == 'attn':
@@ -122,7 +117,7 @@ class ModelConfig:
                   f"d_model/n_head must be even for RoPE; change n_head or d_model={self.d_model}")
             check(self.n_head % self.kv_heads == 0, 'n_kv_head', f"must divide n_head={self.n_head}")
         if self.mixer == 'mamba2':
-            positive('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv', 'chunk_size')
+            positive('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv')
             check(self.mamba_d_inner % self.mamba_head_dim == 0, 'mamba_head_dim',
                   f"must divide d_inner = mamba_expand * d_model = {self.mamba_d_inner}")
 
@@ -145,14 +140,6 @@ class RMSNorm(nn.Module):
         return (x_acc * torch.rsqrt(x_acc.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def merge_split_weights(state_dict, prefix, old_names, new_name):
-    """Checkpoints written before some products became one hold their weights apart (e.g. gate_proj and up_proj):
-    concatenate them, in place in state_dict, into the weight of the one product (rows in old_names' order)."""
-    old_keys = [f'{prefix}{name}.weight' for name in old_names]
-    if all(key in state_dict for key in old_keys):
-        state_dict[f'{prefix}{new_name}.weight'] = torch.cat([state_dict.pop(key) for key in old_keys])
-
-
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up as one product (one launch, one weight read when decoding)."""
 
@@ -170,10 +157,6 @@ class SwiGLU(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return gemv.decode_linear(F.silu(gate) * up, self.down_proj.weight)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        merge_split_weights(state_dict, prefix, ('gate_proj', 'up_proj'), 'gate_up_proj')
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
 
 # ----------------------------------------------------------------------------- Factorization Memory
 
@@ -185,12 +168,21 @@ def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
 
 
-def memory_step(h, xbar, scores, top_k, tau, eps):
-    """One FM decode step from the router's scores (B, M + 2), updating the top_k rows of h in place -> y: one Triton
-    kernel on CUDA (up to fm_kernel.MAX_ROWS memory rows), PyTorch elsewhere."""
-    if h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and h.shape[1] <= fm_kernel.MAX_ROWS:
-        return fm_kernel.fm_route_step(h, xbar, scores, top_k, tau, eps)
-    return fm_kernel.fm_route_step_naive(h, xbar, scores, top_k, tau, eps)
+def triton_step(h):
+    """Whether a decoding step on the memory h (B, M, D) runs as a Triton kernel."""
+    return h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and h.shape[1] <= fm_kernel.MAX_ROWS
+
+
+def memory_step(h, xbar, idx, theta, phi, eps):
+    """One FM decode step on rows idx (B, K) of h, in place, with their weights theta, phi (B, K) -> y (B, D)."""
+    step = fm_kernel.fm_step if triton_step(h) else fm_kernel.fm_step_naive
+    return step(h, xbar, idx, theta, phi, eps)
+
+
+def memory_route_step(h, xbar, scores, top_k, tau, eps):
+    """memory_step with the standard router fused in, from its scores (B, M + 2): one kernel on CUDA."""
+    step = fm_kernel.fm_route_step if triton_step(h) else fm_kernel.fm_route_step_naive
+    return step(h, xbar, scores, top_k, tau, eps)
 
 
 class FactorizationMemory(nn.Module):
@@ -200,48 +192,28 @@ class FactorizationMemory(nn.Module):
         super().__init__()
         self.n_memory, self.top_k, self.memory_dim = config.n_memory, config.k, config.memory_dim
         self.tau, self.eps, self.chunk_size = config.tau, config.fm_eps, config.chunk_size
-        self.balance, self.balance_loss = config.router_balance, None  # the loss of the last training pass
-        if config.router_center:  # the router input's mean over training tokens: the mean of the first batches, then
-            self.register_buffer('input_mean', torch.zeros(config.d_model))  # a running average
-            self.register_buffer('input_mean_batches', torch.zeros((), dtype=torch.long))
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
-        self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu); b_eta = eta_bias, b_mu = 0
+        self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
         self.in_proj = nn.Linear(config.d_model, config.memory_dim, bias=False)  # W_i
         self.out_proj = nn.Linear(config.memory_dim, config.d_model, bias=False)  # W_o
 
-    def init_router(self, config):
-        """The router's and gates' initialisation where the config departs from the model-wide one."""
-        if config.router_init_std is not None:
-            nn.init.normal_(self.router.weight, mean=0.0, std=config.router_init_std)
-        with torch.no_grad():
-            self.rates.bias[0] = config.eta_bias
-
     def router_scores(self, x):
-        """x (..., d_model) -> the router's scores (..., M + 2): W_alpha x, then the logits of eta and mu with their
-        biases, in at least float32 (so that the top-k is exact); call with autocast off."""
+        """x (..., d_model) -> (..., M + 2): W_alpha x, then the logits of eta and mu with their biases, in at least
+        float32 (so that the top-k is exact); call with autocast off."""
         dtype = compute_dtype(x.dtype)
         weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
         bias = F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))  # (M + 2,): 0 for the router's rows
-        if hasattr(self, 'input_mean'):  # W_alpha (x - mean) = W_alpha x - W_alpha mean
-            bias = bias - F.pad(F.linear(self.input_mean.to(dtype, copy=True), self.router.weight.to(dtype)), (0, 2))
-            if self.training:
-                with torch.no_grad():
-                    self.input_mean_batches += 1
-                    share = (1 / self.input_mean_batches).clamp(min=CENTER_MOMENTUM).to(self.input_mean.dtype)
-                    self.input_mean.lerp_(x.flatten(0, -2).mean(0).to(self.input_mean.dtype), share)
         if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
             return (x.to(dtype)[:, None, :] * weight).sum(-1) + bias  # (B, M + 2); the weight's cat is not stored
         pad = -len(weight) % 4  # 16-byte rows: cuBLAS's aligned kernels
         return F.linear(x.to(dtype), F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)))[..., :len(weight)]
 
     def route(self, x):
-        """Router in at least float32: x (..., d_model) -> idx (..., K) of the selected rows (None when dense),
-        alpha (..., K) summing to 1, eta and mu (..., 1)."""
+        """The router, in at least float32: x (..., d_model) -> idx (..., K) of the rows each token writes and reads
+        (None when dense), alpha (..., K) summing to 1, eta and mu (..., 1). The one definition for training, prefill
+        and decoding: a decoding step runs it fused into the memory update unless a subclass overrides it."""
         with torch.autocast(x.device.type, enabled=False):
-            probs, idx, alpha, eta, mu = fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
-            if self.training and self.balance > 0:
-                self.balance_loss = balance_loss(probs, self.top_k)
-        return idx, alpha, eta, mu
+            return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         """-> y (B, T, d_model), state {'h'} after each row's last real token (lengths (B,); None: all T)."""
@@ -251,37 +223,27 @@ class FactorizationMemory(nn.Module):
         theta = eta * alpha
         if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
-        xbar = self.in_proj(x)  # (B, T, d_memory)
         h0 = None if state is None else state['h']
-        y, h = memory_scan(xbar, theta, mu * alpha, h0, self.eps, self.chunk_size)  # y like xbar, h (B, M, d_memory)
+        y, h = memory_scan(self.in_proj(x), theta, mu * alpha, h0, self.eps, self.chunk_size)  # y (B, T, d_memory)
         return self.out_proj(y), {'h': h}
 
     def step(self, x, state):  # x (B, d_model)
         """One token: updates state['h'] in place -> y (B, d_model)."""
-        with torch.autocast(x.device.type, enabled=False):
-            scores = self.router_scores(x)  # (B, M + 2)
-        y = memory_step(state['h'], self.in_proj(x), scores, self.top_k, self.tau, self.eps)  # (B, d_memory)
+        xbar = self.in_proj(x)  # (B, d_memory)
+        if type(self).route is FactorizationMemory.route:  # the standard router: fused into the update
+            with torch.autocast(x.device.type, enabled=False):
+                scores = self.router_scores(x)  # (B, M + 2)
+            y = memory_route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps)
+        else:
+            idx, alpha, eta, mu = self.route(x)
+            if idx is None:  # dense: every row
+                idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
+            y = memory_step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
         return self.out_proj(y)
 
     def init_state(self, batch_size, max_len, device):
         dtype = compute_dtype(self.in_proj.weight.dtype)
         return {'h': torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=dtype, device=device)}
-
-
-def balance_loss(alpha, top_k):
-    """Load balancing of a router (Switch Transformer): m * sum_i share_i * p_i over the tokens of alpha (..., m),
-    the full softmax, where p_i is row i's mean probability and share_i its share of the routing (the fraction of
-    the top-k selections, or p_i itself when dense; not differentiated). It is 1 when every row is used equally,
-    and m (dense) or m / k (top-k) when every token puts all its weight on one row."""
-    alpha = alpha.flatten(0, -2)  # (N, m)
-    p = alpha.mean(0)  # (m,)
-    if top_k < alpha.shape[-1]:
-        selected = alpha.topk(top_k, dim=-1).indices  # (N, k)
-        share = torch.zeros_like(p).scatter_add_(0, selected.flatten(), torch.ones_like(selected.flatten(), dtype=p.dtype))
-        share = share / selected.numel()
-    else:
-        share = p.detach()
-    return alpha.shape[-1] * (share * p).sum()
 
 
 # ----------------------------------------------------------------------------- attention
@@ -314,10 +276,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
         self.out_proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=False)
         self.rope_theta = config.rope_theta
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        merge_split_weights(state_dict, prefix, ('q_proj', 'k_proj', 'v_proj'), 'qkv_proj')
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def project(self, x, positions):
         """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd), from one product."""
@@ -547,9 +505,6 @@ class Model(nn.Module):
         for name, p in self.named_parameters():  # residual output projections, GPT-2 style
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
-        for block in self.blocks:
-            if isinstance(block.mixer, FactorizationMemory):
-                block.mixer.init_router(config)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -586,9 +541,6 @@ class Model(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
                                    ignore_index=-1)
-            if self.training and self.config.mixer == 'fm' and self.config.router_balance > 0:
-                balance = torch.stack([block.mixer.balance_loss for block in self.blocks]).mean()
-                loss = loss + self.config.router_balance * balance
         return logits, loss
 
     def init_state(self, batch_size, max_len, device=None):
@@ -658,15 +610,10 @@ class Model(nn.Module):
         return self.flops_per_token(self.config.block_size) * tokens_per_sec / peak
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on matrices and embeddings (>= 2-D) only, and not on FM's router and gates when
-        router_weight_decay is False; fused on CUDA."""
+        """AdamW with weight decay on matrices and embeddings (>= 2-D) only; fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
-        exempt = set()
-        if self.config.mixer == 'fm' and not self.config.router_weight_decay:
-            exempt = {id(p) for block in self.blocks for p in (block.mixer.router.weight, block.mixer.rates.weight)}
-        decays = [p.dim() >= 2 and id(p) not in exempt for p in params]
-        groups = [{'params': [p for p, d in zip(params, decays) if d], 'weight_decay': weight_decay},
-                  {'params': [p for p, d in zip(params, decays) if not d], 'weight_decay': 0.0}]
+        groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
+                  {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
 
@@ -676,161 +623,3 @@ def write_state(static, states, rows=slice(None)):
     for static_layer, layer in zip(static, states):
         for name, tensor in layer.items():
             static_layer[name][rows][tuple(slice(0, n) for n in tensor.shape)] = tensor
-
-
-# ----------------------------------------------------------------------------- generation
-
-@dataclass
-class Sampling:
-    """How the next token is drawn from the logits."""
-    temperature: float = 1.0  # 0: greedy (the most likely token)
-    top_k: int | None = None  # only the k most likely tokens
-    top_p: float = 1.0  # only the smallest set of most likely tokens whose probability reaches top_p (nucleus)
-    n_tokens: int | None = None  # only ids below this (the tokenizer's size when the model's vocabulary is padded)
-
-    def validate(self):
-        """Raise ValueError naming the first bad field and its range."""
-        if not self.temperature >= 0:
-            raise ValueError(f'temperature={self.temperature!r}: must be >= 0 (0 is greedy decoding)')
-        if self.top_k is not None and not self.top_k >= 1:
-            raise ValueError(f'top_k={self.top_k!r}: must be >= 1, or None for every token')
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f'top_p={self.top_p!r}: must be in (0, 1] (1 keeps every token)')
-
-
-def nucleus(logits, top_p):
-    """Keep the smallest set of most likely tokens whose probability reaches top_p: logits (B, V), the rest -inf."""
-    ranked, order = logits.sort(-1, descending=True)
-    probs = torch.softmax(ranked, -1)
-    dropped = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
-    return logits.scatter(-1, order, ranked.masked_fill(dropped, -math.inf))
-
-
-def sample_next(logits, sampling):
-    """logits (B, V) in float32 or more -> token ids (B,). Draws from torch's default generator (torch.manual_seed)
-    without a host sync, so that a CUDA graph can hold it."""
-    logits = logits[:, :sampling.n_tokens]
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if sampling.top_p < 1:
-        logits = nucleus(logits, sampling.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (probs / race).argmax(-1)  # argmax p_i / E_i, E_i ~ Exp(1), is i with probability p_i
-
-
-# inductor options of the compiled decoding step, on top of the mode's. Coordinate-descent tuning (gpt-fast's
-# setting) makes inductor write a product with one row (batch 1) as a reduction tuned for this GPU instead of a
-# cuBLAS GEMV, whose 64-row tiles leave most SMs idle at 2048 outputs (kernel_log.md, changes 63 and 64).
-STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
-
-
-def step_options(mode):
-    """torch.compile options of a decoding step compiled in `mode`: the mode's own, then STEP_COMPILE_OPTIONS."""
-    import torch._inductor
-    return {**torch._inductor.list_mode_options(mode), **STEP_COMPILE_OPTIONS}
-
-
-class Generator:
-    """Batched generation from a Model with static buffers. The prompts are prefilled in parallel passes (right-
-    padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
-    in place; on CUDA a step is one CUDA-graph replay, captured once per batch size and length."""
-
-    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
-        """compile: None (the step as written) or a torch.compile mode ('default', 'max-autotune-no-cudagraphs'),
-        which fuses the step's small kernels at the cost of a compilation per batch size; with STEP_COMPILE_OPTIONS."""
-        sampling.validate()
-        self.model, self.sampling, self.eot = model, sampling, eot
-        self.device = model.embed.weight.device
-        self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
-        self.compiled_step = self._step if compile is None else torch.compile(self._step, options=step_options(compile))
-        self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
-        self.shape = self.graph = None
-
-    def _allocate(self, batch_size, max_len):
-        """Static buffers (state, next tokens, finished rows) for batch_size rows of max_len tokens, and the graph."""
-        self.shape, self.graph = (batch_size, max_len), None
-        self.state = self.model.init_state(batch_size, max_len, self.device)
-        self.tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        self.done = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
-        if self.cuda_graph:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            device = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            with torch.random.fork_rng(devices=[device]), torch.cuda.stream(stream):  # warm-up outside the capture
-                for _ in range(2):  # (kernel compilation, library handles), drawing nothing from the seeded RNG
-                    self.compiled_step()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.compiled_step()
-
-    def _step(self):
-        logits = self.model.step(self.tokens, self.state)  # (B, V)
-        self.tokens.copy_(sample_next(logits, self.sampling))
-        if self.eot is not None:
-            self.done |= self.tokens == self.eot
-
-    @torch.no_grad()
-    def start(self, prompts, max_new_tokens):
-        """Prefill prompts (lists of token ids) into buffers with room for max_new_tokens more -> the first new
-        token of each row (B,), a buffer that the next step overwrites."""
-        lengths = [len(p) for p in prompts]
-        if min(lengths) < 1 or max_new_tokens < 1:
-            raise ValueError('every prompt needs at least one token, and max_new_tokens must be at least 1')
-        shape = (len(prompts), max(lengths) + max_new_tokens)
-        if shape != self.shape:
-            self._allocate(*shape)
-        rows_per_pass = max(1, self.prefill_tokens // max(lengths))
-        for first in range(0, len(prompts), rows_per_pass):
-            rows = slice(first, first + rows_per_pass)
-            last, states = self._prefill(prompts[rows])
-            write_state(self.state, states, rows)
-            self.tokens[rows] = sample_next(self.model.logits(last), self.sampling)
-        self.done.zero_()
-        if self.eot is not None:
-            self.done |= self.tokens == self.eot
-        return self.tokens
-
-    def _prefill(self, prompts):
-        """Parallel passes over right-padded prompts -> the hidden state after each one's last token (B, d_model)
-        and the per-layer states. A recurrent model takes a prompt longer than prefill_tokens (then alone: see
-        start) in pieces, carrying its state, so that memory does not grow with the prompt; attention takes it whole."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
-        width = int(lengths.max())
-        idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)
-        piece = width if self.model.config.mixer == 'attn' else self.prefill_tokens
-        states = None
-        for start in range(0, width, piece):
-            x, states = self.model.hidden(idx[:, start:start + piece], states, (lengths - start).clamp(max=piece))
-        return x[torch.arange(len(prompts), device=self.device), lengths - 1 - start], states  # in the last piece
-
-    @torch.no_grad()
-    def step(self):
-        """Decode one token a row -> the next tokens (B,), a buffer that the next step overwrites. At most
-        max_new_tokens - 1 steps follow a start (the buffers hold no more)."""
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.compiled_step()
-        return self.tokens
-
-    def generate(self, prompts, max_new_tokens, on_tokens=None):
-        """New tokens for each prompt: up to max_new_tokens, a row ending at its end-of-text token (not returned).
-        on_tokens(list of B ids), if given, gets each step's tokens as they come (streaming; a host sync a token)."""
-        if max_new_tokens < 1:
-            return [[] for _ in prompts]
-        steps = [self.start(prompts, max_new_tokens).clone()]
-        while True:
-            if on_tokens is not None:
-                on_tokens(steps[-1].tolist())
-            finished = self.eot is not None and len(steps) % 16 == 0 and self.done.all()  # a host sync every 16
-            if len(steps) == max_new_tokens or finished:
-                break
-            steps.append(self.step().clone())
-        rows = torch.stack(steps, 1).tolist()  # (B, steps)
-        return [row[:row.index(self.eot)] if self.eot in row else row for row in rows]

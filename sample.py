@@ -15,7 +15,7 @@ import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
-from model import Generator, Sampling
+from generate import Generator, Sampling
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'
@@ -83,6 +83,45 @@ def prompt_ids(cfg, tok, vocab_size):
     return ids
 
 
+def check_fits(model, batch, prompt_len, max_new_tokens):
+    """ConfigError, with the estimate, if the decoding buffers of batch rows (the state of every layer: a KV cache
+    grows with the length, FM's and Mamba-2's memory do not; the new tokens; the logits) exceed the device's free
+    memory."""
+    device = model.embed.weight.device
+    state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
+    need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
+    need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == 'cuda' else available_memory()
+    if need > free:
+        raise ConfigError(f'--num_samples={batch} x {prompt_len + max_new_tokens:,} tokens (prompt and '
+                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers, and {device} has '
+                          f'{free / 1e9:,.1f} GB free: lower --num_samples or --max_new_tokens')
+
+
+def available_memory():
+    """Bytes of RAM free for new allocations (Linux's MemAvailable; all of it elsewhere)."""
+    try:
+        with open('/proc/meminfo') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+    except (OSError, StopIteration):
+        return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+class Progress:
+    """Prints the tokens generated so far to stderr, every 5 seconds of a long generation."""
+
+    def __init__(self, total):
+        self.total, self.begin = total, time.perf_counter()
+        self.last = self.begin
+
+    def __call__(self, n):
+        now = time.perf_counter()
+        if now - self.last >= 5:
+            self.last = now
+            print(f'{n:,} of {self.total:,} tokens a sample, {n / (now - self.begin):,.1f} steps/s', file=sys.stderr,
+                  flush=True)
+
+
 class Stream:
     """Prints one sample's text as its tokens arrive (holding back an incomplete UTF-8 character)."""
 
@@ -109,12 +148,14 @@ def main(argv=()):
     cfg = settings(argv)
     model, tok = load(cfg)
     ids = prompt_ids(cfg, tok, model.config.vocab_size)
+    check_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
     sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'], n_tokens=tok.vocab_size)  # no padding ids
     generator = Generator(model, sampling, eot=tok.eot)
     stream = Stream(tok, ids) if cfg['num_samples'] == 1 else None
     torch.manual_seed(cfg['seed'])
     begin = time.perf_counter()
-    new = generator.generate([ids] * cfg['num_samples'], cfg['max_new_tokens'], on_tokens=stream)
+    progress = None if stream else Progress(cfg['max_new_tokens'])
+    new = generator.generate([ids] * cfg['num_samples'], cfg['max_new_tokens'], on_tokens=stream, on_progress=progress)
     seconds = time.perf_counter() - begin
     samples = [tok.decode(ids + row) for row in new]
     for text in ([] if stream else samples):

@@ -37,7 +37,10 @@ import checkpoint
 from configurator import ConfigError, load_config
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
-from model import FactorizationMemory, Generator, Model, ModelConfig, Sampling, sample_next
+import generate
+import run_safety
+from generate import Generator, Sampling, sample_next
+from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens, prepare
 
 CUDA = torch.cuda.is_available()
@@ -266,7 +269,7 @@ def test_triton_log_decays_match_log1p(poisoned_outputs):
     torch.manual_seed(0)
     theta = 10 ** (-9 * torch.rand(2, 128, 20))  # (B, Tp, M)
     theta[0, 5, :3] = torch.tensor([0.0, 1.0, 0.5])
-    decay, b, keys = fm_kernel._decays(theta.to(DEVICE), None)
+    decay, b, keys = fm_kernel._decays(theta.to(DEVICE))
     b_chunks = b.cpu().double().view(2, 2, 64, 20)
     want_keys = (theta.double().view(2, 2, 64, 20) * (b_chunks[:, :, -1:] - b_chunks).exp()).transpose(-1, -2)
     torch.testing.assert_close(keys.cpu().double()[:, :, :20], want_keys, rtol=1e-5, atol=1e-30)  # float32 range
@@ -347,53 +350,6 @@ def test_triton_scan_bf16_inputs_accuracy(poisoned_outputs):
         assert rel_err(a, b) < tol, f"{name}: relative error {rel_err(a, b):.2e} > {tol:.1e}"
 
 
-@needs_triton
-def test_triton_scan_packed_documents_restart_memory(poisoned_outputs):
-    torch.manual_seed(5)
-    lengths = [5, 59, 1, 41]  # documents start inside a chunk and on one's first token (64)
-    D, M, k = 16, 8, 3
-    x, theta, phi, _ = scan_inputs(1, sum(lengths), D, M, k, h0=False)
-    x, theta, phi = (t.float().to(DEVICE).requires_grad_() for t in (x, theta, phi))
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
-    y, hT = fm_scan(x, theta, phi, cu_seqlens=cu_seqlens)
-    grad_y = torch.randn_like(y)
-    grads = torch.autograd.grad((y * grad_y).sum(), [x, theta, phi])
-    ys, grads_docs = [], [[], [], []]
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        doc = [t.detach()[:, start:end].double().requires_grad_() for t in (x, theta, phi)]
-        y_doc, h_doc = fm_scan_naive(*doc)
-        ys.append(y_doc)
-        for acc, g in zip(grads_docs, torch.autograd.grad((y_doc * grad_y[:, start:end].double()).sum(), doc)):
-            acc.append(g)
-    assert rel_err(y, torch.cat(ys, 1)) < 1e-5
-    assert rel_err(hT, h_doc) < 1e-5
-    for g, g_docs in zip(grads, grads_docs):
-        assert rel_err(g, torch.cat(g_docs, 1)) < 1e-4
-
-
-@needs_triton
-def test_triton_scan_saturated_rates_at_document_boundaries(poisoned_outputs):
-    """theta = 1 at and around the document starts of a packed row, against the loop over each document: at a
-    document's first token the memory restarts anyway (no decay term in dtheta), one token later it has one."""
-    torch.manual_seed(7)
-    lengths = [5, 59, 1, 5]  # documents start inside a chunk (5), on a chunk's first token (64) and right after (65)
-    tokens = [4, 5, 6, 63, 64, 65, 69]
-    D, M, k = 16, 8, 3
-    inputs = saturated_inputs(1, sum(lengths), D, M, k, tokens, h0=False)
-    grad_y, grad_h = torch.randn(1, sum(lengths), D, dtype=torch.float64), torch.randn(1, M, D, dtype=torch.float64)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    f32 = [t.float().to(DEVICE) if t is not None else None for t in inputs]
-    got = [g.cpu() for g in scan_and_grads(fm_scan, f32, grad_y.to(DEVICE), grad_h.to(DEVICE),
-                                           cu_seqlens=cu_seqlens.to(DEVICE))]
-    docs = []  # y, hT, dxbar, dtheta, dphi of each document; only the last one's hT is an output
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        doc = [t[:, start:end] if t is not None else None for t in inputs]
-        docs.append(scan_and_grads(fm_scan_naive, doc, grad_y[:, start:end], grad_h * (end == cu_seqlens[-1])))
-    want = [torch.cat([d[i] for d in docs], 1) if i != 1 else docs[-1][1] for i in range(5)]
-    assert_close_all(got, want, 2e-5)
-    assert rel_err(got[3][:, tokens], want[3][:, tokens]) < 2e-5
-
-
 def step_inputs(B, K, M, D):
     """A decode step's h (B, M, D), xbar (B, D), idx (B, K) distinct rows, theta, phi (B, K), float32."""
     h = torch.randn(B, M, D, device=DEVICE)
@@ -436,7 +392,7 @@ def test_triton_route_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     y = fm_kernel.fm_route_step(h, x, scores, K, 0.7)
     assert rel_err(y, y_naive) < 1e-6
     assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6)
-    _, idx, *_ = fm_kernel.route_naive(scores, K, 0.7)
+    idx, *_ = fm_kernel.route_naive(scores, K, 0.7)
     if idx is not None:
         untouched = torch.ones(B, M, dtype=torch.bool, device=DEVICE).scatter(1, idx, False)
         assert torch.equal(h[untouched], h_naive[untouched])
@@ -756,11 +712,11 @@ def test_seeded_sampling_is_reproducible():
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([[0.5, 0.05, 0.3, 0.15], [0.25, 0.25, 0.25, 0.25]])
-    kept = model_module.nucleus(probs.log(), 0.8).isfinite()
+    kept = generate.nucleus(probs.log(), 0.8).isfinite()
     assert kept.tolist() == [[True, False, True, False], [True, True, True, True]]  # 0.5 + 0.3 reaches 0.8
-    kept = model_module.nucleus(probs.log(), 0.81).isfinite()
+    kept = generate.nucleus(probs.log(), 0.81).isfinite()
     assert kept[0].tolist() == [True, False, True, True]
-    assert model_module.nucleus(probs.log(), 1e-6).isfinite().sum(-1).tolist() == [1, 1]
+    assert generate.nucleus(probs.log(), 1e-6).isfinite().sum(-1).tolist() == [1, 1]
     torch.manual_seed(0)
     draws = torch.stack([sample_next(probs.log(), Sampling(top_p=0.8)) for _ in range(2000)])
     counts = torch.bincount(draws[:, 0], minlength=4).double() / 2000  # renormalised 0.5 : 0.3
@@ -848,24 +804,61 @@ def test_mamba_ssm_fused_step_equals_the_models_own_gpu():
     assert rel_err(runs[1][0], runs[0][0]) < 1e-5 and rel_err(runs[1][1], runs[0][1]) < 1e-5
 
 
-@needs_triton
-@pytest.mark.parametrize('top_k, tau, center', [(3, 1.0, False), (None, 1.0, False), (3, 0.5, True)])
-def test_step_matches_forward_through_the_triton_kernels(top_k, tau, center):
-    """The dispatch the model takes on CUDA (fm_scan, fm_route_step, gemv.linear), here under the interpreter, in
-    float32; with tau and router centring, which reach the step's kernel apart from the forward's router."""
+class ContrarianFM(FactorizationMemory):
+    """A forker's router: the rows the standard router likes least (the softmax of -W_alpha x), through route alone."""
+
+    def route(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            scores = self.router_scores(x)
+            return fm_kernel.route_naive(torch.cat([-scores[..., :-2], scores[..., -2:]], -1), self.top_k, self.tau)
+
+
+def fm_model(router='standard', **overrides):
+    """A tiny FM model whose layers are FactorizationMemory ('standard') or ContrarianFM ('override')."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(model_module.MIXER_CLASSES, 'fm', ContrarianFM if router == 'override' else FactorizationMemory)
+        return Model(tiny_config(mixer='fm', **overrides))
+
+
+@pytest.mark.parametrize('top_k', [3, None])
+def test_a_router_override_reaches_decoding(top_k):
+    """A layer whose route is overridden decodes through it (the plain step, not the fused kernel of the standard
+    router): forward = prefill + steps in float64, and its logits are not the standard router's."""
     torch.manual_seed(0)
-    model = Model(tiny_config(mixer='fm', top_k=top_k, init_std=0.1, tau=tau, router_center=center)).to(DEVICE).eval()
-    for block in model.blocks if center else ():
-        block.mixer.input_mean.normal_()
+    model = fm_model('override', top_k=top_k, init_std=0.3).double().eval()
+    standard = fm_model(top_k=top_k).double().eval()
+    standard.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 64, (2, 20))
+    logits, _ = model(idx)
+    assert rel_err(standard(idx)[0], logits) > 1e-2
+    last, state = model.prefill(idx[:, :9], max_len=20)
+    stepped = [last] + [model.step(idx[:, t], state) for t in range(9, 20)]
+    assert rel_err(torch.stack(stepped, 1), logits[:, 8:]) < 1e-12
+
+
+@needs_triton
+@pytest.mark.parametrize('top_k, tau, router', [(3, 1.0, 'standard'), (None, 1.0, 'standard'), (3, 0.5, 'standard'),
+                                                (3, 1.0, 'override'), (None, 0.5, 'override')])
+def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router):
+    """The dispatch the model takes on CUDA (fm_scan; fm_route_step, or fm_step for an overridden router;
+    gemv.linear), here under the interpreter, in float32; with tau, which reaches the step's kernel apart from the
+    forward's router."""
+    torch.manual_seed(0)
+    model = fm_model(router, top_k=top_k, init_std=0.1, tau=tau).to(DEVICE).eval()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
+    steps = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, _: fm_scan(x, theta, phi, h0, eps))
-        patch.setattr(model_module, 'memory_step', fm_kernel.fm_route_step)
+        patch.setattr(model_module, 'triton_step', lambda h: True)
+        for name in ('fm_step', 'fm_route_step'):
+            patch.setattr(fm_kernel, name, lambda *args, step=getattr(fm_kernel, name): steps.append(step) or step(*args))
         patch.setattr(gemv, 'decode_linear', lambda x, weight: torch.cat([gemv.linear(row[None], weight) for row in x]))
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
         stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
     assert rel_err(torch.stack(stepped, 1), logits) < 1e-5
+    fused = router == 'standard'
+    assert set(steps) == {fm_kernel.fm_route_step if fused else fm_kernel.fm_step}
 
 
 @pytest.mark.parametrize('name', MIXERS)
@@ -962,7 +955,7 @@ def test_fm_scan_compiles_without_graph_break():
     torch.compile(fullgraph=True) traces the whole FM model through it, with the eager model's loss and grads."""
     torch.manual_seed(0)
     x, theta, phi, h0 = (t.float().to(DEVICE).requires_grad_() for t in scan_inputs(2, 70, 24, 8, 3))
-    torch.library.opcheck(fm_kernel._scan_forward, (x, theta, phi, h0, 1e-6, None))
+    torch.library.opcheck(fm_kernel._scan_forward, (x, theta, phi, h0, 1e-6))
     model = Model(tiny_config(mixer='fm', top_k=2)).to(DEVICE)
     idx = torch.randint(0, 64, (2, 33), device=DEVICE)
     losses, grads = [], []
@@ -1488,128 +1481,6 @@ def test_routing_stats_of_uniform_and_token_independent_routers():
     assert same['logit_bias_share'] == pytest.approx(1, abs=1e-9) and same['input_mean_share'] == pytest.approx(1)
     assert same['usage'].count(1.0) == 3 and same['dead_rows'] == 5 and same['busiest_row'] == 1.0
     assert spread['logit_bias_share'] < 0.01 and spread['input_mean_share'] < 0.01
-
-
-def test_balance_loss_values_and_gradient():
-    """Switch's m * sum_i share_i p_i: 1 for uniform routing, m with every token on one row (k = 1 or dense; m/k with
-    top-k); by hand for two tokens (m = 4, k = 2: shares 1/4, 1/2, 1/4, 0); its gradient flows through p only: m share_i
-    / N for each token."""
-    balance_loss = model_module.balance_loss
-    uniform = torch.full((5, 7, 8), 1 / 8, dtype=torch.float64)
-    for k in (8, 3, 1):
-        assert balance_loss(uniform, k).item() == pytest.approx(1, abs=1e-12)
-    one_row = torch.zeros(5, 7, 8, dtype=torch.float64)
-    one_row[..., 2] = 1.0
-    assert [balance_loss(one_row, k).item() for k in (8, 1, 2)] == pytest.approx([8, 8, 4], abs=1e-12)
-    two = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.3, 0.0]], dtype=torch.float64)
-    assert balance_loss(two, 2).item() == pytest.approx(4 * (0.3 / 4 + 0.45 / 2 + 0.25 / 4), abs=1e-12)
-    assert balance_loss(two, 4).item() == pytest.approx(4 * (0.3 ** 2 + 0.45 ** 2 + 0.25 ** 2), abs=1e-12)
-    torch.manual_seed(0)
-    for k in (8, 3):
-        alpha = torch.softmax(torch.randn(3, 5, 8, dtype=torch.float64), -1).requires_grad_()
-        balance_loss(alpha, k).backward()
-        p = alpha.detach().flatten(0, 1).mean(0)
-        share = p if k == 8 else torch.zeros(15, 8, dtype=torch.float64).scatter(
-            -1, alpha.detach().flatten(0, 1).topk(k).indices, 1.0).mean(0) / k
-        torch.testing.assert_close(alpha.grad, (8 * share / 15).expand(3, 5, 8), rtol=1e-12, atol=1e-15)
-
-
-def test_balance_loss_joins_the_training_loss_only():
-    """Training: the loss is the cross-entropy + router_balance x the mean over layers of each router's balance loss
-    (by hand from the layer's input), which reaches the router's weights; evaluation: the cross-entropy alone."""
-    torch.manual_seed(3)
-    model = Model(tiny_config(top_k=3, router_balance=0.5, init_std=0.2))
-    idx, targets = torch.randint(0, 64, (2, 2, 20))
-    inputs = []
-    hooks = [block.mixer.register_forward_hook(lambda mixer, args, out: inputs.append((mixer, args[0])))
-             for block in model.blocks]
-    logits, loss = model.train()(idx, targets)
-    for hook in hooks:
-        hook.remove()
-    cross_entropy = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    by_hand = [model_module.balance_loss(torch.softmax(mixer.router(x), -1), 3) for mixer, x in inputs]
-    assert len(by_hand) == 2 and by_hand[0].item() != by_hand[1].item()
-    assert loss.item() == pytest.approx((cross_entropy + 0.5 * (by_hand[0] + by_hand[1]) / 2).item(), rel=1e-6)
-    routers = [block.mixer.router.weight for block in model.blocks]
-    assert all(g.abs().max() > 0 for g in torch.autograd.grad(loss - cross_entropy, routers))
-    logits, loss = model.eval()(idx, targets)
-    assert loss.item() == F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
-
-
-def test_router_center_keeps_a_running_mean_of_the_training_inputs(monkeypatch):
-    """Training passes: the mean of the first batch, then of the first n (n <= 1/CENTER_MOMENTUM), then a running
-    average of weight CENTER_MOMENTUM; the logits are W_alpha (x - mean); evaluation passes leave the mean alone."""
-    torch.manual_seed(4)
-    layer = FactorizationMemory(tiny_config(router_center=True)).double().train()
-    batches = [torch.randn(2, 5, 32, dtype=torch.float64) + 3 for _ in range(4)]
-    layer(batches[0])
-    torch.testing.assert_close(layer.input_mean, batches[0].mean((0, 1)), rtol=0, atol=1e-12)
-    for x in batches[1:]:
-        layer.route(x)
-    want = torch.stack(batches).mean((0, 1, 2))
-    torch.testing.assert_close(layer.input_mean, want, rtol=1e-7, atol=0)  # the weights 1/n are float32
-    monkeypatch.setattr(model_module, 'CENTER_MOMENTUM', 0.5)  # the fifth batch weighs max(1/5, 0.5)
-    x = torch.randn(2, 5, 32, dtype=torch.float64) - 1
-    layer.route(x)
-    want = 0.5 * want + 0.5 * x.mean((0, 1))
-    torch.testing.assert_close(layer.input_mean, want, rtol=1e-7, atol=0)
-    assert layer.input_mean_batches.item() == 5
-    layer.eval()
-    mean = layer.input_mean.clone()
-    x = torch.randn(3, 32, dtype=torch.float64)
-    logits = layer.router_scores(x)[:, :-2]
-    layer(x[None])
-    torch.testing.assert_close(logits, (x - mean) @ layer.router.weight.T, rtol=0, atol=1e-12)
-    assert torch.equal(layer.input_mean, mean) and layer.input_mean_batches.item() == 5
-
-
-def test_router_settings_at_their_defaults_leave_the_model_as_it_was(monkeypatch):
-    """The default model's weights are those drawn without init_router, and it has no running-mean buffers (so the
-    checkpoints of before load); router_center adds exactly those two buffers a layer."""
-    torch.manual_seed(5)
-    default = Model(tiny_config(top_k=3))
-    centred = Model(tiny_config(top_k=3, router_center=True))
-    monkeypatch.setattr(FactorizationMemory, 'init_router', lambda self, config: None)
-    torch.manual_seed(5)
-    before = Model(tiny_config(top_k=3))
-    assert list(default.state_dict()) == list(before.state_dict())
-    for name, tensor in before.state_dict().items():
-        assert torch.equal(default.state_dict()[name], tensor), name
-    default.load_state_dict(before.state_dict())
-    assert set(centred.state_dict()) - set(default.state_dict()) == {
-        f'blocks.{i}.mixer.{buffer}' for i in range(2) for buffer in ('input_mean', 'input_mean_batches')}
-
-
-def test_eta_bias_and_router_init_std_change_only_their_weights():
-    """eta_bias sets b_eta (b_mu stays 0) and router_init_std the std of W_alpha; every other weight is the one the
-    same seed draws without them."""
-    torch.manual_seed(6)
-    plain = Model(tiny_config(top_k=3))
-    torch.manual_seed(6)
-    changed = Model(tiny_config(top_k=3, eta_bias=-2.0, router_init_std=0.5))
-    for (name, p), q in zip(plain.state_dict().items(), changed.state_dict().values()):
-        if name.endswith('rates.bias'):
-            assert p.tolist() == [0.0, 0.0] and q.tolist() == [-2.0, 0.0], name
-        elif not name.endswith('router.weight'):
-            assert torch.equal(p, q), name
-    for model, std in ((plain, 0.02), (changed, 0.5)):
-        weights = torch.cat([block.mixer.router.weight.flatten() for block in model.blocks])  # 512 values
-        assert 0.9 * std < weights.std() < 1.1 * std and abs(weights.mean()) < 0.2 * std  # 4.5 standard errors
-
-
-@pytest.mark.parametrize('router_weight_decay', [True, False])
-def test_router_weight_decay_setting(router_weight_decay):
-    """router_weight_decay=False moves W_alpha and the rates' weights (w_eta, w_mu) to the group without decay; every
-    other matrix decays; each parameter is in one group exactly."""
-    model = Model(tiny_config(top_k=3, router_weight_decay=router_weight_decay))
-    decay, no_decay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu').param_groups
-    names = {id(p): name for name, p in model.named_parameters()}
-    decayed, not_decayed = ([names[id(p)] for p in group['params']] for group in (decay, no_decay))
-    assert sorted(decayed + not_decayed) == sorted(names.values())
-    router = {f'blocks.{i}.mixer.{w}.weight' for i in range(2) for w in ('router', 'rates')}
-    matrices = {name for name, p in model.named_parameters() if p.dim() >= 2}
-    assert router <= matrices and set(decayed) == (matrices if router_weight_decay else matrices - router)
-    assert decay['weight_decay'] == 0.1 and no_decay['weight_decay'] == 0.0
 
 
 def sweep_run(folder, lr, loss, block_size=48, **model):
@@ -2163,8 +2034,9 @@ def test_baselines_match_fm_in_parameters(size):
 def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
     with pytest.raises(train.TrainError, match='no dataset at .*Prepare it with:\n  python prepare_data.py'):
         train.main(tiny(data_dir, tmp_path, f'--dataset={tmp_path / "corpus.txt"}'))
-    with pytest.raises(train.TrainError, match="unknown tokenizer 'nope'"):
+    with pytest.raises(ConfigError, match="unknown tokenizer 'nope'"):  # a setting: refused before anything is written
         train.main(tiny(data_dir, tmp_path, '--tokenizer=nope'))
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize('arg, message', [
@@ -2322,25 +2194,17 @@ def old_format(state_dict, config):
     return old
 
 
-def test_swiglu_and_qkv_load_old_checkpoint_keys():
-    """Old checkpoints' gate_proj, up_proj (and q_proj, k_proj, v_proj) load through checkpoint.py into the fused
-    weights: the model's outputs are the same, and each product is what the old separate one computed."""
-    torch.manual_seed(0)
-    config = tiny_config(mixer='attn', init_std=0.1)
-    model = Model(config).double().eval()
-    old = old_format(model.state_dict(), config)
-    loaded = checkpoint.model_from_checkpoint({'model_config': vars(config), 'model': old}, 'old.pt').double().eval()
-    idx = torch.randint(0, 64, (2, 37))
-    assert torch.equal(loaded(idx)[0], model(idx)[0])
-    x = torch.randn(2, 5, 32, dtype=torch.float64)
-    w = {name.split('blocks.1.')[1]: weight for name, weight in old.items() if name.startswith('blocks.1.')}
-    mlp = F.linear(F.silu(F.linear(x, w['mlp.gate_proj.weight'])) * F.linear(x, w['mlp.up_proj.weight']),
-                   w['mlp.down_proj.weight'])
-    assert rel_err(loaded.blocks[1].mlp(x), mlp) < 1e-14
-    heads = loaded.blocks[1].mixer.project(x, torch.zeros(1, 5))  # position 0: RoPE rotates nothing
-    for got, part in zip(heads, ('q_proj', 'k_proj', 'v_proj')):
-        want = F.linear(x, w[f'mixer.{part}.weight']).view(2, 5, -1, 8).transpose(1, 2)  # (B, heads, T, 8)
-        assert rel_err(got, want) < 1e-14
+def test_an_old_checkpoint_layout_is_refused_in_one_line():
+    """A checkpoint of the layout before gate and up (and q, k, v) became one product gets a one-line refusal that
+    names the weights, not a traceback."""
+    config = tiny_config(mixer='attn')
+    old = old_format(Model(config).state_dict(), config)
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        checkpoint.model_from_checkpoint({'model_config': vars(config), 'model': old}, 'old.pt')
+    message = str(error.value)
+    assert '\n' not in message and message.startswith('the weights in old.pt do not fit the model they describe')
+    assert 'missing blocks.0.mixer.qkv_proj.weight' in message and 'unexpected blocks.0.mixer.q_proj.weight' in message
+    assert 'another version of model.py' in message
 
 
 def test_incompatible_checkpoints(trained, tmp_path):
@@ -2366,8 +2230,8 @@ def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
     (tmp_path / 'ckpt.pt').unlink()
     with pytest.raises(train.TrainError, match='holds best.pt of an earlier run'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
-    with train.claim_out_dir(SimpleNamespace(out_dir=str(tmp_path), init_from='scratch', overwrite=True)) as earlier:
-        assert earlier == ['best.pt'] and (tmp_path / 'best.pt').exists()  # replaced when the new run first saves
+    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='scratch', overwrite=True)) as run:
+        assert run.earlier == ['best.pt'] and (tmp_path / 'best.pt').exists()  # replaced when the new run first saves
     train.main(tiny(data_dir, tmp_path, '--max_iters=1', '--overwrite=True'))
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
 
@@ -2392,12 +2256,14 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
     step = torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num']
     history = train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 1}', '--init_from=resume'))
     assert [i for i, _ in history['train']] == [step + 1]
-    assert (tmp_path / 'train.lock').read_text().startswith(f'process {os.getpid()} on ')
+    assert not (tmp_path / 'train.lock').exists()  # released
+    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='resume', overwrite=False)):
+        assert (tmp_path / 'train.lock').read_text().startswith(f'process {os.getpid()} on ')
 
     def no_locks(file, operation):  # e.g. Lustre mounted without flock
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(train.fcntl, 'flock', no_locks)
+    monkeypatch.setattr(run_safety.fcntl, 'flock', no_locks)
     train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 2}', '--init_from=resume'))
     assert 'warning: cannot lock' in capsys.readouterr().out
 
@@ -2427,7 +2293,7 @@ def test_a_failed_save_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch
     with pytest.raises(checkpoint.CheckpointError) as error:
         train.main(tiny(data_dir, tmp_path, '--max_iters=4', '--eval_interval=2'))
     message, size = str(error.value), os.path.getsize(tmp_path / 'ckpt.pt')
-    assert partial and partial[0] > 0 and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'train.lock']
+    assert partial and partial[0] > 0 and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
     assert f'could not write {tmp_path / "ckpt.pt"}: the disk is full (No space left on device)' in message
     assert f'MB free. {tmp_path / "ckpt.pt"} is unchanged: free some space, then continue with --init_from=resume' \
         in message
@@ -2632,10 +2498,9 @@ def run_bytes(out_dir):
     return {name: (out_dir / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
 
 
-@contextlib.contextmanager
-def stop_at_once(announce):
-    """In place of train.stop_requests: as if Ctrl-C came during the first step."""
-    yield [True]
+def stop_at_once(run):
+    """In place of RunFolder.stop_requested: as if Ctrl-C came during the first step."""
+    return True
 
 
 def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monkeypatch):
@@ -2655,7 +2520,7 @@ def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monke
     before = run_bytes(tmp_path)
     with pytest.raises(train.TrainError, match='the validation loss is nan at step 9'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume'))
-    monkeypatch.setattr(train, 'stop_requests', stop_at_once)
+    monkeypatch.setattr(run_safety.RunFolder, 'stop_requested', stop_at_once)
     with pytest.raises(train.TrainError, match=r'is not finite \(NaN or infinity\) at step 9 .*ckpt.pt \(step 8\) is '):
         train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--init_from=resume'))
     assert run_bytes(tmp_path) == before
@@ -2679,23 +2544,85 @@ def test_divergence_names_the_best_checkpoint_of_a_run_that_saves_only_best(data
                         lambda *args, **kw: clip(*args, **kw) * (math.nan if calls.append(1) or len(calls) > 3 else 1))
     with pytest.raises(train.TrainError, match=r'at step 4 .*/best.pt \(step 2\) is the last good checkpoint'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--eval_interval=2', '--always_save_checkpoint=False'))
-    assert sorted(os.listdir(tmp_path)) == ['best.pt', 'train.lock']
+    assert sorted(os.listdir(tmp_path)) == ['best.pt']
 
 
 def test_overwrite_replaces_the_earlier_run_when_it_first_saves(data_dir, tmp_path, trained, monkeypatch, capsys):
-    """--overwrite=True: a new run that fails before its first save leaves the earlier run whole; its first save
-    replaces ckpt.pt and removes the earlier best.pt if it writes none."""
+    """--overwrite=True: a new run that fails or is stopped (Ctrl-C) before its first checkpoint leaves the earlier
+    run whole, and says so; its first save replaces ckpt.pt and best.pt as a pair (here best.pt alone: the earlier
+    ckpt.pt goes)."""
     copy_run(trained, tmp_path)
     before = run_bytes(tmp_path)
     with pytest.raises(train.TrainError, match=r"at step \d+ .* the earlier run's ckpt.pt and best.pt in .* stay as"):
         train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--eval_interval=100', '--learning_rate=1e6',
                         '--overwrite=True'))
     assert run_bytes(tmp_path) == before
-    monkeypatch.setattr(train, 'stop_requests', stop_at_once)  # the first save writes ckpt.pt only
-    train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--overwrite=True'))
+    with monkeypatch.context() as patch:
+        patch.setattr(run_safety.RunFolder, 'stop_requested', stop_at_once)
+        train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--overwrite=True'))
+    assert ("stopped at step 1, before this run's first checkpoint: nothing of it was saved, and the earlier run's "
+            f"ckpt.pt and best.pt in {tmp_path} stay as they were") in capsys.readouterr().out
+    assert run_bytes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_',  # a NaN gradient at step 3, after best.pt of step 2
+                        lambda *args, **kw: clip(*args, **kw) * (math.nan if calls.append(1) or len(calls) > 2 else 1))
+    with pytest.raises(train.TrainError, match=r'at step 3 .*best.pt \(step 2\) is the last good checkpoint'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--eval_interval=2', '--always_save_checkpoint=False',
+                        '--overwrite=True'))
     assert f"replaced the earlier run's ckpt.pt and best.pt in {tmp_path}" in capsys.readouterr().out
-    assert not (tmp_path / 'best.pt').exists()
-    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
+    assert sorted(os.listdir(tmp_path)) == ['best.pt']
+    assert torch.load(tmp_path / 'best.pt', weights_only=True)['iter_num'] == 2
+
+
+@pytest.mark.parametrize('killed', ['moving the earlier run aside', 'writing the first checkpoint'])
+def test_an_interrupted_replacement_is_undone(data_dir, tmp_path, trained, monkeypatch, capsys, killed):
+    """A kill while an --overwrite run replaces the earlier run (here: an exception that nothing catches, where a kill
+    -9 would stop the process) leaves no file of the earlier run beside one of the new run in out_dir; the next run
+    there puts the earlier run back as it was, and says so."""
+    copy_run(trained, tmp_path)
+    before = run_bytes(tmp_path)
+    calls = []
+
+    class Killed(BaseException):
+        pass
+
+    def dies_on_the_second_call(real):
+        return lambda *args: (calls.append(1), real(*args))[1] if len(calls) < 1 else (_ for _ in ()).throw(Killed())
+
+    if killed == 'moving the earlier run aside':
+        monkeypatch.setattr(run_safety.os, 'replace', dies_on_the_second_call(os.replace))
+    else:
+        monkeypatch.setattr(run_safety, 'save_checkpoint', dies_on_the_second_call(checkpoint.save_checkpoint))
+    with pytest.raises(Killed):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
+    monkeypatch.undo()
+    steps = {torch.load(path, weights_only=True)['iter_num'] for path in tmp_path.glob('*.pt')}
+    assert len(steps) <= 1, steps  # one run's files in out_dir: the earlier run's (step 8) or the new run's (step 2)
+    with pytest.raises(train.TrainError, match='holds ckpt.pt and best.pt of an earlier run'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
+    assert "the earlier run's checkpoints (ckpt.pt and best.pt) are back in place" in capsys.readouterr().out
+    assert run_bytes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+
+
+def test_a_blow_up_is_a_divergence(data_dir, tmp_path, trained, monkeypatch):
+    """A finite validation loss above the untrained model's (the run's first evaluation, kept in the checkpoint)
+    stops the run without saving, as a non-finite one does; a run that does not blow up saves as usual."""
+    copy_run(trained, tmp_path)
+    before = run_bytes(tmp_path)
+    untrained = torch.load(tmp_path / 'ckpt.pt', weights_only=True)['untrained_loss']
+    assert untrained == trained[1]['val'][0][1]  # step 0 of the trained fixture
+    with pytest.raises(train.TrainError) as error:  # the issue's run: a learning rate of 30, no clipping
+        train.main(tiny(data_dir, tmp_path, '--max_iters=40', '--eval_interval=4', '--init_from=resume',
+                        '--learning_rate=30', '--grad_clip=0'))
+    assert 'training stopped without saving' in str(error.value) and run_bytes(tmp_path) == before
+    with monkeypatch.context() as patch:
+        patch.setattr(train, 'estimate_loss', lambda *args: untrained + 1.0)
+        with pytest.raises(train.TrainError, match=rf"the validation loss {untrained + 1:.4f} is above the untrained "
+                                                   rf"model's {untrained:.4f} at step 12 .*: training stopped without"):
+            train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
+    assert run_bytes(tmp_path) == before
+    train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 12
 
 
 def test_bad_config_files_and_out_dirs_get_a_message(data_dir, tmp_path, capsys):
@@ -2738,7 +2665,7 @@ def test_leftovers_are_removed(tmp_path):
     assert sorted(os.listdir(folder)) == ['meta.json', 'train.bin', 'val.bin', running.name]
     (tmp_path / 'out').mkdir()
     (tmp_path / 'out' / 'ckpt.pt.tmp').write_bytes(b'partial')
-    with train.claim_out_dir(SimpleNamespace(out_dir=str(tmp_path / 'out'), init_from='scratch', overwrite=False)):
+    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path / 'out'), init_from='scratch', overwrite=False)):
         assert os.listdir(tmp_path / 'out') == ['train.lock']
 
 

@@ -1,0 +1,175 @@
+"""
+Generation from a Model (model.py): sampling, and batched decoding with static buffers, each step one CUDA-graph
+replay on a GPU. sample.py is its command line; in Python:
+
+    generator = Generator(model, Sampling(temperature=0.8, top_p=0.95), eot=tokenizer.eot)
+    new_tokens = generator.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=200)
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from model import write_state
+
+@dataclass
+class Sampling:
+    """How the next token is drawn from the logits."""
+    temperature: float = 1.0  # 0: greedy (the most likely token)
+    top_k: int | None = None  # only the k most likely tokens
+    top_p: float = 1.0  # only the smallest set of most likely tokens whose probability reaches top_p (nucleus)
+    n_tokens: int | None = None  # only ids below this (the tokenizer's size when the model's vocabulary is padded)
+
+    def validate(self):
+        """Raise ValueError naming the first bad field and its range."""
+        if not self.temperature >= 0:
+            raise ValueError(f'temperature={self.temperature!r}: must be >= 0 (0 is greedy decoding)')
+        if self.top_k is not None and not self.top_k >= 1:
+            raise ValueError(f'top_k={self.top_k!r}: must be >= 1, or None for every token')
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f'top_p={self.top_p!r}: must be in (0, 1] (1 keeps every token)')
+
+
+def nucleus(logits, top_p):
+    """Keep the smallest set of most likely tokens whose probability reaches top_p: logits (B, V), the rest -inf."""
+    ranked, order = logits.sort(-1, descending=True)
+    probs = torch.softmax(ranked, -1)
+    dropped = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
+    return logits.scatter(-1, order, ranked.masked_fill(dropped, -math.inf))
+
+
+def sample_next(logits, sampling):
+    """logits (B, V) in float32 or more -> token ids (B,). Draws from torch's default generator (torch.manual_seed)
+    without a host sync, so that a CUDA graph can hold it."""
+    logits = logits[:, :sampling.n_tokens]
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if sampling.top_p < 1:
+        logits = nucleus(logits, sampling.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(-1)  # argmax p_i / E_i, E_i ~ Exp(1), is i with probability p_i
+
+
+# inductor options of the compiled decoding step, on top of the mode's. Coordinate-descent tuning (gpt-fast's
+# setting) makes inductor write a product with one row (batch 1) as a reduction tuned for this GPU instead of a
+# cuBLAS GEMV, whose 64-row tiles leave most SMs idle at 2048 outputs (docs/kernel_log.md).
+STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
+PROGRESS_EVERY = 16  # steps between Generator.generate's on_progress calls
+
+
+def step_options(mode):
+    """torch.compile options of a decoding step compiled in `mode`: the mode's own, then STEP_COMPILE_OPTIONS."""
+    import torch._inductor
+    return {**torch._inductor.list_mode_options(mode), **STEP_COMPILE_OPTIONS}
+
+
+class Generator:
+    """Batched generation from a Model with static buffers. The prompts are prefilled in parallel passes (right-
+    padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
+    in place; on CUDA a step is one CUDA-graph replay, captured once per batch size and length."""
+
+    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
+        """compile: None (the step as written) or a torch.compile mode ('default', 'max-autotune-no-cudagraphs'),
+        which fuses the step's small kernels at the cost of a compilation per batch size; with STEP_COMPILE_OPTIONS."""
+        sampling.validate()
+        self.model, self.sampling, self.eot = model, sampling, eot
+        self.device = model.embed.weight.device
+        self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
+        self.compiled_step = self._step if compile is None else torch.compile(self._step, options=step_options(compile))
+        self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
+        self.shape = self.graph = None
+
+    def _allocate(self, batch_size, max_len):
+        """Static buffers (state, next tokens, finished rows) for batch_size rows of max_len tokens, and the graph."""
+        self.shape, self.graph = (batch_size, max_len), None
+        self.state = self.model.init_state(batch_size, max_len, self.device)
+        self.tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.done = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
+        if self.cuda_graph:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            device = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            with torch.random.fork_rng(devices=[device]), torch.cuda.stream(stream):  # warm-up outside the capture
+                for _ in range(2):  # (kernel compilation, library handles), drawing nothing from the seeded RNG
+                    self.compiled_step()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.compiled_step()
+
+    def _step(self):
+        logits = self.model.step(self.tokens, self.state)  # (B, V)
+        self.tokens.copy_(sample_next(logits, self.sampling))
+        if self.eot is not None:
+            self.done |= self.tokens == self.eot
+
+    @torch.no_grad()
+    def start(self, prompts, max_new_tokens):
+        """Prefill prompts (lists of token ids) into buffers with room for max_new_tokens more -> the first new
+        token of each row (B,), a buffer that the next step overwrites."""
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1 or max_new_tokens < 1:
+            raise ValueError('every prompt needs at least one token, and max_new_tokens must be at least 1')
+        shape = (len(prompts), max(lengths) + max_new_tokens)
+        if shape != self.shape:
+            self._allocate(*shape)
+        rows_per_pass = max(1, self.prefill_tokens // max(lengths))
+        for first in range(0, len(prompts), rows_per_pass):
+            rows = slice(first, first + rows_per_pass)
+            last, states = self._prefill(prompts[rows])
+            write_state(self.state, states, rows)
+            self.tokens[rows] = sample_next(self.model.logits(last), self.sampling)
+        self.done.zero_()
+        if self.eot is not None:
+            self.done |= self.tokens == self.eot
+        return self.tokens
+
+    def _prefill(self, prompts):
+        """Parallel passes over right-padded prompts -> the hidden state after each one's last token (B, d_model)
+        and the per-layer states. A recurrent model takes a prompt longer than prefill_tokens (then alone: see
+        start) in pieces, carrying its state, so that memory does not grow with the prompt; attention takes it whole."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
+        width = int(lengths.max())
+        idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)
+        piece = width if self.model.config.mixer == 'attn' else self.prefill_tokens
+        states = None
+        for start in range(0, width, piece):
+            x, states = self.model.hidden(idx[:, start:start + piece], states, (lengths - start).clamp(max=piece))
+        return x[torch.arange(len(prompts), device=self.device), lengths - 1 - start], states  # in the last piece
+
+    @torch.no_grad()
+    def step(self):
+        """Decode one token a row -> the next tokens (B,), a buffer that the next step overwrites. At most
+        max_new_tokens - 1 steps follow a start (the buffers hold no more)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.compiled_step()
+        return self.tokens
+
+    def generate(self, prompts, max_new_tokens, on_tokens=None, on_progress=None):
+        """New tokens for each prompt: up to max_new_tokens, a row ending at its end-of-text token (not returned).
+        on_tokens(list of B ids), if given, gets each step's tokens as they come (streaming; a host sync a token);
+        on_progress(n), if given, the number of tokens a row so far, every PROGRESS_EVERY steps (no sync)."""
+        if max_new_tokens < 1:
+            return [[] for _ in prompts]
+        out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=self.device)  # (B, max_new_tokens)
+        out[:, 0] = self.start(prompts, max_new_tokens)
+        n = 1
+        while True:
+            if on_tokens is not None:
+                on_tokens(out[:, n - 1].tolist())
+            if on_progress is not None and n % PROGRESS_EVERY == 0:
+                on_progress(n)
+            finished = self.eot is not None and n % 16 == 0 and self.done.all()  # a host sync every 16
+            if n == max_new_tokens or finished:
+                break
+            out[:, n] = self.step()
+            n += 1
+        rows = out[:, :n].tolist()
+        return [row[:row.index(self.eot)] if self.eot in row else row for row in rows]
