@@ -2628,6 +2628,31 @@ def test_damaged_checkpoints_are_refused(data_dir, tmp_path, trained, capsys):
 
 
 
+def test_a_checkpoint_with_any_byte_changed_is_refused(tmp_path):
+    """A byte changed anywhere (the zip index at the end included) gets the damaged or not-readable message, never a
+    traceback; or, where no reader looks (the records' local headers repeat the index; alignment padding), the file
+    loads with the same contents. A changed key is damage, not a key missing."""
+    weights = {'embed.weight': torch.arange(32.0).view(8, 4), 'norm.weight': torch.ones(4)}
+    path = tmp_path / 'ckpt.pt'
+    checkpoint.save_checkpoint({**dict.fromkeys(checkpoint.CKPT_KEYS), 'model': weights, 'iter_num': 3}, path)
+    good = path.read_bytes()
+    start = len(good) - 100
+    positions, refused = [*range(0, start, start // 40), *range(start, len(good))], 0
+    for at in positions:
+        path.write_bytes(good[:at] + bytes([good[at] ^ 0xff]) + good[at + 1:])
+        try:
+            ckpt = checkpoint.load_checkpoint(path)
+        except checkpoint.CheckpointError as e:
+            assert re.match(rf'{re.escape(str(path))} (is damaged|is not a readable checkpoint): ', str(e)), (at, e)
+            assert '\n' not in str(e)
+            refused += 1
+        else:
+            assert ckpt['iter_num'] == 3 and all(torch.equal(ckpt['model'][k], w) for k, w in weights.items()), at
+    assert refused > len(positions) // 2  # most bytes are read
+    path.write_bytes(good.replace(b'tokenizer', b'tokenizes', 1))  # a key of the pickle: damaged, not 'missing'
+    with pytest.raises(checkpoint.CheckpointError, match='ckpt.pt is damaged: the bytes of its record .*data.pkl'):
+        checkpoint.load_checkpoint(path)
+
 def run_bytes(out_dir):
     return {name: (out_dir / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
 
