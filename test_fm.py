@@ -34,7 +34,7 @@ import prepare_data
 import sample
 import train
 import checkpoint
-from configurator import ConfigError, load_config
+from configurator import ConfigError, help_text, load_config
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
 from model import FactorizationMemory, Generator, Model, ModelConfig, Sampling, sample_next
@@ -2113,12 +2113,65 @@ def test_overrides_parse_to_the_default_types():
     ('--top_k=2.0', "bad value for 'top_k'"),
     ('--batch_size', 'expected --key=value'),
     ('--batch_sise=4', "unknown config key 'batch_sise'. Did you mean batch_size"),
-    ('config/nothing_here.py', 'config file not found: config/nothing_here.py'),
+    ('--max_iter=5', "unknown config key 'max_iter'. Did you mean max_iters"),
+    ('--learningrate=0.1', "unknown config key 'learningrate'. Did you mean learning_rate?"),
+    ('config/nothing_here.py', 'config file not found: config/nothing_here.py (see config/, e.g. config/fm_small.py)'),
+    ('config/fm_smal.py', 'config file not found: config/fm_smal.py: did you mean config/fm_small.py?'),
+    ('max_iters=5', 'max_iters=5 is not a config file: did you mean --max_iters=5?'),
+    ('max_iterz=5', 'config file not found: max_iterz=5 (see config/'),  # not a key: no --
 ])
-def test_bad_overrides_are_refused(arg, message):
+def test_bad_overrides_are_refused(arg, message, monkeypatch):
+    monkeypatch.chdir(REPO)  # the suggested config file is named from here
     config, types = defaults()
-    with pytest.raises(ConfigError, match=message.replace('.', r'\.').replace('(', r'\(')):
+    with pytest.raises(ConfigError) as error:
         load_config(config, [arg], types)
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize('program', ['sample.py', 'eval.py'])
+def test_scripts_without_config_files_say_what_to_pass(program, tmp_path):
+    """A training config, a setting without its '--' and any other file are each named for what they are."""
+    fm_small, prompt = os.path.join(REPO, 'config', 'fm_small.py'), tmp_path / 'prompt.txt'
+    prompt.write_text('ROMEO:')
+    settings = sample._DEFAULTS if program == 'sample.py' else evaluation.POSITION_SETTINGS
+    for arg, message in (
+            (fm_small, f"{fm_small} is a training config; {program} reads the model from a checkpoint: pass "
+                       "--out_dir=out-fm-small, the folder that config's run writes"),
+            ('device=cpu', 'device=cpu is not a config file: did you mean --device=cpu?'),
+            (str(prompt), f"{program} takes no config files, only --key=value settings (see --help): got '{prompt}'")):
+        with pytest.raises(ConfigError) as error:
+            load_config(settings, [arg], config_files=False, program=program)
+        assert str(error.value) == message
+
+
+NO_COMMENT_YET = pytest.mark.xfail(strict=True, reason='comments added by the main engineer')
+
+
+@pytest.mark.parametrize('settings, sources', [
+    pytest.param(train.default_config(), ('train.py', 'model.py'), id='train', marks=NO_COMMENT_YET),
+    pytest.param(sample._DEFAULTS, ('sample.py',), id='sample', marks=NO_COMMENT_YET),
+    *[pytest.param(getattr(evaluation, name), ('eval.py',), id=f'eval {name}',
+                   marks=[] if name in ('SCALING_SETTINGS', 'SWEEP_SETTINGS') else NO_COMMENT_YET)
+      for name in ('POSITION_SETTINGS', 'HARNESS_SETTINGS', 'SCALING_SETTINGS', 'SWEEP_SETTINGS', 'FRONTIER_SETTINGS',
+                   'ROUTING_SETTINGS')],
+])
+def test_every_setting_has_a_help_line(settings, sources):
+    lines = help_text(settings, *(os.path.join(REPO, source) for source in sources)).splitlines()
+    assert len(lines) == len(settings)
+    assert [key for key, line in zip(settings, lines) if line == f'  --{key}={settings[key]!r}'] == []
+
+
+def test_help_text_reads_each_key_from_its_comment(tmp_path):
+    """The comment of the line that sets the key (a '#' in a string is none), in the first file that has one; of
+    several groups setting a key in a file, the one that sets it to the default; explanations in one column."""
+    first, second = tmp_path / 'first.py', tmp_path / 'second.py'
+    first.write_text("a = '# no comment'\nbb = 2  # bb's\nc = 3  # c, first\nX = dict(c=4,  # c of X\n    a='x')\n")
+    second.write_text("class C:\n    a: str = 'y'  # a's, second\n    c: int = 3  # c, second\n")
+    assert help_text({'a': '# no comment', 'bb': 2, 'c': 3}, first, second).splitlines() == [
+        "  --a='# no comment'  a's, second",
+        "  --bb=2              bb's",
+        "  --c=3               c, first"]
+    assert help_text({'c': 4, 'a': 'x'}, first).splitlines() == ["  --c=4    c of X", "  --a='x'"]
 
 
 def test_config_files(tmp_path):
