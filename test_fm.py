@@ -8,6 +8,7 @@ which run on the CPU under TRITON_INTERPRET=1 when no GPU is present (as in CI).
 import contextlib
 import copy
 import csv
+import errno
 import glob
 import json
 import math
@@ -1867,7 +1868,16 @@ def test_prepare_default_bytes(default_bytes):
     assert not [path for path in default_bytes.iterdir() if "tmp" in path.name]
 
 
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
 def test_prepare_is_idempotent_and_repairs(default_bytes, capsys):
+    """A token file that is cut short or changed is named as it is rebuilt."""
     mtime = (default_bytes / "train.bin").stat().st_mtime_ns
     assert prepare(data_dir=default_bytes.parent) == default_bytes
     assert "already prepared" in capsys.readouterr().out
@@ -1875,12 +1885,27 @@ def test_prepare_is_idempotent_and_repairs(default_bytes, capsys):
     with open(default_bytes / "long.bin", "r+b") as f:
         f.truncate(1000)
     prepare(data_dir=default_bytes.parent, num_proc=2)
-    assert "wrote" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "wrote" in out
+    assert re.search(r"default_bytes/long.bin is truncated \(1000 bytes, its header says [0-9]+\): rebuilding it from "
+                     r"the embedded corpus\n", err)
     assert len(load_tokens(default_bytes / "long.bin").doc_offsets) == len(prepare_data.LONG_WORKS)
-    corrupt(default_bytes / "val.bin", 5000, b"?")  # changed in place: the same size, caught by the checksum
+    flip_byte(default_bytes / "val.bin", 5000)  # changed in place: the same size, caught by the checksum
     prepare(data_dir=default_bytes.parent, num_proc=2)
-    assert "wrote" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "wrote" in out
+    assert (f"{default_bytes / 'val.bin'} is corrupt (its contents do not match the checksum in its header: the file "
+            "was changed or damaged after prepare_data.py wrote it): rebuilding it from the embedded corpus\n") in err
     load_tokens(default_bytes / "val.bin", verify=True)
+
+
+def test_the_default_corpus_notes_the_arguments_it_ignores(default_bytes, capsys):
+    prepare_data.main(["--data_dir", str(default_bytes.parent), "--val_fraction", "0.1", "--max_docs", "5",
+                       "--text_field", "text"])  # the default --text_field: no note
+    out, err = capsys.readouterr()
+    assert "already prepared" in out
+    assert err == ("note: --val_fraction, --max_docs do not apply to the default corpus (a fixed set of works, split "
+                   "by work): ignored\n")
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -1961,6 +1986,29 @@ def test_load_tokens_refuses_mismatch_and_missing(token_file):
         load_tokens(token_file.with_name("val.bin"), "bytes")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--val_fraction", "1.5"],  # refused for the default corpus too, which ignores it
+     "--val_fraction 1.5 is out of range: give a fraction of the documents between 0 and 1 (exclusive), e.g. 0.01"),
+    (["--dataset", "corpus", "--val_fraction", "0"], "--val_fraction 0.0 is out of range"),
+    (["--dataset", "corpus", "--max_docs", "0"],
+     "--max_docs 0 is out of range: give at least 1 (or leave it out: every document)"),
+    (["--num_proc", "-1"], "--num_proc -1 is out of range: give at least 1 (or leave it out: all CPUs)"),
+    (["--data_dir", "notes.txt"], "notes.txt is a file, not a folder, so notes.txt/default_bytes cannot be written: "
+                                  "move it away or pass another --data_dir"),
+    (["--dataset", "nowhere"], "no corpus at nowhere: pass --dataset default, hf:NAME, or a .txt/.jsonl/.parquet"),
+])
+def test_bad_arguments_get_one_line_before_anything_is_written(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a folder")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(TEXT)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--data_dir", "data", *args])
+    assert exit.value.code.startswith(f"error: {message}") and "\n" not in exit.value.code
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with prepare_data._TokenWriter(tmp_path / "train.bin", get_tokenizer("bytes")) as writer:
@@ -2009,6 +2057,68 @@ def test_jsonl_corpus_cl100k(tmp_path, capsys):
     assert meta["files"]["train.bin"]["documents"] + meta["files"]["val.bin"]["documents"] == len(DOCUMENTS)
     prepare(str(path), "cl100k_base", tmp_path, text_field="content", val_fraction=0.25, max_docs=10)
     assert sum(len(docs) for docs in read_split_documents(folder, "cl100k_base").values()) == 10
+
+
+def test_a_damaged_token_file_is_rebuilt_from_its_corpus(tmp_path, capsys):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    folder = prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
+    flip_byte(folder / "train.bin", (folder / "train.bin").stat().st_size - 1)
+    prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
+    assert (f"{folder / 'train.bin'} is corrupt (its contents do not match the checksum in its header: the file was "
+            f"changed or damaged after prepare_data.py wrote it): rebuilding it from {corpus.resolve()}\n"
+            ) in capsys.readouterr().err
+    load_tokens(folder / "train.bin", verify=True)
+    assert_split_round_trip(folder, "bytes", DOCUMENTS)
+
+
+def disk_full(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class FullStagingFile:
+    """A _TokenWriter's staging file on a full disk: writes fail, and so does the flush on closing."""
+    write = disk_full
+
+    def __init__(self, file):
+        self.file = file
+
+    def close(self):
+        self.file.close()
+        disk_full()
+
+    @staticmethod
+    def enter(writer):
+        writer.file = FullStagingFile(open(writer.staging, "wb"))
+        return writer
+
+
+@pytest.mark.parametrize("where", ["staging file", "token file"])
+def test_a_full_disk_leaves_nothing_and_says_so(tmp_path, monkeypatch, where):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    if where == "staging file":
+        monkeypatch.setattr(prepare_data._TokenWriter, "__enter__", FullStagingFile.enter)
+    else:  # the header and offsets are in, the tokens do not fit
+        monkeypatch.setattr(prepare_data.shutil, "copyfileobj", lambda source, destination, length: disk_full())
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25",
+                           "--num_proc", "1"])
+    assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
+                        rf"{re.escape(str(tmp_path / 'data' / 'docs_bytes'))}\): free some space and run again",
+                        exit.value.code)
+    assert os.listdir(tmp_path / "data") == []  # no token file, temporary file or empty folder
+
+
+def test_an_empty_data_dir_is_the_repository_data_folder(tmp_path, monkeypatch):
+    """So train.py and eval.py, whose default is '', read where prepare_data.py writes, from any folder."""
+    assert prepare_data.dataset_dir("default", "bytes", "") == prepare_data.DEFAULT_DATA_DIR / "default_bytes"
+    assert prepare_data.dataset_dir("default", "bytes", None) == prepare_data.DEFAULT_DATA_DIR / "default_bytes"
+    monkeypatch.setattr(prepare_data, "DEFAULT_DATA_DIR", tmp_path / "repository" / "data")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    folder = prepare("docs.jsonl", "bytes", "", val_fraction=0.25, num_proc=1)
+    assert folder == tmp_path / "repository" / "data" / "docs_bytes" and (folder / "meta.json").exists()
 
 
 def test_corpus_errors(tmp_path):
