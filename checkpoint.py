@@ -90,10 +90,10 @@ def _read(path):
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # ranks share the pages
     except Exception as e:
         raise CheckpointError(f'{path} is not a readable checkpoint: {_damage(path, e)}') from None
+    _verify_checksums(path)  # first: a damaged file can unpickle to anything
     missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f'{path} is not a checkpoint of this train.py (missing {", ".join(missing)})')
-    _verify_checksums(path)
     broken = nonfinite(ckpt['model'])
     if broken:
         raise CheckpointError(f'{path} holds weights that are not finite (NaN or infinity in {", ".join(broken[:3])}'
@@ -102,15 +102,26 @@ def _read(path):
 
 
 def _verify_checksums(path):
-    """Check the CRC-32 of every record of the archive; CheckpointError naming the first that does not match."""
-    with zipfile.ZipFile(path) as archive:
-        if not any(record.CRC for record in archive.infolist() if record.file_size):
-            print(f'note: {path} carries no checksums (saved with torch.serialization.set_crc32_options(False)): '
-                  f'loaded unverified', file=sys.stderr)
-            return
-        damaged = archive.testzip()
-    if damaged is not None:
-        raise CheckpointError(f'{path} is damaged: {_CHANGED.format(damaged)}')
+    """Check the CRC-32 of every record of the archive; CheckpointError saying what is damaged."""
+    problem = _archive_damage(path, note=True)
+    if problem:
+        raise CheckpointError(f'{path} is damaged: {problem}')
+
+
+def _archive_damage(path, note=False):
+    """What the zip archive at path shows damaged (a record whose CRC-32 fails, an unreadable index), or None.
+    note: say so when it carries no checksums to check."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if not any(record.CRC for record in archive.infolist() if record.file_size):
+                if note:
+                    print(f'note: {path} carries no checksums (saved with '
+                          f'torch.serialization.set_crc32_options(False)): loaded unverified', file=sys.stderr)
+                return None
+            damaged = archive.testzip()
+    except Exception as e:  # a changed byte in the index makes zipfile raise almost anything
+        return f'its index of records cannot be read ({_brief(e)})'
+    return _CHANGED.format(damaged) if damaged is not None else None
 
 
 _CHANGED = ('the bytes of its record {} do not match the checksum saved with them (the file changed after it was '
@@ -138,13 +149,19 @@ def _damage(path, error):
         return 'it is empty'
     if head != b'PK\x03\x04':
         return 'it is not a file written by torch.save'
-    if not zipfile.is_zipfile(path):
+    try:
+        has_end = zipfile.is_zipfile(path)
+    except Exception:  # an end record, damaged: _archive_damage says so
+        has_end = True
+    if not has_end:
         return f'it is cut short ({size:,} bytes, the end of its archive is missing)'
-    with zipfile.ZipFile(path) as archive:
-        damaged = archive.testzip()
-    if damaged is not None:
-        return f'it is damaged: {_CHANGED.format(damaged)}'
-    return f'it is damaged ({type(error).__name__}: {str(error)[:200]})'
+    problem = _archive_damage(path)
+    return f'it is damaged: {problem}' if problem else f'it is damaged ({_brief(error)})'
+
+
+def _brief(error):
+    """An exception as one short line."""
+    return f'{type(error).__name__}: {" ".join(str(error).split())[:200]}'
 
 
 def _way_on(path):

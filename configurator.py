@@ -1,19 +1,27 @@
 """
-Command-line overrides for train.py and sample.py, in the style of nanoGPT:
+Command-line overrides for train.py, sample.py and eval.py, in the style of nanoGPT:
 
     python train.py config/fm_small.py --batch_size=32 --compile=False
 
 Arguments without '--' are config files: Python files that assign to some of the known keys
 (they can read the current values, e.g. `max_iters = 2 * warmup_iters`; names starting with '_'
-are private helpers). Arguments '--key=value' override one key. Values must parse to the type of
-the default: ints for ints, numbers for floats, True/False for bools, any text for strings.
-A key whose default is None takes None or a value of the type given in `types`.
+are private helpers); a script that takes none (config_files=False) says what to pass instead.
+Arguments '--key=value' override one key. Values must parse to the type of the default: ints for
+ints, numbers for floats, True/False for bools, any text for strings. A key whose default is None
+takes None or a value of the type given in `types`. help_text lists the keys for --help, each
+explained by the comment on the line of the script that sets its default.
 """
 import ast
 import difflib
+import io
 import os
+import sys
+import tokenize
 import traceback
 import types as pytypes
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent / 'config'
 
 
 class ConfigError(ValueError):
@@ -58,13 +66,14 @@ def _parse(key, text, config, types):
                           f"{want.__name__ if want else 'Python literal'} value (default: {default!r})") from None
 
 
-def load_config(config, argv, types=None):
-    """Apply config files and --key=value overrides in argv, in order, to a copy of the dict config."""
+def load_config(config, argv, types=None, config_files=True, program=None):
+    """Apply config files and --key=value overrides in argv, in order, to a copy of the dict config.
+    config_files=False: the program (by default sys.argv[0]) takes overrides only, and says so to a config file."""
     config, types = dict(config), types or {}
     for arg in argv:
         if not arg.startswith('--'):
-            if not os.path.isfile(arg):
-                raise ConfigError(f"config file not found: {arg} (see config/, e.g. config/fm_small.py)")
+            if not config_files or not os.path.isfile(arg):
+                raise ConfigError(_not_a_config_file(arg, config, config_files, program))
             namespace = dict(config)
             _run_config_file(arg, namespace)
             for key, value in namespace.items():
@@ -84,6 +93,34 @@ def load_config(config, argv, types=None):
     return config
 
 
+def _not_a_config_file(arg, config, config_files, program):
+    """What an argument without '--' that load_config cannot take as a config file was meant to be."""
+    if '=' in arg and arg.split('=', 1)[0] in config and not os.path.exists(arg):
+        return f"{arg} is not a config file: did you mean --{arg}?"
+    if config_files:
+        names = [name for name in os.listdir(CONFIG_DIR) if name.endswith('.py')]
+        close = difflib.get_close_matches(os.path.basename(arg), names, n=1)
+        if close:
+            return f"config file not found: {arg}: did you mean {os.path.relpath(CONFIG_DIR / close[0])}?"
+        return f"config file not found: {arg} (see config/, e.g. config/fm_small.py)"
+    program = program or os.path.basename(sys.argv[0])
+    out_dir = _out_dir_of(arg) if arg.endswith('.py') and os.path.isfile(arg) else None
+    if out_dir is None:
+        return f"{program} takes no config files, only --key=value settings (see --help): got {arg!r}"
+    return (f"{arg} is a training config; {program} reads the model from a checkpoint: pass --out_dir={out_dir}, "
+            f"the folder that config's run writes")
+
+
+def _out_dir_of(path):
+    """The out_dir a training config file sets, or None (not a config file, or one that sets none)."""
+    namespace = {}
+    try:
+        _run_config_file(path, namespace)
+    except ConfigError:
+        return None
+    return namespace.get('out_dir') if isinstance(namespace.get('out_dir'), str) else None
+
+
 def _run_config_file(path, namespace):
     """Execute a config file in namespace; ConfigError naming the line of a syntax or other error in it."""
     with open(path) as f:
@@ -98,5 +135,54 @@ def _run_config_file(path, namespace):
         raise ConfigError(f"{where}: {type(e).__name__}: {e}: fix the config file") from None
 
 
-def help_text(config):
-    return "\n".join(f"  --{k}={v!r}" for k, v in config.items())
+def help_text(config, *source_files):
+    """One line a key, `--key=default  explanation`, the explanation the comment of the line that sets the key in the
+    first of source_files that has one (`key = value  # ...`, `key: type = value  # ...` or `key=value,  # ...`)."""
+    comments = [_comments(path, config) for path in source_files]
+    left = {key: f'  --{key}={value!r}' for key, value in config.items()}
+    width = max(map(len, left.values()), default=0)
+    explained = {key: next((c[key] for c in comments if c.get(key)), '') for key in config}
+    return '\n'.join(f'{left[key]:<{width}}  {explained[key]}'.rstrip() for key in config)
+
+
+def _comments(path, config):
+    """{key: the comment of the line that sets it} in the source file at path. Where a key is set in several groups
+    (module, class, dict(...) or {...}: eval.py's settings of each mode), the group that sets most keys to config's
+    values wins, then the one with fewest other keys."""
+    with open(path, encoding='utf-8') as f:
+        source = f.read()
+    lines = {t.end[0]: t.string.lstrip('#').strip() for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type == tokenize.COMMENT}
+    groups = [_settings(node) for node in ast.walk(ast.parse(source))]
+
+    def rank(group):
+        return (-sum(key in config and _literal(value) == config[key] for key, value, _ in group),
+                sum(key not in config for key, _, _ in group))
+
+    comments = {}
+    for group in sorted(groups, key=rank):  # stable: of tied groups, the outer (ast.walk's order) first
+        for key, _, line in group:
+            comments[key] = comments.get(key) or lines.get(line)
+    return comments
+
+
+def _settings(node):
+    """(key, value node, the line of its comment) for each key that a module, class, dict(...) or {...} node sets."""
+    if isinstance(node, (ast.Module, ast.ClassDef)):
+        targets = [(s.targets[0] if isinstance(s, ast.Assign) else s.target, s) for s in node.body
+                   if isinstance(s, ast.Assign) or isinstance(s, ast.AnnAssign) and s.value]
+        return [(target.id, s.value, s.end_lineno) for target, s in targets if isinstance(target, ast.Name)]
+    if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'dict':
+        return [(k.arg, k.value, k.value.end_lineno) for k in node.keywords if k.arg]
+    if isinstance(node, ast.Dict):
+        return [(k.value, v, v.end_lineno) for k, v in zip(node.keys, node.values)
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return []
+
+
+def _literal(node):
+    """The value of a literal expression node; the node itself (equal to no setting) for any other."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError):
+        return node

@@ -29,7 +29,9 @@ import argparse
 import collections
 import configparser
 import contextlib
+import errno
 import hashlib
+import inspect
 import itertools
 import json
 import lzma
@@ -152,43 +154,53 @@ def load_tokens(path, tokenizer=None, vocab_size=None, verify=False):
     """Open a token file, refusing (with what to re-run) a missing, truncated, corrupt or mismatched one;
     verify: also check the checksum of its contents (reads the whole file, about 0.4 s per GB)."""
     path = Path(path)
-    rerun = f"re-run `{_rerun_command(path, tokenizer)}`"
+    try:
+        return _open_tokens(path, tokenizer, vocab_size, verify)
+    except _Problem as e:
+        error = ValueError if path.is_file() else FileNotFoundError
+        raise error(f"{path} {e}: re-run `{_rerun_command(path, tokenizer)}`") from None
+
+
+class _Problem(Exception):
+    """What is wrong with a token file, as the end of a sentence that begins with its path."""
+
+
+def _open_tokens(path, tokenizer, vocab_size, verify):
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: {rerun}")
-    itemsize, vocab, n_tokens, n_docs, name, checksum = _read_header(path, rerun)
+        raise _Problem("does not exist")
+    itemsize, vocab, n_tokens, n_docs, name, checksum = _read_header(path)
     if tokenizer is not None and name != tokenizer:
-        raise ValueError(f"{path} holds tokens of {name!r}, not of the expected tokenizer {tokenizer!r}: {rerun}")
+        raise _Problem(f"holds tokens of {name!r}, not of the expected tokenizer {tokenizer!r}")
     if vocab_size is not None and vocab != vocab_size:
-        raise ValueError(f"{path} has vocabulary size {vocab}, not the expected {vocab_size}: {rerun}")
+        raise _Problem(f"has vocabulary size {vocab}, not the expected {vocab_size}")
     offsets = np.fromfile(path, dtype="<i8", count=n_docs, offset=HEADER.size)
     if n_docs == 0 or offsets[0] != 0 or np.any(np.diff(offsets) <= 0) or offsets[-1] >= n_tokens:
-        raise ValueError(f"{path} is corrupt (invalid document offsets): {rerun}")
+        raise _Problem("is corrupt (invalid document offsets)")
     tokens = np.memmap(path, dtype=TOKEN_DTYPES[itemsize], mode="r", offset=HEADER.size + 8 * n_docs,
                        shape=(n_tokens,))
     if verify and zlib.crc32(offsets.tobytes(), zlib.crc32(tokens)) != checksum:
-        raise ValueError(f"{path} is corrupt (its contents do not match the checksum in its header: the file was "
-                         f"changed or damaged after prepare_data.py wrote it): {rerun}")
+        raise _Problem("is corrupt (its contents do not match the checksum in its header: the file was changed or "
+                       "damaged after prepare_data.py wrote it)")
     return TokenFile(path, tokens, offsets, name, vocab)
 
 
-def _read_header(path, rerun):
+def _read_header(path):
     size = path.stat().st_size
     if size < HEADER.size:
-        raise ValueError(f"{path} is truncated ({size} bytes, shorter than the header): {rerun}")
+        raise _Problem(f"is truncated ({size} bytes, shorter than the header)")
     with open(path, "rb") as f:
         magic, version, itemsize, vocab, n_tokens, n_docs, name, checksum = HEADER.unpack(f.read(HEADER.size))
     if magic != MAGIC:
-        raise ValueError(f"{path} is not a token file (bad magic {magic!r}): {rerun}")
+        raise _Problem(f"is not a token file (bad magic {magic!r})")
     if version != FORMAT_VERSION:
         age = "an older" if version < FORMAT_VERSION else "a newer"
-        raise ValueError(f"{path} has format version {version}, this code reads version {FORMAT_VERSION} (it was "
-                         f"written by {age} prepare_data.py): {rerun}")
+        raise _Problem(f"has format version {version}, this code reads version {FORMAT_VERSION} (it was written by "
+                       f"{age} prepare_data.py)")
     if itemsize not in TOKEN_DTYPES or token_dtype(vocab).itemsize != itemsize:
-        raise ValueError(f"{path} is corrupt ({itemsize} bytes per token for vocabulary size {vocab}): {rerun}")
+        raise _Problem(f"is corrupt ({itemsize} bytes per token for vocabulary size {vocab})")
     expected = HEADER.size + 8 * n_docs + itemsize * n_tokens
     if size != expected:
-        problem = "truncated" if size < expected else "corrupt"
-        raise ValueError(f"{path} is {problem} ({size} bytes, its header says {expected}): {rerun}")
+        raise _Problem(f"is {'truncated' if size < expected else 'corrupt'} ({size} bytes, its header says {expected})")
     return itemsize, vocab, n_tokens, n_docs, name.rstrip(b"\0").decode("utf-8", errors="replace"), checksum
 
 
@@ -227,8 +239,8 @@ class _TokenWriter:
         self.n_tokens += len(tokens)
 
     def __exit__(self, exc_type, exc, traceback):
-        self.file.close()
         try:
+            self.file.close()  # on a full disk, flushing can fail too
             if exc_type is None:
                 self._finish()
         finally:
@@ -358,8 +370,6 @@ def _write_default(out, tokenizer, num_proc):
 
 def _write_user_corpus(out, tokenizer, dataset, options, num_proc):
     val_fraction = options["val_fraction"]
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"--val_fraction must be between 0 and 1, not {val_fraction}")
     texts = (text for text in _read_documents(dataset, options) if text)
     texts = itertools.islice(texts, options["max_docs"])
 
@@ -517,23 +527,27 @@ def _write_corpus(works, out):
 # ----------------------------------------------------------------------------- prepare
 
 def dataset_dir(dataset, tokenizer, data_dir=DEFAULT_DATA_DIR, hf_config=None):
-    """The folder that prepare() writes: data_dir/{dataset name}_{tokenizer}."""
+    """The folder that prepare() writes: data_dir/{dataset name}_{tokenizer}; data_dir '' or None: the repository's
+    data/, wherever the script runs."""
     if dataset.startswith("hf:"):
         name = "hf_" + dataset[3:] + (f"_{hf_config}" if hf_config else "")
     else:
         path = Path(dataset).resolve()
         name = dataset if dataset == "default" else path.name if path.is_dir() else path.stem
-    return Path(data_dir) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}_{tokenizer}"
+    return Path(data_dir or DEFAULT_DATA_DIR) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}_{tokenizer}"
 
 
 def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, text_field="text", val_fraction=0.01,
             hf_config=None, hf_split="train", max_docs=None, num_proc=None):
     """Tokenize `dataset` ('default', a .txt/.jsonl/.parquet file or directory, or 'hf:NAME') into token files and
-    return their folder; does nothing if they are there, valid and built with the same arguments."""
+    return their folder; does nothing if they are there, valid and built with the same arguments. data_dir '' or
+    None: the repository's data/. Bad arguments are refused before anything is written."""
     tok = get_tokenizer(tokenizer)
     out = dataset_dir(dataset, tokenizer, data_dir, hf_config)
-    options = {} if dataset == "default" else {"text_field": text_field, "val_fraction": val_fraction,
-                                               "hf_config": hf_config, "hf_split": hf_split, "max_docs": max_docs}
+    options = {"text_field": text_field, "val_fraction": val_fraction, "hf_config": hf_config, "hf_split": hf_split,
+               "max_docs": max_docs}
+    _check_arguments(dataset, out, num_proc, options)
+    options = {} if dataset == "default" else options
     source = {"dataset": dataset if dataset == "default" or dataset.startswith("hf:") else str(Path(dataset).resolve()),
               "tokenizer": tokenizer, "options": options}
     _remove_leftovers(out)
@@ -543,19 +557,60 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)  # marks the folder incomplete until the new files are all written
-    try:
-        if dataset == "default":
-            paths = _write_default(out, tok, num_proc)
-        else:
-            paths = _write_user_corpus(out, tok, source["dataset"], options, num_proc)
-    except BaseException:
-        if created and not any(out.iterdir()):  # the writers leave nothing behind: no empty folder either
-            out.rmdir()
-        raise
-    files = {path.name: _file_stats(path, tok) for path in paths}
-    _write_json(out / "meta.json", {**source, "files": files})
+    with _full_disk_said(out):
+        try:
+            if dataset == "default":
+                paths = _write_default(out, tok, num_proc)
+            else:
+                paths = _write_user_corpus(out, tok, source["dataset"], options, num_proc)
+        except BaseException:
+            if created and not any(out.iterdir()):  # the writers leave nothing behind: no empty folder either
+                out.rmdir()
+            raise
+        files = {path.name: _file_stats(path, tok) for path in paths}
+        _write_json(out / "meta.json", {**source, "files": files})
     _print_summary(out, "wrote")
     return out
+
+
+def _check_arguments(dataset, out, num_proc, options):
+    """Refuse a bad argument with what to give instead; note those that the default corpus does not use."""
+    if not 0 < options["val_fraction"] < 1:
+        raise ValueError(f"--val_fraction {options['val_fraction']} is out of range: give a fraction of the documents "
+                         "between 0 and 1 (exclusive), e.g. 0.01")
+    for name, value, unset in (("max_docs", options["max_docs"], "every document"), ("num_proc", num_proc, "all CPUs")):
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} {value} is out of range: give at least 1 (or leave it out: {unset})")
+    blocking = _nearest_existing(out)
+    if not blocking.is_dir():
+        raise ValueError(f"{blocking} is a file, not a folder, so {out} cannot be written: move it away or pass "
+                         "another --data_dir")
+    if dataset == "default":
+        defaults = inspect.signature(prepare).parameters
+        ignored = [f"--{name}" for name, value in options.items() if value != defaults[name].default]
+        if ignored:
+            print(f"note: {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the default corpus "
+                  "(a fixed set of works, split by work): ignored", file=sys.stderr)
+    elif not dataset.startswith("hf:"):
+        _corpus_files(Path(dataset))  # refuses a path that holds no corpus
+
+
+@contextlib.contextmanager
+def _full_disk_said(folder):
+    """Turn the OSError of a full disk into a RuntimeError that says so (the writers have removed their files)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(_nearest_existing(folder)).free / 1e6
+        raise RuntimeError(f"could not write the token files: the disk is full ({free:,.1f} MB free in {folder}): free "
+                           "some space and run again") from None
+
+
+def _nearest_existing(path):
+    """path, or the nearest of its parents that exists."""
+    return next(folder for folder in (path, *path.parents) if folder.exists())
 
 
 _TEMPORARY = re.compile(r"\.(\d+)(\.tokens)?\.tmp$")  # the temporary files of process N: NAME.N.tmp, NAME.N.tokens.tmp
@@ -580,13 +635,21 @@ def _is_running(pid):
 
 
 def _is_prepared(out, tok, source):
+    """Whether out holds sound token files of source; names each damaged one, as prepare() rebuilds it."""
     try:
         meta = json.loads((out / "meta.json").read_text())
-        for name in meta["files"]:
-            load_tokens(out / name, tok.name, tok.vocab_size, verify=True)
-    except (OSError, ValueError, KeyError):
+        names = list(meta["files"])
+    except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all(meta.get(key) == value for key, value in source.items())
+    sound = True
+    for name in names:
+        try:
+            _open_tokens(out / name, tok.name, tok.vocab_size, verify=True)
+        except _Problem as problem:
+            origin = "the embedded corpus" if source["dataset"] == "default" else source["dataset"]
+            print(f"{out / name} {problem}: rebuilding it from {origin}", file=sys.stderr)
+            sound = False
+    return sound and all(meta.get(key) == value for key, value in source.items())
 
 
 def _file_stats(path, tok):

@@ -8,6 +8,7 @@ which run on the CPU under TRITON_INTERPRET=1 when no GPU is present (as in CI).
 import contextlib
 import copy
 import csv
+import errno
 import glob
 import json
 import math
@@ -34,7 +35,7 @@ import prepare_data
 import sample
 import train
 import checkpoint
-from configurator import ConfigError, load_config
+from configurator import ConfigError, help_text, load_config
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
 import generate
@@ -1738,7 +1739,16 @@ def test_prepare_default_bytes(default_bytes):
     assert not [path for path in default_bytes.iterdir() if "tmp" in path.name]
 
 
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
 def test_prepare_is_idempotent_and_repairs(default_bytes, capsys):
+    """A token file that is cut short or changed is named as it is rebuilt."""
     mtime = (default_bytes / "train.bin").stat().st_mtime_ns
     assert prepare(data_dir=default_bytes.parent) == default_bytes
     assert "already prepared" in capsys.readouterr().out
@@ -1746,12 +1756,27 @@ def test_prepare_is_idempotent_and_repairs(default_bytes, capsys):
     with open(default_bytes / "long.bin", "r+b") as f:
         f.truncate(1000)
     prepare(data_dir=default_bytes.parent, num_proc=2)
-    assert "wrote" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "wrote" in out
+    assert re.search(r"default_bytes/long.bin is truncated \(1000 bytes, its header says [0-9]+\): rebuilding it from "
+                     r"the embedded corpus\n", err)
     assert len(load_tokens(default_bytes / "long.bin").doc_offsets) == len(prepare_data.LONG_WORKS)
-    corrupt(default_bytes / "val.bin", 5000, b"?")  # changed in place: the same size, caught by the checksum
+    flip_byte(default_bytes / "val.bin", 5000)  # changed in place: the same size, caught by the checksum
     prepare(data_dir=default_bytes.parent, num_proc=2)
-    assert "wrote" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "wrote" in out
+    assert (f"{default_bytes / 'val.bin'} is corrupt (its contents do not match the checksum in its header: the file "
+            "was changed or damaged after prepare_data.py wrote it): rebuilding it from the embedded corpus\n") in err
     load_tokens(default_bytes / "val.bin", verify=True)
+
+
+def test_the_default_corpus_notes_the_arguments_it_ignores(default_bytes, capsys):
+    prepare_data.main(["--data_dir", str(default_bytes.parent), "--val_fraction", "0.1", "--max_docs", "5",
+                       "--text_field", "text"])  # the default --text_field: no note
+    out, err = capsys.readouterr()
+    assert "already prepared" in out
+    assert err == ("note: --val_fraction, --max_docs do not apply to the default corpus (a fixed set of works, split "
+                   "by work): ignored\n")
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -1832,6 +1857,29 @@ def test_load_tokens_refuses_mismatch_and_missing(token_file):
         load_tokens(token_file.with_name("val.bin"), "bytes")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--val_fraction", "1.5"],  # refused for the default corpus too, which ignores it
+     "--val_fraction 1.5 is out of range: give a fraction of the documents between 0 and 1 (exclusive), e.g. 0.01"),
+    (["--dataset", "corpus", "--val_fraction", "0"], "--val_fraction 0.0 is out of range"),
+    (["--dataset", "corpus", "--max_docs", "0"],
+     "--max_docs 0 is out of range: give at least 1 (or leave it out: every document)"),
+    (["--num_proc", "-1"], "--num_proc -1 is out of range: give at least 1 (or leave it out: all CPUs)"),
+    (["--data_dir", "notes.txt"], "notes.txt is a file, not a folder, so notes.txt/default_bytes cannot be written: "
+                                  "move it away or pass another --data_dir"),
+    (["--dataset", "nowhere"], "no corpus at nowhere: pass --dataset default, hf:NAME, or a .txt/.jsonl/.parquet"),
+])
+def test_bad_arguments_get_one_line_before_anything_is_written(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a folder")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(TEXT)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--data_dir", "data", *args])
+    assert exit.value.code.startswith(f"error: {message}") and "\n" not in exit.value.code
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with prepare_data._TokenWriter(tmp_path / "train.bin", get_tokenizer("bytes")) as writer:
@@ -1880,6 +1928,68 @@ def test_jsonl_corpus_cl100k(tmp_path, capsys):
     assert meta["files"]["train.bin"]["documents"] + meta["files"]["val.bin"]["documents"] == len(DOCUMENTS)
     prepare(str(path), "cl100k_base", tmp_path, text_field="content", val_fraction=0.25, max_docs=10)
     assert sum(len(docs) for docs in read_split_documents(folder, "cl100k_base").values()) == 10
+
+
+def test_a_damaged_token_file_is_rebuilt_from_its_corpus(tmp_path, capsys):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    folder = prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
+    flip_byte(folder / "train.bin", (folder / "train.bin").stat().st_size - 1)
+    prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
+    assert (f"{folder / 'train.bin'} is corrupt (its contents do not match the checksum in its header: the file was "
+            f"changed or damaged after prepare_data.py wrote it): rebuilding it from {corpus.resolve()}\n"
+            ) in capsys.readouterr().err
+    load_tokens(folder / "train.bin", verify=True)
+    assert_split_round_trip(folder, "bytes", DOCUMENTS)
+
+
+def disk_full(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class FullStagingFile:
+    """A _TokenWriter's staging file on a full disk: writes fail, and so does the flush on closing."""
+    write = disk_full
+
+    def __init__(self, file):
+        self.file = file
+
+    def close(self):
+        self.file.close()
+        disk_full()
+
+    @staticmethod
+    def enter(writer):
+        writer.file = FullStagingFile(open(writer.staging, "wb"))
+        return writer
+
+
+@pytest.mark.parametrize("where", ["staging file", "token file"])
+def test_a_full_disk_leaves_nothing_and_says_so(tmp_path, monkeypatch, where):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    if where == "staging file":
+        monkeypatch.setattr(prepare_data._TokenWriter, "__enter__", FullStagingFile.enter)
+    else:  # the header and offsets are in, the tokens do not fit
+        monkeypatch.setattr(prepare_data.shutil, "copyfileobj", lambda source, destination, length: disk_full())
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25",
+                           "--num_proc", "1"])
+    assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
+                        rf"{re.escape(str(tmp_path / 'data' / 'docs_bytes'))}\): free some space and run again",
+                        exit.value.code)
+    assert os.listdir(tmp_path / "data") == []  # no token file, temporary file or empty folder
+
+
+def test_an_empty_data_dir_is_the_repository_data_folder(tmp_path, monkeypatch):
+    """So train.py and eval.py, whose default is '', read where prepare_data.py writes, from any folder."""
+    assert prepare_data.dataset_dir("default", "bytes", "") == prepare_data.DEFAULT_DATA_DIR / "default_bytes"
+    assert prepare_data.dataset_dir("default", "bytes", None) == prepare_data.DEFAULT_DATA_DIR / "default_bytes"
+    monkeypatch.setattr(prepare_data, "DEFAULT_DATA_DIR", tmp_path / "repository" / "data")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    folder = prepare("docs.jsonl", "bytes", "", val_fraction=0.25, num_proc=1)
+    assert folder == tmp_path / "repository" / "data" / "docs_bytes" and (folder / "meta.json").exists()
 
 
 def test_corpus_errors(tmp_path):
@@ -1984,12 +2094,88 @@ def test_overrides_parse_to_the_default_types():
     ('--top_k=2.0', "bad value for 'top_k'"),
     ('--batch_size', 'expected --key=value'),
     ('--batch_sise=4', "unknown config key 'batch_sise'. Did you mean batch_size"),
-    ('config/nothing_here.py', 'config file not found: config/nothing_here.py'),
+    ('--max_iter=5', "unknown config key 'max_iter'. Did you mean max_iters"),
+    ('--learningrate=0.1', "unknown config key 'learningrate'. Did you mean learning_rate?"),
+    ('config/nothing_here.py', 'config file not found: config/nothing_here.py (see config/, e.g. config/fm_small.py)'),
+    ('config/fm_smal.py', 'config file not found: config/fm_smal.py: did you mean config/fm_small.py?'),
+    ('max_iters=5', 'max_iters=5 is not a config file: did you mean --max_iters=5?'),
+    ('max_iterz=5', 'config file not found: max_iterz=5 (see config/'),  # not a key: no --
 ])
-def test_bad_overrides_are_refused(arg, message):
+def test_bad_overrides_are_refused(arg, message, monkeypatch):
+    monkeypatch.chdir(REPO)  # the suggested config file is named from here
     config, types = defaults()
-    with pytest.raises(ConfigError, match=message.replace('.', r'\.').replace('(', r'\(')):
+    with pytest.raises(ConfigError) as error:
         load_config(config, [arg], types)
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize('program', ['sample.py', 'eval.py'])
+def test_scripts_without_config_files_say_what_to_pass(program, tmp_path):
+    """A training config, a setting without its '--' and any other file are each named for what they are."""
+    fm_small, prompt = os.path.join(REPO, 'config', 'fm_small.py'), tmp_path / 'prompt.txt'
+    prompt.write_text('ROMEO:')
+    settings = sample._DEFAULTS if program == 'sample.py' else evaluation.POSITION_SETTINGS
+    for arg, message in (
+            (fm_small, f"{fm_small} is a training config; {program} reads the model from a checkpoint: pass "
+                       "--out_dir=out-fm-small, the folder that config's run writes"),
+            ('device=cpu', 'device=cpu is not a config file: did you mean --device=cpu?'),
+            (str(prompt), f"{program} takes no config files, only --key=value settings (see --help): got '{prompt}'")):
+        with pytest.raises(ConfigError) as error:
+            load_config(settings, [arg], config_files=False, program=program)
+        assert str(error.value) == message
+
+
+NO_COMMENT_YET = pytest.mark.xfail(strict=True, reason='comments added by the main engineer')
+NOT_WIRED_YET = pytest.mark.xfail(strict=True, reason='call sites wired by the main engineer')
+
+
+@NOT_WIRED_YET
+@pytest.mark.parametrize('script', ['sample', 'eval'])
+def test_sample_and_eval_name_a_training_config(script):
+    fm_small = os.path.join(REPO, 'config', 'fm_small.py')
+    with pytest.raises(ConfigError, match=f'fm_small.py is a training config; {script}.py reads the model from a '
+                                          'checkpoint: pass --out_dir=out-fm-small'):
+        {'sample': sample, 'eval': evaluation}[script].main([fm_small])
+
+
+@NOT_WIRED_YET
+def test_help_explains_the_settings(capsys):
+    train.main(['--help'])
+    sample.main(['--help'])
+    evaluation.main(['harness', '--help'])
+    out = capsys.readouterr().out
+    for setting, explanation in (('--eval_iters=16', 'the validation set is eval_iters * batch_size fixed windows'),
+                                 ('--n_memory=32', 'm, memory rows'),  # from model.py
+                                 ('--num_samples=3', 'generated together, as one batch'),
+                                 ("--tasks=''", 'lm-eval task names, comma-separated')):
+        assert re.search(rf'^  {re.escape(setting)} +{re.escape(explanation)}$', out, re.M), setting
+
+
+@pytest.mark.parametrize('settings, sources', [
+    pytest.param(train.default_config(), ('train.py', 'model.py'), id='train', marks=NO_COMMENT_YET),
+    pytest.param(sample._DEFAULTS, ('sample.py',), id='sample', marks=NO_COMMENT_YET),
+    *[pytest.param(getattr(evaluation, name), ('eval.py',), id=f'eval {name}',
+                   marks=[] if name in ('SCALING_SETTINGS', 'SWEEP_SETTINGS') else NO_COMMENT_YET)
+      for name in ('POSITION_SETTINGS', 'HARNESS_SETTINGS', 'SCALING_SETTINGS', 'SWEEP_SETTINGS', 'FRONTIER_SETTINGS',
+                   'ROUTING_SETTINGS')],
+])
+def test_every_setting_has_a_help_line(settings, sources):
+    lines = help_text(settings, *(os.path.join(REPO, source) for source in sources)).splitlines()
+    assert len(lines) == len(settings)
+    assert [key for key, line in zip(settings, lines) if line == f'  --{key}={settings[key]!r}'] == []
+
+
+def test_help_text_reads_each_key_from_its_comment(tmp_path):
+    """The comment of the line that sets the key (a '#' in a string is none), in the first file that has one; of
+    several groups setting a key in a file, the one that sets it to the default; explanations in one column."""
+    first, second = tmp_path / 'first.py', tmp_path / 'second.py'
+    first.write_text("a = '# no comment'\nbb = 2  # bb's\nc = 3  # c, first\nX = dict(c=4,  # c of X\n    a='x')\n")
+    second.write_text("class C:\n    a: str = 'y'  # a's, second\n    c: int = 3  # c, second\n")
+    assert help_text({'a': '# no comment', 'bb': 2, 'c': 3}, first, second).splitlines() == [
+        "  --a='# no comment'  a's, second",
+        "  --bb=2              bb's",
+        "  --c=3               c, first"]
+    assert help_text({'c': 4, 'a': 'x'}, first).splitlines() == ["  --c=4    c of X", "  --a='x'"]
 
 
 def test_config_files(tmp_path):
@@ -2493,6 +2679,31 @@ def test_damaged_checkpoints_are_refused(data_dir, tmp_path, trained, capsys):
     assert 'ckpt.pt carries no checksums' in capsys.readouterr().err
 
 
+
+def test_a_checkpoint_with_any_byte_changed_is_refused(tmp_path):
+    """A byte changed anywhere (the zip index at the end included) gets the damaged or not-readable message, never a
+    traceback; or, where no reader looks (the records' local headers repeat the index; alignment padding), the file
+    loads with the same contents. A changed key is damage, not a key missing."""
+    weights = {'embed.weight': torch.arange(32.0).view(8, 4), 'norm.weight': torch.ones(4)}
+    path = tmp_path / 'ckpt.pt'
+    checkpoint.save_checkpoint({**dict.fromkeys(checkpoint.CKPT_KEYS), 'model': weights, 'iter_num': 3}, path)
+    good = path.read_bytes()
+    start = len(good) - 100
+    positions, refused = [*range(0, start, start // 40), *range(start, len(good))], 0
+    for at in positions:
+        path.write_bytes(good[:at] + bytes([good[at] ^ 0xff]) + good[at + 1:])
+        try:
+            ckpt = checkpoint.load_checkpoint(path)
+        except checkpoint.CheckpointError as e:
+            assert re.match(rf'{re.escape(str(path))} (is damaged|is not a readable checkpoint): ', str(e)), (at, e)
+            assert '\n' not in str(e)
+            refused += 1
+        else:
+            assert ckpt['iter_num'] == 3 and all(torch.equal(ckpt['model'][k], w) for k, w in weights.items()), at
+    assert refused > len(positions) // 2  # most bytes are read
+    path.write_bytes(good.replace(b'tokenizer', b'tokenizes', 1))  # a key of the pickle: damaged, not 'missing'
+    with pytest.raises(checkpoint.CheckpointError, match='ckpt.pt is damaged: the bytes of its record .*data.pkl'):
+        checkpoint.load_checkpoint(path)
 
 def run_bytes(out_dir):
     return {name: (out_dir / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
