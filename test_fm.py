@@ -1028,6 +1028,7 @@ def test_bf16_autocast_trains(name):
 import importlib.util
 
 import eval as evaluation
+from research import analysis
 
 
 def save_model_checkpoint(model, out_dir, tokenizer='bytes', **fields):
@@ -1210,7 +1211,8 @@ def test_reproduction_configs_differ_only_in_the_model():
     config, types = defaults()
     architecture = {f.name for f in fields(ModelConfig)} - {'block_size'} | {'out_dir', 'wandb_run_name',
                                                                              'learning_rate', 'min_lr'}
-    paths = {name: os.path.join(REPO, 'config', f'extrapolation_{name}.py') for name in ('fm', 'transformer', 'mamba2')}
+    paths = {name: os.path.join(REPO, 'research', f'extrapolation_{name}.py')
+             for name in ('fm', 'transformer', 'mamba2')}
     training = {name: {k: v for k, v in load_config(config, [path], types).items() if k not in architecture}
                 for name, path in paths.items()}
     n_params = {name: build(path, meta=True).num_params(non_embedding=False) for name, path in paths.items()}
@@ -1221,8 +1223,8 @@ def test_reproduction_configs_differ_only_in_the_model():
 
 
 def reproduce_sh(call, **env):
-    """The output of `call` in bash after the definitions of config/reproduce.sh's functions (not its main part)."""
-    with open(os.path.join(REPO, 'config', 'reproduce.sh')) as f:
+    """The output of `call` in bash after the definitions of research/reproduce.sh's functions (not its main part)."""
+    with open(os.path.join(REPO, 'research', 'reproduce.sh')) as f:
         functions = re.findall(r'^\w+\(\) \{.*?^\}$', f.read(), re.M | re.S)
     run = subprocess.run(['bash', '-c', '\n'.join(['set -euo pipefail', *functions, call])], cwd=REPO,
                          capture_output=True, text=True, env={**os.environ, **env})
@@ -1263,12 +1265,12 @@ def test_frontier_sizes_match_in_parameters():
 
 
 def test_reproduce_frontier_dry_run(tmp_path):
-    """bash config/reproduce.sh frontier on the CPU, 2 steps a run, one size and one learning rate a model: every
+    """bash research/reproduce.sh frontier on the CPU, 2 steps a run, one size and one learning rate a model: every
     run in frontier.csv, at its best rate, with its training FLOPs and losses at 2x and 8x the context."""
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), JOBS='3', SIZES='1M',
                LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
                TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
-    run = subprocess.run(['bash', 'config/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(tmp_path / 'results' / 'frontier.csv') as f:
@@ -1293,17 +1295,17 @@ def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
     earlier = tmp_path / 'earlier.csv'
     earlier.write_text('run,n_memory,top_k,tau,val_loss,iter_num,max_iters\n'
                        'm64-k16-tau0.25,64,16,0.25,1.6,10,10\nm16-k4-tau1,16,4,1.0,9.9,10,10\n')
-    rows, best = evaluation.main(['scaling', f'--runs={earlier}', f'--runs={runs}', f'--out={tmp_path / "s"}'])
+    rows, best = analysis.main(['scaling', f'--runs={earlier}', f'--runs={runs}', f'--out={tmp_path / "s"}'])
     assert len(rows) == 5 and {r['run']: r['val_loss'] for r in rows}['m16-k4-tau1'] == 2.0  # the later source
     assert {name: {m: r['run'] for m, r in series.items()} for name, series in best.items()} == {
         'dense (k = m)': {16: 'm16-dense-tau1'}, 'k = m/4': {16: 'm16-k4-tau0.5', 64: 'm64-k16-tau0.25'},
         'k = 4': {16: 'm16-k4-tau0.5'}}
-    again, _ = evaluation.main(['scaling', f'--runs={tmp_path / "s.csv"}', f'--out={tmp_path / "t"}'])
+    again, _ = analysis.main(['scaling', f'--runs={tmp_path / "s.csv"}', f'--out={tmp_path / "t"}'])
     assert again == rows
 
 
 def sweep_record(model, lr, seed, loss, finished=True):
-    """A hand-made run record of eval.py's sweep."""
+    """A hand-made run record of analysis.py's sweep."""
     return {'run': f'{model}-lr{lr:g}-s{seed}', 'model': model, 'learning_rate': lr, 'seed': seed, 'val_loss': loss,
             'iter_num': 10 if finished else 5, 'max_iters': 10}
 
@@ -1319,16 +1321,16 @@ def test_sweep_takes_each_model_at_its_best_mean_learning_rate(capsys):
     }
     records = [sweep_record(model, *run) for model, runs in grids.items() for run in runs]
     records.append(sweep_record('lowest', 2e-3, 2, 1.0, finished=False))
-    table = evaluation.by_model_and_lr(records)
-    best = evaluation.best_learning_rates(table)
+    table = analysis.by_model_and_lr(records)
+    best = analysis.best_learning_rates(table)
     assert best == {'middle': 2e-3, 'lowest': 5e-4, 'highest': 8e-3, 'single': 1e-3}
     assert [len(members) for members in table['lowest'].values()] == [1, 1, 1]  # the unfinished run is not in it
-    warnings = evaluation.edge_warnings(table, best)
+    warnings = analysis.edge_warnings(table, best)
     assert len(warnings) == 3 and not any('middle' in w for w in warnings)
     assert 'lowest:' in warnings[0] and warnings[0].endswith('train at 0.00025 too')
     assert 'highest:' in warnings[1] and warnings[1].endswith('train at 0.016 too')
     assert 'single:' in warnings[2] and warnings[2].endswith('train at 0.0005 and 0.002 too')
-    evaluation.print_sweep(records, table, best)
+    analysis.print_sweep(records, table, best)
     out = capsys.readouterr().out
     assert 'left out, not finished: lowest-lr0.002-s2' in out
     assert ['middle', '0.002', '2', '1.5000', '(1.4500-1.5500)', '*'] in [line.split() for line in out.splitlines()]
@@ -1356,7 +1358,7 @@ def hand_forward_flops(name, seq_len):
 
 @pytest.mark.parametrize('name', list(MIXERS))
 def test_training_flops_match_a_hand_count(name, tmp_path):
-    """Model.flops_per_token is 3x (forward + backward) the hand count, and eval.py's training FLOPs of a run are
+    """Model.flops_per_token is 3x (forward + backward) the hand count, and analysis.py's training FLOPs of a run are
     the forward count x the tokens it trained."""
     params, forward = hand_forward_flops(name, 48)
     model = Model(tiny_config(**MIXERS[name]))
@@ -1366,7 +1368,7 @@ def test_training_flops_match_a_hand_count(name, tmp_path):
     tokens = 10 * 4 * 48  # 10 steps of 4 x 48
     save_model_checkpoint(model, tmp_path / 'run', best_val_loss=2.5, iter_num=10, data_state={'tokens_seen': tokens},
                           train_config={'max_iters': 10, 'learning_rate': 1e-3, 'min_lr': 1e-4, 'seed': 1})
-    record = evaluation.run_record(tmp_path / 'run')
+    record = analysis.run_record(tmp_path / 'run')
     assert record['forward_flops'] == forward * tokens and record['non_embedding_parameters'] == params
     assert (record['learning_rate'], record['seed'], record['val_loss'], record['tokens']) == (1e-3, 1, 2.5, tokens)
 
@@ -1620,49 +1622,50 @@ def sweep_run(folder, lr, loss, block_size=48, **model):
 
 
 def test_sweep_merges_the_csv_of_an_earlier_machine(tmp_path):
-    """eval.py sweep of an earlier machine's .csv and this machine's runs: every run once (the later source's record
-    of a run of the same subset/name), the best learning rate over both."""
+    """analysis.py sweep of an earlier machine's .csv and this machine's runs: every run once (the later source's
+    record of a run of the same subset/name), the best learning rate over both."""
     earlier, here = tmp_path / 'earlier' / 'extrapolation', tmp_path / 'here' / 'extrapolation'
     for folder, lr, loss in ((earlier, 5e-4, 1.5), (earlier, 1e-3, 9.9), (here, 1e-3, 2.0), (here, 2e-3, 1.9)):
         sweep_run(folder / f'fm-lr{lr:g}-s1', lr, loss, **MIXERS['fm_sparse'])
-    evaluation.main(['sweep', f'--runs={earlier}', f'--out={tmp_path / "earlier_lr"}'])
-    records, best = evaluation.main(['sweep', f'--runs={tmp_path / "earlier_lr.csv"}', f'--runs={here}',
+    analysis.main(['sweep', f'--runs={earlier}', f'--out={tmp_path / "earlier_lr"}'])
+    records, best = analysis.main(['sweep', f'--runs={tmp_path / "earlier_lr.csv"}', f'--runs={here}',
                                      f'--out={tmp_path / "lr"}'])
-    assert {evaluation.run_key(r): r['val_loss'] for r in records} == {
+    assert {analysis.run_key(r): r['val_loss'] for r in records} == {
         'extrapolation/fm-lr0.0005-s1': 1.5, 'extrapolation/fm-lr0.001-s1': 2.0, 'extrapolation/fm-lr0.002-s1': 1.9}
     assert list(best.values()) == [5e-4] and sum(r['best_lr'] for r in records) == 1
     assert (tmp_path / 'lr_best.txt').read_text() == f"{earlier / 'fm-lr0.0005-s1'}\n"
     with open(tmp_path / 'lr.csv') as f:
         assert len(list(csv.DictReader(f))) == 3
-    records, _ = evaluation.main(['sweep', f'--runs={here}', f'--runs={tmp_path / "earlier_lr.csv"}',
+    records, _ = analysis.main(['sweep', f'--runs={here}', f'--runs={tmp_path / "earlier_lr.csv"}',
                                   f'--out={tmp_path / "lr2"}'])
-    assert {evaluation.run_key(r): r['val_loss'] for r in records}['extrapolation/fm-lr0.001-s1'] == 9.9
+    assert {analysis.run_key(r): r['val_loss'] for r in records}['extrapolation/fm-lr0.001-s1'] == 9.9
 
 
 def test_frontier_evaluates_only_the_runs_without_losses(tmp_path, monkeypatch):
-    """eval.py frontier of an earlier machine's frontier.csv (FM, its best rate with its losses) and this machine's
-    attention run: only the attention checkpoint is opened; frontier.csv holds both, the earlier losses as they were."""
+    """analysis.py frontier of an earlier machine's frontier.csv (FM, its best rate with its losses) and this
+    machine's attention run: only the attention checkpoint is opened; frontier.csv holds both, the earlier losses as
+    they were."""
     earlier = tmp_path / 'earlier' / 'frontier'
     for lr, loss in ((5e-4, 1.5), (1e-3, 1.7)):
         sweep_run(earlier / f'fm-lr{lr:g}-s1', lr, loss, block_size=8, vocab_size=256, **MIXERS['fm_sparse'])
-    records, _, _ = evaluation.sweep([str(earlier)])
+    records, _, _ = analysis.sweep([str(earlier)])
     for r in records:
         if r['best_lr']:
             r['loss_so_far_2x'], r['loss_so_far_8x'] = 1.25, 1.125
-    fields = evaluation.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x')
-    evaluation.write_records(records, fields, tmp_path / 'earlier_frontier.csv')
+    fields = analysis.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x')
+    analysis.write_records(records, fields, tmp_path / 'earlier_frontier.csv')
     attn = sweep_run(tmp_path / 'here' / 'frontier' / 'attn-lr1e-3-s1', 1e-3, 2.0, block_size=8, vocab_size=256,
                      **MIXERS['attn'])
-    opened, open_checkpoint = [], evaluation.open_checkpoint
-    monkeypatch.setattr(evaluation, 'open_checkpoint', lambda out_dir, name: opened.append(out_dir) or (
+    opened, open_checkpoint = [], analysis.open_checkpoint
+    monkeypatch.setattr(analysis, 'open_checkpoint', lambda out_dir, name: opened.append(out_dir) or (
         open_checkpoint(out_dir, name) if out_dir == attn else pytest.fail(f'opened {out_dir}')))
     texts = routing_texts(tmp_path / 'texts')
-    _, points = evaluation.main(['frontier', f'--runs={tmp_path / "earlier_frontier.csv"}',
+    _, points = analysis.main(['frontier', f'--runs={tmp_path / "earlier_frontier.csv"}',
                                  f'--runs={tmp_path / "here" / "frontier"}', f'--data={texts}',
                                  f'--out={tmp_path / "frontier"}', '--device=cpu'])
     assert opened == [attn]
     with open(tmp_path / 'frontier.csv') as f:
-        rows = {evaluation.run_key(row): row for row in csv.DictReader(f)}
+        rows = {analysis.run_key(row): row for row in csv.DictReader(f)}
     assert set(rows) == {'frontier/fm-lr0.0005-s1', 'frontier/fm-lr0.001-s1', 'frontier/attn-lr1e-3-s1'}
     fm, attn_row = rows['frontier/fm-lr0.0005-s1'], rows['frontier/attn-lr1e-3-s1']
     assert (fm['best_lr'], float(fm['loss_so_far_2x']), float(fm['loss_so_far_8x'])) == ('1', 1.25, 1.125)
@@ -1672,7 +1675,7 @@ def test_frontier_evaluates_only_the_runs_without_losses(tmp_path, monkeypatch):
 
 
 def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
-    """bash config/reproduce.sh frontier on the CPU (2 steps a run, one size, one rate a model) with PREVIOUS, whose
+    """bash research/reproduce.sh frontier on the CPU (2 steps a run, one size, one rate a model) with PREVIOUS, whose
     frontier.csv lists the Mamba-2 run: that run is not trained here, the others are, and frontier.csv holds all
     three, the earlier one as it was."""
     previous = tmp_path / 'previous'
@@ -1680,12 +1683,12 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
                'non_embedding_parameters': 1130240, 'learning_rate': 2e-3, 'min_lr': 2e-4, 'seed': 1,
                'val_loss': 3.5, 'best_lr': 1, 'iter_num': 2, 'max_iters': 2, 'block_size': 512, 'tokens': 2048,
                'forward_flops': 1e10, 'loss_so_far_2x': 3.25, 'loss_so_far_8x': 3.125}
-    evaluation.write_records([earlier], evaluation.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'),
+    analysis.write_records([earlier], analysis.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'),
                              previous / 'frontier.csv')
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=str(previous), JOBS='2',
                SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
                TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
-    run = subprocess.run(['bash', 'config/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     trained = tmp_path / 'runs' / 'frontier'
@@ -2148,6 +2151,8 @@ def build(path, meta=False):
 def test_every_config_builds():
     paths = sorted(glob.glob(os.path.join(REPO, 'config', '*.py')))
     assert len(paths) >= 6
+    paths += glob.glob(os.path.join(REPO, 'research', 'extrapolation_*.py'))  # the reproduction's configs
+    paths.append(os.path.join(REPO, 'research', 'scaling_fm.py'))
     for path in paths:
         build(path, meta=True)
 
@@ -2782,7 +2787,7 @@ def readme_commands(sections=('Quickstart', 'Training', 'Sampling', 'Evaluating'
 
 def toy(command):
     """A README command at toy size: for train.py a tiny model and a hundredth of the steps (500 by default: 5), for
-    sample.py 10 tokens; eval.py as written."""
+    sample.py 10 tokens; eval.py and research/analysis.py as written."""
     script, args = command[0], command[1:]
     if script == 'train.py':
         steps = [a.split('=')[0] + f"={int(a.split('=')[1]) // 100}" if a.startswith(('--max_iters=',
@@ -2799,13 +2804,16 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     """The commands of the README's Quickstart, Training, Sampling and Evaluating, in order in a fresh folder (the
     default corpus prepared), at toy size; a training run's last line says where it saved."""
     commands = readme_commands()
-    skipped = [c for c in commands if c[0] == 'test_fm.py' or c[:2] in (['eval.py', 'harness'], ['eval.py', 'scaling'])]
-    assert [c[:2] for c in skipped] == [['test_fm.py'], ['eval.py', 'harness'], ['eval.py', 'scaling']]  # lm-eval, GPU
+    skipped = [c for c in commands if c[0] == 'test_fm.py' or c[:2] in (['eval.py', 'harness'],
+                                                                        ['research/analysis.py', 'scaling'])]
+    assert [c[:2] for c in skipped] == [['test_fm.py'], ['eval.py', 'harness'],
+                                        ['research/analysis.py', 'scaling']]  # lm-eval, GPU
     assert len(commands) - len(skipped) >= 9
     os.symlink(os.path.join(REPO, 'config'), tmp_path / 'config')
     os.symlink(data_dir, tmp_path / 'data')
     monkeypatch.chdir(tmp_path)
-    mains = {'train.py': train.main, 'sample.py': sample.main, 'eval.py': evaluation.main}
+    mains = {'train.py': train.main, 'sample.py': sample.main, 'eval.py': evaluation.main,
+             'research/analysis.py': analysis.main}
     for command in commands:
         if command not in skipped:
             mains[command[0]](toy(command))
