@@ -26,6 +26,7 @@ and .png of all of them.
 The small-scale reproduction's analyses (learning-rate sweep, loss frontier, memory scaling): research/analysis.py.
 """
 import csv
+import difflib
 import functools
 import json
 import math
@@ -78,6 +79,15 @@ ROUTING_SETTINGS = dict(
     device=DEVICE,
     dtype='float32',
 )
+LOWEST = {  # numeric setting -> (the lowest value it takes, what it is), for the message refusing a lower one
+    'max_len': (1, "positions of attention's one pass"),
+    'chunk_len': (1, 'tokens a chunk'),
+    'tokens': (2, 'tokens measured'),
+    'batch_size': (1, 'requests a batch'),
+    'limit': (1, 'examples of each task; None: every one'),
+    'num_fewshot': (0, "examples in each prompt; None: each task's default"),
+}
+USAGE = 'eval.py [routing|harness] --key=value ...; sweep, frontier and scaling are in research/analysis.py'
 ETA_BINS = 20  # the histogram of eta over [0, 1]
 ROUTING_PLOT_MAX = 12  # checkpoints in the heat maps of --out.png
 LOSS_SLICE = 1024  # positions whose logits are formed at once: (1024, V) float32 is 0.4 GB at a 100K vocabulary
@@ -403,8 +413,6 @@ def plot_positions(results, path):
 
 def run_positions(cfg, out_dirs):
     """Loss by position of every checkpoint: tables, out.csv, out.json, out.png."""
-    if cfg['max_len'] < 1 or cfg['chunk_len'] < 1:
-        raise ConfigError('max_len and chunk_len must be at least 1')
     checkpoints = [open_checkpoint(out_dir, cfg['ckpt']) for out_dir in out_dirs]
     documents = {}  # tokenizer -> (docs, description); every checkpoint's data is checked before any evaluation
     for ckpt, path in checkpoints:
@@ -659,7 +667,8 @@ class RoutingStats:
                 'effective_rows': float(torch.exp(-(shares * shares.clamp_min(1e-300).log()).sum())),
                 'entropy': self.entropy / n, 'entropy_uniform': math.log(m),
                 'eta_mean': float(etas.mean()), 'mu_mean': self.mu / n,
-                'eta_quantiles': dict(zip(('0.1', '0.5', '0.9'), etas.quantile(torch.tensor([0.1, 0.5, 0.9])).tolist())),
+                'eta_quantiles': dict(zip(('0.1', '0.5', '0.9'),
+                                          etas.quantile(torch.tensor([0.1, 0.5, 0.9])).tolist())),
                 'eta_histogram': (torch.histc(etas, ETA_BINS, 0, 1) / n).tolist(),
                 'logit_bias_share': float((self.logit_sum / n).pow(2).sum() / (self.logit_energy / n)),
                 'input_mean_share': float((self.input_sum / n).pow(2).sum() / (self.input_energy / n))}
@@ -702,7 +711,8 @@ def print_routing(result):
     for i, layer in enumerate(result['layers']):
         print(f"{i:>6}{layer['dead_rows']:>6}{layer['rare_rows']:>6}{layer['effective_rows']:>10.1f}"
               f"{layer['entropy']:>9.3f}{layer['busiest_row']:>9.3f}{layer['eta_mean']:>9.3f}"
-              f"{layer['eta_quantiles']['0.5']:>8.3f}{layer['logit_bias_share']:>11.3f}{layer['input_mean_share']:>11.3f}")
+              f"{layer['eta_quantiles']['0.5']:>8.3f}{layer['logit_bias_share']:>11.3f}"
+              f"{layer['input_mean_share']:>11.3f}")
 
 
 def plot_routing(results, path):
@@ -729,8 +739,6 @@ def plot_routing(results, path):
 def run_routing(cfg, out_dirs):
     """Routing of each FM checkpoint: a table, routing.json and routing.png in its out_dir (and at --out, a .csv
     and .png of all)."""
-    if cfg['tokens'] < 2 or cfg['chunk_len'] < 1:
-        raise ConfigError('tokens must be at least 2 and chunk_len at least 1')
     checkpoints = [open_checkpoint(out_dir, cfg['ckpt']) for out_dir in out_dirs]
     for (ckpt, path), out_dir in zip(checkpoints, out_dirs):
         check_out(os.path.join(out_dir, 'routing'))  # routing.json goes there: refused now, not after the work
@@ -795,6 +803,30 @@ def check_out(out):
                           f'write to') from None
 
 
+def check_ranges(cfg):
+    """ConfigError naming the first numeric setting of cfg (of LOWEST) below its lowest value."""
+    for key, (lowest, meaning) in LOWEST.items():
+        if cfg.get(key) is not None and cfg[key] < lowest:
+            raise ConfigError(f'--{key}={cfg[key]} is out of range: set it to at least {lowest} ({meaning})')
+
+
+def take_subcommand(argv, modes, usage, elsewhere, default=None):
+    """Pop argv's subcommand (a first word that is neither --key=value nor a .py config file) -> one of modes, or
+    default where there is none; ConfigError for a subcommand of another script (elsewhere: {name: script}) or an
+    unknown word (with the closest name)."""
+    word = argv.pop(0) if argv and not argv[0].startswith('-') and not argv[0].endswith('.py') else None
+    if word is None:
+        if default is None:
+            raise ConfigError(f'name a subcommand ({usage})')
+        return default
+    if word in elsewhere:
+        raise ConfigError(f'{word} is in {elsewhere[word]}: run python {elsewhere[word]} {word} --key=value ...')
+    if word not in modes:
+        close = difflib.get_close_matches(word, [*modes, *elsewhere], n=1)
+        raise ConfigError(f"unknown subcommand '{word}'{f': did you mean {close[0]}?' if close else ''} ({usage})")
+    return word
+
+
 def take_all(argv, key):
     """Every --key=value of argv (a key that may repeat) -> (the values, the other arguments)."""
     flag = f'--{key}='
@@ -802,15 +834,18 @@ def take_all(argv, key):
 
 
 def main(argv=()):
+    """python eval.py [routing|harness] --key=value ... -> the subcommand's results (None for --help)."""
     argv = list(argv)
     modes = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'routing': ROUTING_SETTINGS}
-    mode = argv.pop(0) if argv and argv[0] in modes else 'positions'
+    moved = dict.fromkeys(('sweep', 'frontier', 'scaling'), 'research/analysis.py')
+    mode = take_subcommand(argv, modes, USAGE, moved, default='positions')
     settings = modes[mode]
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --out_dir may repeat):\n' + help_text(settings))
         return None
     out_dirs, argv = take_all(argv, 'out_dir')
     cfg = load_config(settings, argv, types={'num_fewshot': int, 'limit': int})
+    check_ranges(cfg)
     if mode != 'routing' or cfg['out']:  # routing's default writes into each out_dir
         check_out(cfg['out'])
     check_device(cfg['device'], cfg['dtype'])

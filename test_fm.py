@@ -1703,6 +1703,64 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
         assert row['best_lr'] == '1' and float(row['loss_so_far_8x']) > 0
 
 
+@pytest.mark.parametrize('script, argv, message', [
+    ('eval.py', ['rooting'], "unknown subcommand 'rooting': did you mean routing? (eval.py [routing|harness] --key"),
+    ('eval.py', ['sweep', '--runs=x'], 'sweep is in research/analysis.py: run python research/analysis.py sweep --'),
+    ('analysis.py', ['scalling'], "unknown subcommand 'scalling': did you mean scaling? (research/analysis.py sweep"),
+    ('analysis.py', ['routing'], 'routing is in eval.py: run python eval.py routing --key=value'),
+    ('analysis.py', ['--runs=x'], 'name a subcommand (research/analysis.py sweep|frontier|scaling'),
+])
+def test_a_mistyped_or_moved_subcommand_says_what_to_run(script, argv, message):
+    main = evaluation.main if script == 'eval.py' else analysis.main
+    with pytest.raises(ConfigError) as error:
+        main(argv)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize('script, argv, message', [
+    ('eval.py', ['--chunk_len=0'], '--chunk_len=0 is out of range: set it to at least 1 (tokens a chunk)'),
+    ('eval.py', ['--max_len=-1'], '--max_len=-1 is out of range: set it to at least 1'),
+    ('eval.py', ['routing', '--tokens=1'], '--tokens=1 is out of range: set it to at least 2'),
+    ('eval.py', ['routing', '--chunk_len=0'], '--chunk_len=0 is out of range: set it to at least 1'),
+    ('eval.py', ['harness', '--batch_size=0'], '--batch_size=0 is out of range: set it to at least 1'),
+    ('eval.py', ['harness', '--limit=0'], '--limit=0 is out of range: set it to at least 1'),
+    ('eval.py', ['harness', '--num_fewshot=-1'], '--num_fewshot=-1 is out of range: set it to at least 0'),
+    ('analysis.py', ['frontier', '--runs=x', '--chunk_len=0'], '--chunk_len=0 is out of range: set it to at least 1'),
+])
+def test_eval_and_analysis_refuse_numbers_out_of_range(tmp_path, script, argv, message):
+    """Refused before anything is read or written."""
+    main, more = (evaluation.main, [f'--out_dir={tmp_path / "none"}']) if script == 'eval.py' else (analysis.main, [])
+    with pytest.raises(ConfigError) as error:
+        main([*argv, *more, f'--out={tmp_path / "results" / "x"}'])
+    assert message in str(error.value) and not os.listdir(tmp_path)
+
+
+def test_analysis_names_a_missing_or_foreign_runs_path(tmp_path):
+    """--runs: missing, a path that does not exist, an empty .csv, the .csv of another subcommand."""
+    sweep_like = 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote'
+    with pytest.raises(ConfigError, match=re.escape(f'--runs is missing: give {sweep_like} (--runs may repeat)')):
+        analysis.main(['frontier', f'--out={tmp_path / "f"}'])
+    for mode, what in (('sweep', sweep_like), ('scaling', 'a folder of FM run folders or a .csv that scaling')):
+        with pytest.raises(ConfigError, match=re.escape(f'--runs={tmp_path / "bad.csv"} does not exist: give {what}')):
+            analysis.main([mode, f'--runs={tmp_path / "bad.csv"}', f'--out={tmp_path / "s"}'])
+    (tmp_path / 'empty.csv').write_text('')
+    with pytest.raises(evaluation.EvalError, match='empty.csv: not a .csv that analysis.py sweep or frontier wrote'):
+        analysis.main(['sweep', f'--runs={tmp_path / "empty.csv"}', f'--out={tmp_path / "s"}'])
+    analysis.write_records([sweep_record('m', 1e-3, 1, 2.0)], ('run', 'model', 'val_loss'), tmp_path / 'sweep.csv')
+    with pytest.raises(evaluation.EvalError, match='sweep.csv: not a .csv that analysis.py scaling wrote'):
+        analysis.main(['scaling', f'--runs={tmp_path / "sweep.csv"}', f'--out={tmp_path / "s"}'])
+
+
+def test_eval_and_analysis_give_one_line_errors_from_any_folder(tmp_path):
+    """The scripts run from another working directory (analysis.py finds eval.py) and say what is wrong in one line."""
+    for script, args, message in (
+            ('eval.py', ['rooting'], "error: unknown subcommand 'rooting': did you mean routing?"),
+            ('research/analysis.py', ['sweep', '--runs=bad.csv'], 'error: --runs=bad.csv does not exist: give a run')):
+        run = subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=tmp_path, capture_output=True,
+                             text=True)
+        assert run.returncode == 1 and run.stderr.startswith(message) and len(run.stderr.splitlines()) == 1, run.stderr
+
+
 # ----------------------------------------------------------------------------- config and accounting
 
 @pytest.mark.parametrize('overrides, field', [

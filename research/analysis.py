@@ -33,8 +33,8 @@ import torch
 
 from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, help_text, load_config
-from eval import (DEVICE, EvalError, check_device, check_out, describe, evaluate_positions, load_documents, loss_at,
-                  open_checkpoint, pyplot, save_figure, take_all)
+from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
+                  load_documents, loss_at, open_checkpoint, pyplot, save_figure, take_all, take_subcommand)
 from model import Model, ModelConfig
 
 SCALING_SETTINGS = dict(out='results/scaling')  # writes out.csv and out.png
@@ -51,6 +51,11 @@ SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m r
     'dense (k = m)': lambda m, k: k == m,
     'k = m/4': lambda m, k: 4 * k == m,
     'k = 4': lambda m, k: k == 4,
+}
+USAGE = 'research/analysis.py sweep|frontier|scaling --runs=PATH --key=value ...; routing and harness are in eval.py'
+RUNS = {  # what --runs takes
+    'sweep': 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote',
+    'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
 }
 SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'val_loss', 'iter_num', 'max_iters')
 SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
@@ -69,6 +74,16 @@ def scaling_row(path):
             'max_iters': ckpt['train_config']['max_iters']}
 
 
+def scaling_csv(path):
+    """The run records of a .csv that scaling wrote."""
+    with open(path, newline='') as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not set(SCALING_FIELDS) <= set(rows[0]):
+        raise EvalError(f'--runs={path}: not a .csv that analysis.py scaling wrote')
+    return [{'run': row['run'], **{k: int(row[k]) for k in ('n_memory', 'top_k', 'iter_num', 'max_iters')},
+             'tau': float(row['tau']), 'val_loss': float(row['val_loss'])} for row in rows]
+
+
 def scaling_rows(sources):
     """Run records from folders of run folders (each */ckpt.pt) and from .csv files analysis.py scaling wrote; a
     later record of a run replaces an earlier one."""
@@ -76,11 +91,7 @@ def scaling_rows(sources):
     for source in sources:
         path = Path(source)
         if path.suffix == '.csv' and path.is_file():
-            with open(path, newline='') as f:
-                for row in csv.DictReader(f):
-                    rows[row['run']] = {'run': row['run'], **{k: int(row[k]) for k in ('n_memory', 'top_k',
-                                                                                        'iter_num', 'max_iters')},
-                                        'tau': float(row['tau']), 'val_loss': float(row['val_loss'])}
+            rows.update((row['run'], row) for row in scaling_csv(path))
         elif path.is_dir():
             for ckpt in sorted(path.glob('*/ckpt.pt')):
                 rows[ckpt.parent.name] = scaling_row(ckpt)
@@ -158,21 +169,16 @@ def run_scaling(cfg, sources):
 
 # ----------------------------------------------------------------------------- learning rates and the loss frontier
 
-def run_folders(sources):
-    """Run folders (holding ckpt.pt) from --runs values, each a run folder or a folder of run folders."""
-    if not sources:
-        raise ConfigError('--runs=FOLDER: a run folder (with ckpt.pt) or a folder of run folders; --runs may repeat')
-    folders = []
-    for source in sources:
-        path = Path(source)
-        if (path / 'ckpt.pt').is_file():
-            folders.append(path)
-        elif path.is_dir():
-            folders.extend(ckpt.parent for ckpt in sorted(path.glob('*/ckpt.pt')))
-        else:
-            raise EvalError(f'--runs={source}: not a run folder (with ckpt.pt) or a folder of run folders')
+def run_folders(source):
+    """The run folders (holding ckpt.pt) of a --runs value: a run folder or a folder of run folders."""
+    path = Path(source)
+    if (path / 'ckpt.pt').is_file():
+        return [path]
+    if not path.is_dir():
+        raise EvalError(f'--runs={source}: not a run folder (with ckpt.pt), a folder of run folders or a .csv')
+    folders = [ckpt.parent for ckpt in sorted(path.glob('*/ckpt.pt'))]
     if not folders:
-        raise EvalError(f'no runs (ckpt.pt) in {", ".join(sources)}')
+        raise EvalError(f'no runs (ckpt.pt) in {source}')
     return folders
 
 
@@ -182,10 +188,11 @@ def csv_records(path):
     floats = ('learning_rate', 'min_lr', 'val_loss', 'forward_flops', 'loss_so_far_2x', 'loss_so_far_8x')
     with open(path, newline='') as f:
         rows = list(csv.DictReader(f))
-    if rows and not {'run', 'model', *ints, 'learning_rate', 'val_loss'} <= set(rows[0]):
+    if not rows or not {'run', 'model', *ints, 'learning_rate', 'val_loss'} <= set(rows[0]):
         raise EvalError(f'--runs={path}: not a .csv that analysis.py sweep or frontier wrote')
-    return [{'run': row['run'], 'model': row['model'], 'architecture': row['model'].split(' ', 1)[1].rsplit(' (', 1)[0],
-             **{k: int(row[k]) for k in ints}, **{k: float(row[k]) for k in floats if row.get(k)}} for row in rows]
+    return [{'run': row['run'], 'model': row['model'],
+             'architecture': row['model'].split(' ', 1)[1].rsplit(' (', 1)[0], **{k: int(row[k]) for k in ints},
+             **{k: float(row[k]) for k in floats if row.get(k)}} for row in rows]
 
 
 def run_key(record):
@@ -266,12 +273,10 @@ def write_records(records, fields, path):
 
 def sweep(sources):
     """Every run's record (best_lr marked), the table by model and learning rate, and the best rates; printed."""
-    if not sources:
-        run_folders(sources)  # the message saying what --runs takes
     merged = {}  # a later source's record of a run replaces an earlier one
     for source in sources:
         is_csv = source.endswith('.csv') and Path(source).is_file()
-        found = csv_records(source) if is_csv else [run_record(folder) for folder in run_folders([source])]
+        found = csv_records(source) if is_csv else [run_record(folder) for folder in run_folders(source)]
         merged.update((run_key(r), r) for r in found)
     records = list(merged.values())
     table = by_model_and_lr(records)
@@ -391,19 +396,28 @@ def run_frontier(cfg, sources):
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=()):
+    """python research/analysis.py sweep|frontier|scaling --runs=... --key=value ... -> the subcommand's results (None
+    for --help)."""
     argv = list(argv)
+    if argv[:1] in (['-h'], ['--help']):
+        print(__doc__)
+        return None
     modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS}
-    mode = argv.pop(0) if argv and argv[0] in modes else None
-    if mode is None or '-h' in argv or '--help' in argv:
-        settings = f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode]) if mode else ''
-        print(__doc__ + settings)
+    mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
+    if '-h' in argv or '--help' in argv:
+        print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode]))
         return None
     sources, argv = take_all(argv, 'runs')
     cfg = load_config(modes[mode], argv)
+    check_ranges(cfg)
     check_out(cfg['out'])
+    runs = RUNS['scaling' if mode == 'scaling' else 'sweep']
+    if not sources:
+        raise ConfigError(f'--runs is missing: give {runs} (--runs may repeat)')
+    for source in sources:
+        if not os.path.exists(source):
+            raise ConfigError(f'--runs={source} does not exist: give {runs}')
     if mode == 'scaling':
-        if not sources:
-            raise ConfigError('--runs=FOLDER: a folder of FM run folders (or a .csv that analysis.py scaling wrote)')
         return run_scaling(cfg, sources)
     if mode == 'sweep':
         return run_sweep(cfg, sources)
