@@ -45,39 +45,39 @@ import fm_kernel
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from model import Generator, Model, ModelConfig, Sampling
-from prepare_data import get_tokenizer, load_tokens, prepare, read_utf8
+from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 POSITION_SETTINGS = dict(
     ckpt='ckpt.pt',  # a file in each out_dir (best.pt: the best validation loss)
     data='',  # '': the default corpus's long.bin; or a token file (.bin), a .txt file or a folder of .txt files
-    data_dir='data',  # where prepare_data.py writes the default corpus
+    data_dir='',  # the folder prepare_data.py writes the default corpus into; '': the repository's data/
     max_len=16384,  # attention: the most positions of a document run in its one pass
-    chunk_len=8192,  # fm, mamba2: tokens a chunk
+    chunk_len=8192,  # fm, mamba2: tokens a chunk, each continuing from the state the last one left
     out='results/loss_by_position',  # writes out.csv, out.json, out.png
-    device=DEVICE,
+    device=DEVICE,  # 'cuda' (or 'cuda:N') where there is a GPU, else 'cpu'
     dtype='auto',  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; losses always from float32 logits
 )
 HARNESS_SETTINGS = dict(
-    ckpt='ckpt.pt',
+    ckpt='ckpt.pt',  # a file in the out_dir (best.pt: the best validation loss)
     tasks='',  # lm-eval task names, comma-separated
     num_fewshot=None,  # None: each task's default
     limit=None,  # None: every example; N: the first N of each task
     include_path='',  # a folder of local task YAML files
-    batch_size=32,
+    batch_size=32,  # requests scored or generated at once
     out='results/harness',  # writes out.json
-    device=DEVICE,
-    dtype='auto',
+    device=DEVICE,  # 'cuda' (or 'cuda:N') where there is a GPU, else 'cpu'
+    dtype='auto',  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; log-likelihoods from float32 logits
 )
 ROUTING_SETTINGS = dict(
-    ckpt='ckpt.pt',
+    ckpt='ckpt.pt',  # a file in each out_dir (best.pt: the best validation loss)
     data='',  # as for loss by position: '' is the default corpus's long split
-    data_dir='data',
+    data_dir='',  # the folder prepare_data.py writes the default corpus into; '': the repository's data/
     tokens=65536,  # tokens measured, taken evenly from the starts of the documents
-    chunk_len=8192,
+    chunk_len=8192,  # tokens a chunk, each continuing from the state the last one left
     out='',  # '': routing.json and routing.png in each out_dir; PREFIX: also PREFIX.csv and PREFIX.png for all
-    device=DEVICE,
-    dtype='float32',
+    device=DEVICE,  # 'cuda' (or 'cuda:N') where there is a GPU, else 'cpu'
+    dtype='float32',  # autocast of the passes: 'float32' (none), 'bfloat16', 'float16' or 'auto' (bfloat16 on CUDA)
 )
 LOWEST = {  # numeric setting -> (the lowest value it takes, what it is), for the message refusing a lower one
     'max_len': (1, "positions of attention's one pass"),
@@ -238,8 +238,8 @@ def text_documents(path, tok):
 
 def load_documents(data, data_dir, tokenizer, ckpt_path):
     """The documents (1-D token arrays) of --data for a checkpoint of this tokenizer, and a description."""
-    if not data:
-        folder = prepare(dataset='default', tokenizer=tokenizer, data_dir=data_dir)  # nothing to do if prepared
+    if not data:  # the default corpus's long split, prepared once; data_dir '': the repository's data/
+        folder = prepare(dataset='default', tokenizer=tokenizer, data_dir=data_dir or DEFAULT_DATA_DIR)
         data = str(folder / 'long.bin')
     path = Path(data)
     if path.suffix == '.bin':

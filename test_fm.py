@@ -1116,6 +1116,16 @@ def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path):
         evaluation.main([f'--out_dir={trained[0]}', f'--out_dir={tmp_path}', f'--data={long_bin}'])
 
 
+def test_eval_finds_the_default_corpus_from_any_folder(data_dir, tmp_path, monkeypatch):
+    """data_dir '' (the default) is prepare_data.py's folder, the repository's data/, wherever eval.py runs."""
+    assert evaluation.DEFAULT_DATA_DIR == prepare_data.DEFAULT_DATA_DIR
+    monkeypatch.setattr(evaluation, 'DEFAULT_DATA_DIR', data_dir)  # the suite's prepared copy
+    monkeypatch.chdir(tmp_path)
+    docs, description = evaluation.load_documents('', evaluation.POSITION_SETTINGS['data_dir'], 'bytes', 'ckpt.pt')
+    assert len(docs) == 3 and description.startswith(os.path.join(data_dir, 'default_bytes', 'long.bin'))
+    assert not os.listdir(tmp_path)
+
+
 def test_rolling_windows_score_every_token_once():
     tokens = list(range(100, 123))  # 23 tokens, windows of 8 predictions
     pairs = evaluation.rolling_windows(tokens, prefix=7, max_len=8)
@@ -2869,6 +2879,7 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     assert len(commands) - len(skipped) >= 9
     os.symlink(os.path.join(REPO, 'config'), tmp_path / 'config')
     os.symlink(data_dir, tmp_path / 'data')
+    monkeypatch.setattr(evaluation, 'DEFAULT_DATA_DIR', data_dir)  # eval.py's default: the suite's prepared copy
     monkeypatch.chdir(tmp_path)
     mains = {'train.py': train.main, 'sample.py': sample.main, 'eval.py': evaluation.main,
              'research/analysis.py': analysis.main}

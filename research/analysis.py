@@ -40,12 +40,12 @@ from model import Model, ModelConfig
 SCALING_SETTINGS = dict(out='results/scaling')  # writes out.csv and out.png
 SWEEP_SETTINGS = dict(out='results/sweep')  # writes out.csv and out_best.txt
 FRONTIER_SETTINGS = dict(  # the loss beyond the context: as eval.py's loss by position
-    data='',
-    data_dir='data',
-    chunk_len=8192,
+    data='',  # '': the default corpus's long.bin; or a token file (.bin), a .txt file or a folder of .txt files
+    data_dir='',  # the folder prepare_data.py writes the default corpus into; '': the repository's data/
+    chunk_len=8192,  # fm, mamba2: tokens a chunk, each continuing from the state the last one left
     out='results/frontier',  # writes out.csv and out.png
-    device=DEVICE,
-    dtype='auto',
+    device=DEVICE,  # 'cuda' (or 'cuda:N') where there is a GPU, else 'cpu'
+    dtype='auto',  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; losses always from float32 logits
 )
 SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m rows and top-k k follows it
     'dense (k = m)': lambda m, k: k == m,
