@@ -2815,9 +2815,10 @@ def test_leftovers_are_removed(tmp_path):
         assert os.listdir(tmp_path / 'out') == ['train.lock']
 
 
-def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, tmp_path, monkeypatch):
+def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, tmp_path, monkeypatch, capsys):
     """A .txt file that is not UTF-8 is refused as prepare_data.py refuses it; an --out that cannot be written is
-    refused before the evaluation; the default output goes to results/, which git ignores."""
+    refused before the evaluation; the default output goes to results/, which git ignores; the plot where matplotlib
+    (optional) is installed, else a note that it was skipped."""
     latin1 = tmp_path / 'latin1.txt'
     latin1.write_bytes('café au lait'.encode('latin-1'))
     with pytest.raises(evaluation.EvalError, match=r'latin1.txt is not UTF-8 text \(byte 3 of 12 is 0xe9\): convert'):
@@ -2829,8 +2830,10 @@ def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / 'doc.txt').write_text('To be, or not to be, that is the question.\n')
     evaluation.main([f'--out_dir={trained[0]}', '--data=doc.txt'])
-    assert sorted(os.listdir(tmp_path / 'results')) == ['loss_by_position.csv', 'loss_by_position.json',
-                                                        'loss_by_position.png']
+    plotted = importlib.util.find_spec('matplotlib') is not None
+    assert sorted(os.listdir(tmp_path / 'results')) == ['loss_by_position.csv', 'loss_by_position.json'] + [
+        'loss_by_position.png'] * plotted
+    assert plotted or 'no plot: matplotlib is not installed (pip install matplotlib)' in capsys.readouterr().out
     assert '/results/' in open(os.path.join(REPO, '.gitignore')).read().split()
 
 
