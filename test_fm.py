@@ -1745,7 +1745,7 @@ def test_eval_and_analysis_refuse_numbers_out_of_range(tmp_path, script, argv, m
     assert message in str(error.value) and not os.listdir(tmp_path)
 
 
-def test_analysis_names_a_missing_or_foreign_runs_path(tmp_path):
+def test_sweep_and_scaling_name_a_missing_or_foreign_runs_path(tmp_path):
     """--runs: missing, a path that does not exist, an empty .csv, the .csv of another subcommand."""
     sweep_like = 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote'
     with pytest.raises(ConfigError, match=re.escape(f'--runs is missing: give {sweep_like} (--runs may repeat)')):
