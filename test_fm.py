@@ -1022,6 +1022,7 @@ def test_bf16_autocast_trains(name):
 import importlib.util
 
 import eval as evaluation
+from research import analysis
 
 
 def save_model_checkpoint(model, out_dir, tokenizer='bytes', **fields):
@@ -1107,6 +1108,16 @@ def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path):
     with pytest.raises(evaluation.EvalError, match=r"long.bin holds tokens of 'bytes', but .* was trained with "
                                                    r"'cl100k_base': give data tokenized with 'cl100k_base'"):
         evaluation.main([f'--out_dir={trained[0]}', f'--out_dir={tmp_path}', f'--data={long_bin}'])
+
+
+def test_eval_finds_the_default_corpus_from_any_folder(data_dir, tmp_path, monkeypatch):
+    """data_dir '' (the default) is prepare_data.py's folder, the repository's data/, wherever eval.py runs."""
+    assert evaluation.DEFAULT_DATA_DIR == prepare_data.DEFAULT_DATA_DIR
+    monkeypatch.setattr(evaluation, 'DEFAULT_DATA_DIR', data_dir)  # the suite's prepared copy
+    monkeypatch.chdir(tmp_path)
+    docs, description = evaluation.load_documents('', evaluation.POSITION_SETTINGS['data_dir'], 'bytes', 'ckpt.pt')
+    assert len(docs) == 3 and description.startswith(os.path.join(data_dir, 'default_bytes', 'long.bin'))
+    assert not os.listdir(tmp_path)
 
 
 def test_rolling_windows_score_every_token_once():
@@ -1204,7 +1215,8 @@ def test_reproduction_configs_differ_only_in_the_model():
     config, types = defaults()
     architecture = {f.name for f in fields(ModelConfig)} - {'block_size'} | {'out_dir', 'wandb_run_name',
                                                                              'learning_rate', 'min_lr'}
-    paths = {name: os.path.join(REPO, 'config', f'extrapolation_{name}.py') for name in ('fm', 'transformer', 'mamba2')}
+    paths = {name: os.path.join(REPO, 'research', f'extrapolation_{name}.py')
+             for name in ('fm', 'transformer', 'mamba2')}
     training = {name: {k: v for k, v in load_config(config, [path], types).items() if k not in architecture}
                 for name, path in paths.items()}
     n_params = {name: build(path, meta=True).num_params(non_embedding=False) for name, path in paths.items()}
@@ -1215,8 +1227,8 @@ def test_reproduction_configs_differ_only_in_the_model():
 
 
 def reproduce_sh(call, **env):
-    """The output of `call` in bash after the definitions of config/reproduce.sh's functions (not its main part)."""
-    with open(os.path.join(REPO, 'config', 'reproduce.sh')) as f:
+    """The output of `call` in bash after the definitions of research/reproduce.sh's functions (not its main part)."""
+    with open(os.path.join(REPO, 'research', 'reproduce.sh')) as f:
         functions = re.findall(r'^\w+\(\) \{.*?^\}$', f.read(), re.M | re.S)
     run = subprocess.run(['bash', '-c', '\n'.join(['set -euo pipefail', *functions, call])], cwd=REPO,
                          capture_output=True, text=True, env={**os.environ, **env})
@@ -1257,12 +1269,12 @@ def test_frontier_sizes_match_in_parameters():
 
 
 def test_reproduce_frontier_dry_run(tmp_path):
-    """bash config/reproduce.sh frontier on the CPU, 2 steps a run, one size and one learning rate a model: every
+    """bash research/reproduce.sh frontier on the CPU, 2 steps a run, one size and one learning rate a model: every
     run in frontier.csv, at its best rate, with its training FLOPs and losses at 2x and 8x the context."""
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), JOBS='3', SIZES='1M',
                LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
                TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
-    run = subprocess.run(['bash', 'config/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(tmp_path / 'results' / 'frontier.csv') as f:
@@ -1287,17 +1299,17 @@ def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
     earlier = tmp_path / 'earlier.csv'
     earlier.write_text('run,n_memory,top_k,tau,val_loss,iter_num,max_iters\n'
                        'm64-k16-tau0.25,64,16,0.25,1.6,10,10\nm16-k4-tau1,16,4,1.0,9.9,10,10\n')
-    rows, best = evaluation.main(['scaling', f'--runs={earlier}', f'--runs={runs}', f'--out={tmp_path / "s"}'])
+    rows, best = analysis.main(['scaling', f'--runs={earlier}', f'--runs={runs}', f'--out={tmp_path / "s"}'])
     assert len(rows) == 5 and {r['run']: r['val_loss'] for r in rows}['m16-k4-tau1'] == 2.0  # the later source
     assert {name: {m: r['run'] for m, r in series.items()} for name, series in best.items()} == {
         'dense (k = m)': {16: 'm16-dense-tau1'}, 'k = m/4': {16: 'm16-k4-tau0.5', 64: 'm64-k16-tau0.25'},
         'k = 4': {16: 'm16-k4-tau0.5'}}
-    again, _ = evaluation.main(['scaling', f'--runs={tmp_path / "s.csv"}', f'--out={tmp_path / "t"}'])
+    again, _ = analysis.main(['scaling', f'--runs={tmp_path / "s.csv"}', f'--out={tmp_path / "t"}'])
     assert again == rows
 
 
 def sweep_record(model, lr, seed, loss, finished=True):
-    """A hand-made run record of eval.py's sweep."""
+    """A hand-made run record of analysis.py's sweep."""
     return {'run': f'{model}-lr{lr:g}-s{seed}', 'model': model, 'learning_rate': lr, 'seed': seed, 'val_loss': loss,
             'iter_num': 10 if finished else 5, 'max_iters': 10}
 
@@ -1313,16 +1325,16 @@ def test_sweep_takes_each_model_at_its_best_mean_learning_rate(capsys):
     }
     records = [sweep_record(model, *run) for model, runs in grids.items() for run in runs]
     records.append(sweep_record('lowest', 2e-3, 2, 1.0, finished=False))
-    table = evaluation.by_model_and_lr(records)
-    best = evaluation.best_learning_rates(table)
+    table = analysis.by_model_and_lr(records)
+    best = analysis.best_learning_rates(table)
     assert best == {'middle': 2e-3, 'lowest': 5e-4, 'highest': 8e-3, 'single': 1e-3}
     assert [len(members) for members in table['lowest'].values()] == [1, 1, 1]  # the unfinished run is not in it
-    warnings = evaluation.edge_warnings(table, best)
+    warnings = analysis.edge_warnings(table, best)
     assert len(warnings) == 3 and not any('middle' in w for w in warnings)
     assert 'lowest:' in warnings[0] and warnings[0].endswith('train at 0.00025 too')
     assert 'highest:' in warnings[1] and warnings[1].endswith('train at 0.016 too')
     assert 'single:' in warnings[2] and warnings[2].endswith('train at 0.0005 and 0.002 too')
-    evaluation.print_sweep(records, table, best)
+    analysis.print_sweep(records, table, best)
     out = capsys.readouterr().out
     assert 'left out, not finished: lowest-lr0.002-s2' in out
     assert ['middle', '0.002', '2', '1.5000', '(1.4500-1.5500)', '*'] in [line.split() for line in out.splitlines()]
@@ -1350,7 +1362,7 @@ def hand_forward_flops(name, seq_len):
 
 @pytest.mark.parametrize('name', list(MIXERS))
 def test_training_flops_match_a_hand_count(name, tmp_path):
-    """Model.flops_per_token is 3x (forward + backward) the hand count, and eval.py's training FLOPs of a run are
+    """Model.flops_per_token is 3x (forward + backward) the hand count, and analysis.py's training FLOPs of a run are
     the forward count x the tokens it trained."""
     params, forward = hand_forward_flops(name, 48)
     model = Model(tiny_config(**MIXERS[name]))
@@ -1360,7 +1372,7 @@ def test_training_flops_match_a_hand_count(name, tmp_path):
     tokens = 10 * 4 * 48  # 10 steps of 4 x 48
     save_model_checkpoint(model, tmp_path / 'run', best_val_loss=2.5, iter_num=10, data_state={'tokens_seen': tokens},
                           train_config={'max_iters': 10, 'learning_rate': 1e-3, 'min_lr': 1e-4, 'seed': 1})
-    record = evaluation.run_record(tmp_path / 'run')
+    record = analysis.run_record(tmp_path / 'run')
     assert record['forward_flops'] == forward * tokens and record['non_embedding_parameters'] == params
     assert (record['learning_rate'], record['seed'], record['val_loss'], record['tokens']) == (1e-3, 1, 2.5, tokens)
 
@@ -1492,49 +1504,50 @@ def sweep_run(folder, lr, loss, block_size=48, **model):
 
 
 def test_sweep_merges_the_csv_of_an_earlier_machine(tmp_path):
-    """eval.py sweep of an earlier machine's .csv and this machine's runs: every run once (the later source's record
-    of a run of the same subset/name), the best learning rate over both."""
+    """analysis.py sweep of an earlier machine's .csv and this machine's runs: every run once (the later source's
+    record of a run of the same subset/name), the best learning rate over both."""
     earlier, here = tmp_path / 'earlier' / 'extrapolation', tmp_path / 'here' / 'extrapolation'
     for folder, lr, loss in ((earlier, 5e-4, 1.5), (earlier, 1e-3, 9.9), (here, 1e-3, 2.0), (here, 2e-3, 1.9)):
         sweep_run(folder / f'fm-lr{lr:g}-s1', lr, loss, **MIXERS['fm_sparse'])
-    evaluation.main(['sweep', f'--runs={earlier}', f'--out={tmp_path / "earlier_lr"}'])
-    records, best = evaluation.main(['sweep', f'--runs={tmp_path / "earlier_lr.csv"}', f'--runs={here}',
+    analysis.main(['sweep', f'--runs={earlier}', f'--out={tmp_path / "earlier_lr"}'])
+    records, best = analysis.main(['sweep', f'--runs={tmp_path / "earlier_lr.csv"}', f'--runs={here}',
                                      f'--out={tmp_path / "lr"}'])
-    assert {evaluation.run_key(r): r['val_loss'] for r in records} == {
+    assert {analysis.run_key(r): r['val_loss'] for r in records} == {
         'extrapolation/fm-lr0.0005-s1': 1.5, 'extrapolation/fm-lr0.001-s1': 2.0, 'extrapolation/fm-lr0.002-s1': 1.9}
     assert list(best.values()) == [5e-4] and sum(r['best_lr'] for r in records) == 1
     assert (tmp_path / 'lr_best.txt').read_text() == f"{earlier / 'fm-lr0.0005-s1'}\n"
     with open(tmp_path / 'lr.csv') as f:
         assert len(list(csv.DictReader(f))) == 3
-    records, _ = evaluation.main(['sweep', f'--runs={here}', f'--runs={tmp_path / "earlier_lr.csv"}',
+    records, _ = analysis.main(['sweep', f'--runs={here}', f'--runs={tmp_path / "earlier_lr.csv"}',
                                   f'--out={tmp_path / "lr2"}'])
-    assert {evaluation.run_key(r): r['val_loss'] for r in records}['extrapolation/fm-lr0.001-s1'] == 9.9
+    assert {analysis.run_key(r): r['val_loss'] for r in records}['extrapolation/fm-lr0.001-s1'] == 9.9
 
 
 def test_frontier_evaluates_only_the_runs_without_losses(tmp_path, monkeypatch):
-    """eval.py frontier of an earlier machine's frontier.csv (FM, its best rate with its losses) and this machine's
-    attention run: only the attention checkpoint is opened; frontier.csv holds both, the earlier losses as they were."""
+    """analysis.py frontier of an earlier machine's frontier.csv (FM, its best rate with its losses) and this
+    machine's attention run: only the attention checkpoint is opened; frontier.csv holds both, the earlier losses as
+    they were."""
     earlier = tmp_path / 'earlier' / 'frontier'
     for lr, loss in ((5e-4, 1.5), (1e-3, 1.7)):
         sweep_run(earlier / f'fm-lr{lr:g}-s1', lr, loss, block_size=8, vocab_size=256, **MIXERS['fm_sparse'])
-    records, _, _ = evaluation.sweep([str(earlier)])
+    records, _, _ = analysis.sweep([str(earlier)])
     for r in records:
         if r['best_lr']:
             r['loss_so_far_2x'], r['loss_so_far_8x'] = 1.25, 1.125
-    fields = evaluation.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x')
-    evaluation.write_records(records, fields, tmp_path / 'earlier_frontier.csv')
+    fields = analysis.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x')
+    analysis.write_records(records, fields, tmp_path / 'earlier_frontier.csv')
     attn = sweep_run(tmp_path / 'here' / 'frontier' / 'attn-lr1e-3-s1', 1e-3, 2.0, block_size=8, vocab_size=256,
                      **MIXERS['attn'])
-    opened, open_checkpoint = [], evaluation.open_checkpoint
-    monkeypatch.setattr(evaluation, 'open_checkpoint', lambda out_dir, name: opened.append(out_dir) or (
+    opened, open_checkpoint = [], analysis.open_checkpoint
+    monkeypatch.setattr(analysis, 'open_checkpoint', lambda out_dir, name: opened.append(out_dir) or (
         open_checkpoint(out_dir, name) if out_dir == attn else pytest.fail(f'opened {out_dir}')))
     texts = routing_texts(tmp_path / 'texts')
-    _, points = evaluation.main(['frontier', f'--runs={tmp_path / "earlier_frontier.csv"}',
+    _, points = analysis.main(['frontier', f'--runs={tmp_path / "earlier_frontier.csv"}',
                                  f'--runs={tmp_path / "here" / "frontier"}', f'--data={texts}',
                                  f'--out={tmp_path / "frontier"}', '--device=cpu'])
     assert opened == [attn]
     with open(tmp_path / 'frontier.csv') as f:
-        rows = {evaluation.run_key(row): row for row in csv.DictReader(f)}
+        rows = {analysis.run_key(row): row for row in csv.DictReader(f)}
     assert set(rows) == {'frontier/fm-lr0.0005-s1', 'frontier/fm-lr0.001-s1', 'frontier/attn-lr1e-3-s1'}
     fm, attn_row = rows['frontier/fm-lr0.0005-s1'], rows['frontier/attn-lr1e-3-s1']
     assert (fm['best_lr'], float(fm['loss_so_far_2x']), float(fm['loss_so_far_8x'])) == ('1', 1.25, 1.125)
@@ -1544,7 +1557,7 @@ def test_frontier_evaluates_only_the_runs_without_losses(tmp_path, monkeypatch):
 
 
 def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
-    """bash config/reproduce.sh frontier on the CPU (2 steps a run, one size, one rate a model) with PREVIOUS, whose
+    """bash research/reproduce.sh frontier on the CPU (2 steps a run, one size, one rate a model) with PREVIOUS, whose
     frontier.csv lists the Mamba-2 run: that run is not trained here, the others are, and frontier.csv holds all
     three, the earlier one as it was."""
     previous = tmp_path / 'previous'
@@ -1552,12 +1565,12 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
                'non_embedding_parameters': 1130240, 'learning_rate': 2e-3, 'min_lr': 2e-4, 'seed': 1,
                'val_loss': 3.5, 'best_lr': 1, 'iter_num': 2, 'max_iters': 2, 'block_size': 512, 'tokens': 2048,
                'forward_flops': 1e10, 'loss_so_far_2x': 3.25, 'loss_so_far_8x': 3.125}
-    evaluation.write_records([earlier], evaluation.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'),
+    analysis.write_records([earlier], analysis.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'),
                              previous / 'frontier.csv')
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=str(previous), JOBS='2',
                SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
                TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
-    run = subprocess.run(['bash', 'config/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     trained = tmp_path / 'runs' / 'frontier'
@@ -1570,6 +1583,64 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
     assert (old['run'], old['val_loss'], old['loss_so_far_8x']) == (earlier['run'], '3.5', '3.125')
     for row in rows.values():
         assert row['best_lr'] == '1' and float(row['loss_so_far_8x']) > 0
+
+
+@pytest.mark.parametrize('script, argv, message', [
+    ('eval.py', ['rooting'], "unknown subcommand 'rooting': did you mean routing? (eval.py [routing|harness] --key"),
+    ('eval.py', ['sweep', '--runs=x'], 'sweep is in research/analysis.py: run python research/analysis.py sweep --'),
+    ('analysis.py', ['scalling'], "unknown subcommand 'scalling': did you mean scaling? (research/analysis.py sweep"),
+    ('analysis.py', ['routing'], 'routing is in eval.py: run python eval.py routing --key=value'),
+    ('analysis.py', ['--runs=x'], 'name a subcommand (research/analysis.py sweep|frontier|scaling'),
+])
+def test_a_mistyped_or_moved_subcommand_says_what_to_run(script, argv, message):
+    main = evaluation.main if script == 'eval.py' else analysis.main
+    with pytest.raises(ConfigError) as error:
+        main(argv)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize('script, argv, message', [
+    ('eval.py', ['--chunk_len=0'], '--chunk_len=0 is out of range: set it to at least 1 (tokens a chunk)'),
+    ('eval.py', ['--max_len=-1'], '--max_len=-1 is out of range: set it to at least 1'),
+    ('eval.py', ['routing', '--tokens=1'], '--tokens=1 is out of range: set it to at least 2'),
+    ('eval.py', ['routing', '--chunk_len=0'], '--chunk_len=0 is out of range: set it to at least 1'),
+    ('eval.py', ['harness', '--batch_size=0'], '--batch_size=0 is out of range: set it to at least 1'),
+    ('eval.py', ['harness', '--limit=0'], '--limit=0 is out of range: set it to at least 1'),
+    ('eval.py', ['harness', '--num_fewshot=-1'], '--num_fewshot=-1 is out of range: set it to at least 0'),
+    ('analysis.py', ['frontier', '--runs=x', '--chunk_len=0'], '--chunk_len=0 is out of range: set it to at least 1'),
+])
+def test_eval_and_analysis_refuse_numbers_out_of_range(tmp_path, script, argv, message):
+    """Refused before anything is read or written."""
+    main, more = (evaluation.main, [f'--out_dir={tmp_path / "none"}']) if script == 'eval.py' else (analysis.main, [])
+    with pytest.raises(ConfigError) as error:
+        main([*argv, *more, f'--out={tmp_path / "results" / "x"}'])
+    assert message in str(error.value) and not os.listdir(tmp_path)
+
+
+def test_sweep_and_scaling_name_a_missing_or_foreign_runs_path(tmp_path):
+    """--runs: missing, a path that does not exist, an empty .csv, the .csv of another subcommand."""
+    sweep_like = 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote'
+    with pytest.raises(ConfigError, match=re.escape(f'--runs is missing: give {sweep_like} (--runs may repeat)')):
+        analysis.main(['frontier', f'--out={tmp_path / "f"}'])
+    for mode, what in (('sweep', sweep_like), ('scaling', 'a folder of FM run folders or a .csv that scaling')):
+        with pytest.raises(ConfigError, match=re.escape(f'--runs={tmp_path / "bad.csv"} does not exist: give {what}')):
+            analysis.main([mode, f'--runs={tmp_path / "bad.csv"}', f'--out={tmp_path / "s"}'])
+    (tmp_path / 'empty.csv').write_text('')
+    with pytest.raises(evaluation.EvalError, match='empty.csv: not a .csv that analysis.py sweep or frontier wrote'):
+        analysis.main(['sweep', f'--runs={tmp_path / "empty.csv"}', f'--out={tmp_path / "s"}'])
+    analysis.write_records([sweep_record('m', 1e-3, 1, 2.0)], ('run', 'model', 'val_loss'), tmp_path / 'sweep.csv')
+    with pytest.raises(evaluation.EvalError, match='sweep.csv: not a .csv that analysis.py scaling wrote'):
+        analysis.main(['scaling', f'--runs={tmp_path / "sweep.csv"}', f'--out={tmp_path / "s"}'])
+
+
+def test_eval_and_analysis_give_one_line_errors_from_any_folder(tmp_path):
+    """The scripts run from another working directory (analysis.py finds eval.py) and say what is wrong in one line."""
+    for script, args, message in (
+            ('eval.py', ['rooting'], "error: unknown subcommand 'rooting': did you mean routing?"),
+            ('research/analysis.py', ['sweep', '--runs=bad.csv'], 'error: --runs=bad.csv does not exist: give a run')):
+        run = subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=tmp_path, capture_output=True,
+                             text=True)
+        assert run.returncode == 1 and run.stderr.startswith(message) and len(run.stderr.splitlines()) == 1, run.stderr
 
 
 # ----------------------------------------------------------------------------- config and accounting
@@ -2205,6 +2276,8 @@ def build(path, meta=False):
 def test_every_config_builds():
     paths = sorted(glob.glob(os.path.join(REPO, 'config', '*.py')))
     assert len(paths) >= 6
+    paths += glob.glob(os.path.join(REPO, 'research', 'extrapolation_*.py'))  # the reproduction's configs
+    paths.append(os.path.join(REPO, 'research', 'scaling_fm.py'))
     for path in paths:
         build(path, meta=True)
 
@@ -2880,9 +2953,10 @@ def test_leftovers_are_removed(tmp_path):
         assert os.listdir(tmp_path / 'out') == ['train.lock']
 
 
-def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, tmp_path, monkeypatch):
+def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, tmp_path, monkeypatch, capsys):
     """A .txt file that is not UTF-8 is refused as prepare_data.py refuses it; an --out that cannot be written is
-    refused before the evaluation; the default output goes to results/, which git ignores."""
+    refused before the evaluation; the default output goes to results/, which git ignores; the plot where matplotlib
+    (optional) is installed, else a note that it was skipped."""
     latin1 = tmp_path / 'latin1.txt'
     latin1.write_bytes('café au lait'.encode('latin-1'))
     with pytest.raises(evaluation.EvalError, match=r'latin1.txt is not UTF-8 text \(byte 3 of 12 is 0xe9\): convert'):
@@ -2894,8 +2968,10 @@ def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / 'doc.txt').write_text('To be, or not to be, that is the question.\n')
     evaluation.main([f'--out_dir={trained[0]}', '--data=doc.txt'])
-    assert sorted(os.listdir(tmp_path / 'results')) == ['loss_by_position.csv', 'loss_by_position.json',
-                                                        'loss_by_position.png']
+    plotted = importlib.util.find_spec('matplotlib') is not None
+    assert sorted(os.listdir(tmp_path / 'results')) == ['loss_by_position.csv', 'loss_by_position.json'] + [
+        'loss_by_position.png'] * plotted
+    assert plotted or 'no plot: matplotlib is not installed (pip install matplotlib)' in capsys.readouterr().out
     assert '/results/' in open(os.path.join(REPO, '.gitignore')).read().split()
 
 
@@ -2920,7 +2996,7 @@ def readme_commands(sections=('Quickstart', 'Training', 'Sampling', 'Evaluating'
 
 def toy(command):
     """A README command at toy size: for train.py a tiny model and a hundredth of the steps (500 by default: 5), for
-    sample.py 10 tokens; eval.py as written."""
+    sample.py 10 tokens; eval.py and research/analysis.py as written."""
     script, args = command[0], command[1:]
     if script == 'train.py':
         steps = [a.split('=')[0] + f"={int(a.split('=')[1]) // 100}" if a.startswith(('--max_iters=',
@@ -2937,13 +3013,17 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     """The commands of the README's Quickstart, Training, Sampling and Evaluating, in order in a fresh folder (the
     default corpus prepared), at toy size; a training run's last line says where it saved."""
     commands = readme_commands()
-    skipped = [c for c in commands if c[0] == 'test_fm.py' or c[:2] in (['eval.py', 'harness'], ['eval.py', 'scaling'])]
-    assert [c[:2] for c in skipped] == [['test_fm.py'], ['eval.py', 'harness'], ['eval.py', 'scaling']]  # lm-eval, GPU
+    skipped = [c for c in commands if c[0] == 'test_fm.py' or c[:2] in (['eval.py', 'harness'],
+                                                                        ['research/analysis.py', 'scaling'])]
+    assert [c[:2] for c in skipped] == [['test_fm.py'], ['eval.py', 'harness'],
+                                        ['research/analysis.py', 'scaling']]  # lm-eval, GPU
     assert len(commands) - len(skipped) >= 9
     os.symlink(os.path.join(REPO, 'config'), tmp_path / 'config')
     os.symlink(data_dir, tmp_path / 'data')
+    monkeypatch.setattr(evaluation, 'DEFAULT_DATA_DIR', data_dir)  # eval.py's default: the suite's prepared copy
     monkeypatch.chdir(tmp_path)
-    mains = {'train.py': train.main, 'sample.py': sample.main, 'eval.py': evaluation.main}
+    mains = {'train.py': train.main, 'sample.py': sample.main, 'eval.py': evaluation.main,
+             'research/analysis.py': analysis.main}
     for command in commands:
         if command not in skipped:
             mains[command[0]](toy(command))

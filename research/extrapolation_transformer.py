@@ -1,7 +1,7 @@
 # Extrapolation at small scale: the Transformer baseline of extrapolation_fm.py (same blocks, data, tokens and
 # schedule) with grouped-query causal attention (4 heads of 64, 2 KV heads, RoPE) in place of Factorization Memory.
 # Parameters: 4,197,632 (extrapolation_fm: 4,200,716, -0.07%), with the SwiGLU width 640 instead of 704.
-#   python train.py config/extrapolation_transformer.py
+#   python train.py research/extrapolation_transformer.py
 
 out_dir = 'out-extrapolation-transformer'
 wandb_run_name = 'extrapolation-transformer'

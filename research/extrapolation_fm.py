@@ -1,11 +1,11 @@
 # Extrapolation at small scale (paper Figures 3-4), Factorization Memory: trained at a context of 512 bytes, then
 # evaluated by eval.py on long unseen documents out to their ends (64x the context and beyond). The runs of
-# config/reproduce.sh: this file as it is (k = m/4 = 16), with --top_k=None (dense) and with --top_k=4 (fixed k).
+# research/reproduce.sh: this file as it is (k = m/4 = 16), with --top_k=None (dense) and with --top_k=4 (fixed k).
 # Baselines with the same blocks, data, tokens and schedule: extrapolation_transformer.py, extrapolation_mamba2.py.
 # 6 layers, d_model = d_memory = 256, m = 64 rows (a state of 64 x 256 per layer, as Mamba-2's 4 heads x 64 x 64).
 # Parameters: 4,200,716 (any k). 640 steps of 32 x 512 bytes = 10.5M bytes, about 1.9 passes over the training
 # split (5.5M bytes).
-#   python train.py config/extrapolation_fm.py --top_k=None --out_dir=out-extrapolation-fm-dense
+#   python train.py research/extrapolation_fm.py --top_k=None --out_dir=out-extrapolation-fm-dense
 
 out_dir = 'out-extrapolation-fm'
 wandb_run_name = 'extrapolation-fm'

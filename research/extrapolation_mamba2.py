@@ -2,7 +2,7 @@
 # schedule): expand 1 (d_inner 256 in 4 heads of 64), d_state 64 (a state of 4 x 64 x 64 per layer, as FM's
 # 64 x 256), conv 4. Parameters: 4,192,328 (extrapolation_fm: 4,200,716, -0.20%), with the SwiGLU width 592.
 # Without mamba-ssm the model runs its PyTorch SSD scan, slower on a GPU but the same function.
-#   python train.py config/extrapolation_mamba2.py
+#   python train.py research/extrapolation_mamba2.py
 
 out_dir = 'out-extrapolation-mamba2'
 wandb_run_name = 'extrapolation-mamba2'

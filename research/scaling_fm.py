@@ -1,10 +1,10 @@
 # Memory scaling at small scale (paper Figure 5): Factorization Memory with m = 16 ... 256 memory rows, dense
 # (k = m), fixed k = 4 and proportional k = m/4, each at tau in {1, 0.5, 0.25, 0.125}; everything else as here,
-# the same seed and so the same batches in every run. config/reproduce.sh runs the grid with --n_memory, --top_k
-# and --tau; `python eval.py scaling` plots the validation losses at each m's best tau.
+# the same seed and so the same batches in every run. research/reproduce.sh runs the grid with --n_memory, --top_k
+# and --tau; `python research/analysis.py scaling` plots the validation losses at each m's best tau.
 # 4 layers, d_model = d_memory = 256. Parameters: 2,773,256 at m = 16 ... 3,019,016 at m = 256 (the router
 # grows with m). 480 steps of 16 x 512 bytes = 3.9M bytes.
-#   python train.py config/scaling_fm.py --n_memory=128 --top_k=32 --tau=0.25 --out_dir=out-scaling-m128-k32-tau0.25
+#   python train.py research/scaling_fm.py --n_memory=128 --top_k=32 --tau=0.25 --out_dir=out-scaling-m128-k32-tau0.25
 
 out_dir = 'out-scaling-fm'
 wandb_run_name = 'scaling-fm'

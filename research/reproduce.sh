@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # The paper's experiments at small scale on one GPU, on the default corpus (bytes), one subset a call:
-#   bash config/reproduce.sh extrapolation   # Figures 3-4: Transformer, Mamba-2, FM dense, k = m/4, k = 4 trained at
-#                                            # 512 (config/extrapolation_*.py), each at 3 learning rates x SEEDS
-#                                            # (30 runs); the learning-rate table, then loss by position of each
-#                                            # model at its best rate
-#   bash config/reproduce.sh frontier        # Figures 2-3: Transformer, Mamba-2 and FM k = m/4 = 16 at 1M, 2M, 4M and
-#                                            # 8M parameters (frontier_sizes below), each at 3 learning rates, seed 1
-#                                            # (36 runs, the 9 at 4M are extrapolation runs); loss against forward
-#                                            # FLOPs at the training context and at 2x and 8x it
-#   bash config/reproduce.sh scaling         # Figure 5: FM with m = 16..256, dense / k = 4 / k = m/4, tau = 1..0.125
-#                                            # (config/scaling_fm.py, 56 runs); validation loss at each m's best tau
+#   bash research/reproduce.sh extrapolation  # Figures 3-4: Transformer, Mamba-2, FM dense, k = m/4, k = 4 trained
+#                                             # at 512 (research/extrapolation_*.py), each at 3 learning rates x
+#                                             # SEEDS (30 runs); the learning-rate table, then loss by position of
+#                                             # each model at its best rate
+#   bash research/reproduce.sh frontier       # Figures 2-3: Transformer, Mamba-2 and FM k = m/4 = 16 at 1M, 2M, 4M
+#                                             # and 8M parameters (frontier_sizes below), each at 3 learning rates,
+#                                             # seed 1 (36 runs, the 9 at 4M are extrapolation runs); loss against
+#                                             # forward FLOPs at the training context and at 2x and 8x it
+#   bash research/reproduce.sh routing        # which memory rows FM's tokens use: k = m/4 = 16 at tau 1 and 0.5
+#                                             # and dense at LR_FM x SEEDS; m = 128, 64, 16 at the memory-scaling
+#                                             # shape, k = m/4, dense and k = 4 (14 runs); eval.py routing of each
+#   bash research/reproduce.sh scaling        # Figure 5: FM with m = 16..256, dense / k = 4 / k = m/4, tau = 1..0.125
+#                                             # (research/scaling_fm.py, 56 runs); validation loss at each m's
+#                                             # best tau
 # Every run trains 640 steps of 32 x 512 bytes = 10.5M bytes (scaling: 480 x 16 x 512 = 3.9M), about 1.9 passes
 # over the 5.5M-byte training split, with min_lr = learning_rate / 10.
 # Each subset trains its runs, JOBS at a time (small models leave a GPU idle between kernel launches), skipping
 # finished ones and resuming stopped ones, then evaluates the finished ones into RESULTS:
 #   extrapolation.txt (training summary and tables), extrapolation_lr.csv (every run), extrapolation_lr_best.txt
 #   (the runs at each model's best learning rate), extrapolation.csv, .json, .png (loss by position of those);
-#   frontier.txt, .csv (every run), .png;  scaling.txt, .csv, .png
+#   frontier.txt, .csv (every run), .png;  routing.txt, .csv, .png (and routing.json, .png in each run folder);
+#   scaling.txt, .csv, .png
 # Settings (environment):
 #   RUNS=out-repro          run folders (out-* is ignored by git); RUNS/<subset>/<run>/finished marks a finished run
 #   RESULTS=$OUT or results where the results go
@@ -24,15 +29,15 @@
 #   TRAIN_SECONDS=420       then running trainings save a checkpoint and stop (run again to resume them); 0: no limit
 #   SEEDS="1 2"             extrapolation seeds ("1 2 3" adds a third: the first two are not trained again)
 #   LRS_TRANSFORMER="1e-3 2e-3 4e-3"  learning rates of the Transformer (extrapolation and frontier); a rate
-#   LRS_MAMBA2="2e-3 4e-3 8e-3"       added later trains only its own runs; eval.py warns when a model's best
+#   LRS_MAMBA2="2e-3 4e-3 8e-3"       added later trains only its own runs; the sweep warns when a model's best
 #   LRS_FM="5e-4 1e-3 2e-3"           rate is the lowest or highest of its grid (every FM model)
 #   LR_FM=1e-3              the learning rate of the routing subset's FM runs (FM's best in the extrapolation subset)
 #   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
 #   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv,
 #                           routing.csv and scaling.csv list are not trained again; the tables and plots include them
 #                           (routing's: only this machine's runs)
-#   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its own):
-#                           TRAIN_ARGS="--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu"
+#   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its
+#                           own): TRAIN_ARGS="--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -123,11 +128,11 @@ lr_runs() {  # lr_runs SUBSET/NAME MODEL SEED train.py-arguments...: a run line 
 
 extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments
     case $1 in
-        transformer) echo config/extrapolation_transformer.py;;
-        mamba2) echo config/extrapolation_mamba2.py;;
-        fm-dense) echo config/extrapolation_fm.py --top_k=None;;
-        fm-k16) echo config/extrapolation_fm.py;;
-        fm-k4) echo config/extrapolation_fm.py --top_k=4;;
+        transformer) echo research/extrapolation_transformer.py;;
+        mamba2) echo research/extrapolation_mamba2.py;;
+        fm-dense) echo research/extrapolation_fm.py --top_k=None;;
+        fm-k16) echo research/extrapolation_fm.py;;
+        fm-k4) echo research/extrapolation_fm.py --top_k=4;;
     esac
 }
 
@@ -148,12 +153,12 @@ extrapolation() {
     runs="$(extrapolation_runs | finished) $(previous extrapolation_lr.csv)"
     [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
-    python eval.py sweep $runs --out="$RESULTS/extrapolation_lr"
+    python research/analysis.py sweep $runs --out="$RESULTS/extrapolation_lr"
     # each model at its best learning rate, every seed (those trained here; an earlier machine's are in its results);
     # attention runs a document in one pass: its first 32,768 positions (64x its context), the others whole
     runs=$(while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done \
            < "$RESULTS/extrapolation_lr_best.txt")
-    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its extrapolation results"; return 0; }
+    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its results"; return 0; }
     # shellcheck disable=SC2086  # several --out_dir
     python eval.py $runs --max_len=32768 --out="$RESULTS/extrapolation"
 }
@@ -198,28 +203,20 @@ frontier() {
     runs="$(frontier_runs | finished) $(previous frontier.csv)"
     [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
-    python eval.py frontier $runs --out="$RESULTS/frontier"
+    python research/analysis.py frontier $runs --out="$RESULTS/frontier"
 }
 
-routing_runs() {  # FM's router remedies and unspecified choices against the plain layer, at FM's rate LR_FM
-    local base="--learning_rate=$LR_FM --min_lr=$(tenth "$LR_FM")" seed variant m k
-    local variants=("plain:" "balance:--router_balance=0.01" "center:--router_center=True"
-                    "init:--router_init_std=0.0625" "tau0.5:--tau=0.5" "eta-2:--eta_bias=-2"
-                    "nodecay:--router_weight_decay=False")
-    for seed in $SEEDS; do  # extrapolation_fm.py: k = m/4 = 16 with each variant, dense with the remedies
-        for variant in "${variants[@]}"; do
-            echo "routing/k16-${variant%%:*}-s$seed config/extrapolation_fm.py ${variant#*:} $base --seed=$seed"
-        done
-        for variant in "${variants[@]:0:3}"; do
-            echo "routing/dense-${variant%%:*}-s$seed config/extrapolation_fm.py --top_k=None ${variant#*:} $base --seed=$seed"
-        done
+routing_runs() {  # the paper's layer at FM's rate LR_FM, sparse and dense, and k = 16 at tau 0.5
+    local base="--learning_rate=$LR_FM --min_lr=$(tenth "$LR_FM")" seed m k
+    for seed in $SEEDS; do  # extrapolation_fm.py: k = m/4 = 16 at tau 1 and 0.5, dense
+        echo "routing/k16-plain-s$seed research/extrapolation_fm.py $base --seed=$seed"
+        echo "routing/k16-tau0.5-s$seed research/extrapolation_fm.py --tau=0.5 $base --seed=$seed"
+        echo "routing/dense-plain-s$seed research/extrapolation_fm.py --top_k=None $base --seed=$seed"
     done
-    for m in 128 64 16; do  # the memory-scaling shape (scaling_fm.py): k = m/4, dense and k = 4, plain and remedies
+    for m in 128 64 16; do  # the memory-scaling shape (scaling_fm.py): k = m/4, dense and k = 4
         for k in $(( m / 4 )) "$m" $( (( m / 4 != 4 )) && echo 4 ); do
-            for variant in "${variants[@]:0:3}"; do
-                echo "routing/m$m-$( (( k == m )) && echo dense || echo "k$k" )-${variant%%:*} config/scaling_fm.py \
---n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) ${variant#*:} $base"
-            done
+            echo "routing/m$m-$( (( k == m )) && echo dense || echo "k$k" )-plain research/scaling_fm.py \
+--n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) $base"
         done
     done
 }
@@ -236,7 +233,8 @@ routing() {
 
 scaling() {
     local done_before=" "
-    [[ -n $PREVIOUS && -f $PREVIOUS/scaling.csv ]] && done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/scaling.csv")"
+    [[ -n $PREVIOUS && -f $PREVIOUS/scaling.csv ]] &&
+        done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/scaling.csv")"
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
     # about 5 GB each, so only a few of those at a time
     for tau in 1 0.5 0.25 0.125; do
@@ -244,27 +242,29 @@ scaling() {
             for k in $m $(( m / 4 )) $( (( m / 4 != 4 )) && echo 4 ); do  # at m = 16, k = m/4 is k = 4
                 local name="m$m-$( (( k == m )) && echo dense || echo "k$k" )-tau$tau"
                 [[ $done_before == *" $name "* ]] && continue
-                echo "scaling/$name config/scaling_fm.py --n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) --tau=$tau"
+                echo "scaling/$name research/scaling_fm.py --n_memory=$m \
+--top_k=$( (( k == m )) && echo None || echo "$k" ) --tau=$tau"
             done
         done
     done | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     mkdir -p "$RUNS/scaling"
-    python eval.py scaling $(previous scaling.csv) --runs="$RUNS/scaling" --out="$RESULTS/scaling"
+    python research/analysis.py scaling $(previous scaling.csv) --runs="$RUNS/scaling" --out="$RESULTS/scaling"
 }
 
 # ----------------------------------------------------------------------------- the subset named
 
 case ${1:-} in
     extrapolation|frontier|routing|scaling) subset=$1;;
-    *) echo "usage: bash config/reproduce.sh extrapolation|frontier|routing|scaling  (settings: see the top of this file)" >&2
+    *) echo "usage: bash research/reproduce.sh extrapolation|frontier|routing|scaling  (see research/README.md)" >&2
        exit 2;;
 esac
 mkdir -p "$RESULTS"
 BEGIN=$(date +%s)
 {
     echo "$subset: $(command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
-        || echo 'no GPU'), JOBS=$JOBS, TRAIN_SECONDS=$TRAIN_SECONDS, RUNS=$RUNS, git $(git rev-parse --short HEAD 2> /dev/null)"
+        || echo 'no GPU'), JOBS=$JOBS, TRAIN_SECONDS=$TRAIN_SECONDS, RUNS=$RUNS, \
+git $(git rev-parse --short HEAD 2> /dev/null)"
     python prepare_data.py  # the default corpus, once, before the trainings start
     $subset
     echo "$subset: $(( $(date +%s) - BEGIN )) s in all"

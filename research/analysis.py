@@ -1,0 +1,433 @@
+"""
+The small-scale reproduction's analyses of finished training runs (research/reproduce.sh runs them); --runs names
+a run folder, a folder of run folders, or the .csv a subcommand wrote on an earlier machine (to merge runs of several
+machines), and may repeat.
+
+Learning rates: every finished run by model and learning rate, the mean validation loss over seeds (min-max), each
+model's best rate, and a warning where that rate is the lowest or highest trained (the rate to add):
+    python research/analysis.py sweep --runs=out-repro/extrapolation --out=results/extrapolation_lr
+Writes --out's .csv (every run) and _best.txt (the run folders at each model's best rate, every seed).
+
+The loss frontier (paper Figures 2-3): the sweep, then each model at its best learning rate against the forward
+FLOPs of its training (Model.flops_per_token(block_size) / 3 x tokens trained: flops_per_token counts forward and
+backward as 3 x forward, attention's quadratic term included): the validation loss at the training context, and
+the loss so far at 2x and 8x it (on the default corpus's long split, or --data as for eval.py; one evaluation a
+best-rate run):
+    python research/analysis.py frontier --runs=out-repro/frontier --out=results/frontier
+Writes --out's .csv (every run) and .png (the two panels).
+
+Memory scaling (paper Figure 5), from the validation losses of FM runs (a folder of run folders, or the .csv this
+command wrote):
+    python research/analysis.py scaling --runs=out-repro/scaling --out=results/scaling
+Writes --out's .csv (every run) and .png (each m at its best tau).
+"""
+import csv
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: eval.py, model.py
+
+import numpy as np
+import torch
+
+from checkpoint import CheckpointError, load_checkpoint
+from configurator import ConfigError, help_text, load_config
+from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
+                  load_documents, loss_at, open_checkpoint, pyplot, save_figure, take_all, take_subcommand)
+from model import Model, ModelConfig
+
+SCALING_SETTINGS = dict(out='results/scaling')  # writes out.csv and out.png
+SWEEP_SETTINGS = dict(out='results/sweep')  # writes out.csv and out_best.txt
+FRONTIER_SETTINGS = dict(  # the loss beyond the context: as eval.py's loss by position
+    data='',  # '': the default corpus's long.bin; or a token file (.bin), a .txt file or a folder of .txt files
+    data_dir='',  # the folder prepare_data.py writes the default corpus into; '': the repository's data/
+    chunk_len=8192,  # fm, mamba2: tokens a chunk, each continuing from the state the last one left
+    out='results/frontier',  # writes out.csv and out.png
+    device=DEVICE,  # 'cuda' (or 'cuda:N') where there is a GPU, else 'cpu'
+    dtype='auto',  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; losses always from float32 logits
+)
+SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m rows and top-k k follows it
+    'dense (k = m)': lambda m, k: k == m,
+    'k = m/4': lambda m, k: 4 * k == m,
+    'k = 4': lambda m, k: k == 4,
+}
+USAGE = 'research/analysis.py sweep|frontier|scaling --runs=PATH --key=value ...; routing and harness are in eval.py'
+RUNS = {  # what --runs takes
+    'sweep': 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote',
+    'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
+}
+SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'val_loss', 'iter_num', 'max_iters')
+SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
+                'val_loss', 'best_lr', 'iter_num', 'max_iters', 'block_size', 'tokens', 'forward_flops')
+
+
+# ----------------------------------------------------------------------------- memory scaling
+
+def scaling_row(path):
+    """The scaling record of one FM run's checkpoint (its final validation loss when eval_interval = max_iters)."""
+    ckpt = load_checkpoint(path)
+    config = ckpt['model_config']
+    if config['mixer'] != 'fm':
+        raise EvalError(f"{path} is a {config['mixer']} run, not an FM run: give --runs folders of FM runs only")
+    return {'run': path.parent.name, 'n_memory': config['n_memory'], 'top_k': config['top_k'] or config['n_memory'],
+            'tau': config['tau'], 'val_loss': ckpt['best_val_loss'], 'iter_num': ckpt['iter_num'],
+            'max_iters': ckpt['train_config']['max_iters']}
+
+
+def scaling_csv(path):
+    """The run records of a .csv that scaling wrote."""
+    with open(path, newline='') as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not set(SCALING_FIELDS) <= set(rows[0]):
+        raise EvalError(f'--runs={path}: not a .csv that analysis.py scaling wrote')
+    return [{'run': row['run'], **{k: int(row[k]) for k in ('n_memory', 'top_k', 'iter_num', 'max_iters')},
+             'tau': float(row['tau']), 'val_loss': float(row['val_loss'])} for row in rows]
+
+
+def scaling_rows(sources):
+    """Run records from folders of run folders (each */ckpt.pt) and from .csv files analysis.py scaling wrote; a
+    later record of a run replaces an earlier one."""
+    rows = {}
+    for source in sources:
+        path = Path(source)
+        if path.suffix == '.csv' and path.is_file():
+            rows.update((row['run'], row) for row in scaling_csv(path))
+        elif path.is_dir():
+            for ckpt in sorted(path.glob('*/ckpt.pt')):
+                rows[ckpt.parent.name] = scaling_row(ckpt)
+        else:
+            raise EvalError(f'--runs={source}: not a folder of run folders or a .csv of analysis.py scaling')
+    if not rows:
+        raise EvalError(f'no runs (*/ckpt.pt) in {", ".join(sources)}')
+    return sorted(rows.values(), key=lambda r: (r['n_memory'], r['top_k'], -r['tau']))
+
+
+def best_per_series(rows):
+    """{series: {m: the finished run of lowest validation loss over tau}} for each series of SERIES."""
+    best = {name: {} for name in SERIES}
+    for row in rows:
+        if row['iter_num'] < row['max_iters']:
+            continue
+        for name, follows in SERIES.items():
+            m = row['n_memory']
+            if follows(m, row['top_k']) and (m not in best[name] or row['val_loss'] < best[name][m]['val_loss']):
+                best[name][m] = row
+    return {name: dict(sorted(runs.items())) for name, runs in best.items() if runs}
+
+
+def print_scaling(rows, best):
+    """Every run's validation loss (tau x m, a table a series), then each m at its best tau."""
+    unfinished = [r['run'] for r in rows if r['iter_num'] < r['max_iters']]
+    if unfinished:
+        print(f'left out, not finished: {", ".join(unfinished)}')
+    for name in best:
+        runs = [r for r in rows if SERIES[name](r['n_memory'], r['top_k']) and r['iter_num'] >= r['max_iters']]
+        ms, taus = sorted({r['n_memory'] for r in runs}), sorted({r['tau'] for r in runs}, reverse=True)
+        print(f'\nvalidation loss, {name}\n{"tau / m":>10}' + ''.join(f'{m:>9}' for m in ms))
+        for tau in taus:
+            losses = {r['n_memory']: r['val_loss'] for r in runs if r['tau'] == tau}
+            print(f'{tau:>10g}' + ''.join(f'{losses[m]:9.4f}' if m in losses else f'{"-":>9}' for m in ms))
+    print('\nbest over tau: validation loss (tau)')
+    for name, runs in best.items():
+        print(f'{name:>14}: ' + ', '.join(f"m={m} {r['val_loss']:.4f} ({r['tau']:g})" for m, r in runs.items()))
+
+
+def plot_scaling(best, path):
+    """Validation loss at the best tau against m (log scale), a line a series, each point's tau written by it.
+    -> whether it wrote the plot (False without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for name, runs in best.items():
+        line, = ax.plot(list(runs), [r['val_loss'] for r in runs.values()], marker='o', label=name)
+        for m, r in runs.items():
+            ax.annotate(f"tau={r['tau']:g}", (m, r['val_loss']), textcoords='offset points', xytext=(4, 4),
+                        fontsize=7, color=line.get_color())
+    ax.set_xscale('log', base=2)
+    ax.set(title='memory scaling: validation loss at the best tau', xlabel='memory rows m',
+           ylabel='validation loss (nats/token)')
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_figure(plt, fig, path)
+
+
+def run_scaling(cfg, sources):
+    """The memory-scaling tables, out.csv (every run) and out.png."""
+    rows = scaling_rows(sources)
+    best = best_per_series(rows)
+    print_scaling(rows, best)
+    Path(cfg['out']).parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{cfg['out']}.csv", 'w', newline='') as f:
+        writer = csv.DictWriter(f, SCALING_FIELDS, lineterminator='\n')
+        writer.writeheader()
+        writer.writerows(rows)
+    plotted = bool(best) and plot_scaling(best, f"{cfg['out']}.png")
+    print(f"wrote {cfg['out']}.csv{', .png' if plotted else ''}")
+    return rows, best
+
+
+# ----------------------------------------------------------------------------- learning rates and the loss frontier
+
+def run_folders(source):
+    """The run folders (holding ckpt.pt) of a --runs value: a run folder or a folder of run folders."""
+    path = Path(source)
+    if (path / 'ckpt.pt').is_file():
+        return [path]
+    if not path.is_dir():
+        raise EvalError(f'--runs={source}: not a run folder (with ckpt.pt), a folder of run folders or a .csv')
+    folders = [ckpt.parent for ckpt in sorted(path.glob('*/ckpt.pt'))]
+    if not folders:
+        raise EvalError(f'no runs (ckpt.pt) in {source}')
+    return folders
+
+
+def csv_records(path):
+    """The run records of a .csv that sweep or frontier wrote (runs of an earlier machine)."""
+    ints = ('parameters', 'non_embedding_parameters', 'seed', 'iter_num', 'max_iters', 'block_size', 'tokens')
+    floats = ('learning_rate', 'min_lr', 'val_loss', 'forward_flops', 'loss_so_far_2x', 'loss_so_far_8x')
+    with open(path, newline='') as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not {'run', 'model', *ints, 'learning_rate', 'val_loss'} <= set(rows[0]):
+        raise EvalError(f'--runs={path}: not a .csv that analysis.py sweep or frontier wrote')
+    return [{'run': row['run'], 'model': row['model'],
+             'architecture': row['model'].split(' ', 1)[1].rsplit(' (', 1)[0], **{k: int(row[k]) for k in ints},
+             **{k: float(row[k]) for k in floats if row.get(k)}} for row in rows]
+
+
+def run_key(record):
+    """A run's name in its subset (the last two parts of its folder): the same run on another machine."""
+    return '/'.join(Path(record['run']).parts[-2:])
+
+
+def run_record(folder):
+    """The sweep record of one run: its model, learning rate, seed, final validation loss (the configs evaluate once,
+    at the end), parameters and forward training FLOPs = Model.flops_per_token(block_size) / 3 x tokens trained
+    (flops_per_token counts forward + backward as 3 x forward, attention's quadratic term included)."""
+    ckpt = load_checkpoint(folder / 'ckpt.pt')
+    config, train = ckpt['model_config'], ckpt['train_config']
+    with torch.device('meta'):  # shapes only: no weights are made
+        model = Model(ModelConfig(**config))
+    tokens = ckpt['data_state']['tokens_seen']
+    return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)",
+            'architecture': describe(config).split(' ', 1)[1], 'parameters': model.num_params(non_embedding=False),
+            'non_embedding_parameters': model.num_params(), 'learning_rate': train['learning_rate'],
+            'min_lr': train['min_lr'], 'seed': train['seed'], 'val_loss': ckpt['best_val_loss'],
+            'iter_num': ckpt['iter_num'], 'max_iters': train['max_iters'], 'block_size': config['block_size'],
+            'tokens': tokens, 'forward_flops': model.flops_per_token(config['block_size']) / 3 * tokens}
+
+
+def by_model_and_lr(records):
+    """Finished runs -> {model: {learning rate: [records]}}, learning rates ascending."""
+    table = {}
+    for r in records:
+        if r['iter_num'] >= r['max_iters']:
+            table.setdefault(r['model'], {}).setdefault(r['learning_rate'], []).append(r)
+    return {model: dict(sorted(runs.items())) for model, runs in table.items()}
+
+
+def best_learning_rates(table):
+    """{model: the learning rate of lowest mean validation loss over its seeds}."""
+    return {model: min(runs, key=lambda lr: np.mean([r['val_loss'] for r in runs[lr]]))
+            for model, runs in table.items()}
+
+
+def edge_warnings(table, best):
+    """A line for each model whose best learning rate is the lowest or highest it was trained at: the rate to add."""
+    warnings = []
+    for model, lr in best.items():
+        lrs = list(table[model])
+        add = [f'{rate:g}' for rate, at_edge in ((lr / 2, lr == lrs[0]), (lr * 2, lr == lrs[-1])) if at_edge]
+        if add:
+            warnings.append(f"warning: {model}: the best learning rate {lr:g} is at the edge of those trained "
+                            f"({' '.join(f'{x:g}' for x in lrs)}): train at {' and '.join(add)} too")
+    return warnings
+
+
+def print_sweep(records, table, best):
+    """Each model's validation loss at each learning rate (mean over seeds, min-max), its best marked; warnings."""
+    unfinished = [r['run'] for r in records if r['iter_num'] < r['max_iters']]
+    if unfinished:
+        print(f'left out, not finished: {", ".join(unfinished)}')
+    width = max(len(model) for model in table)
+    print(f'\nvalidation loss at each learning rate: mean over seeds (min-max), * the best\n'
+          f'{"model":<{width}} {"lr":>8} {"seeds":>5}  val loss')
+    for model, runs in table.items():
+        for lr, members in runs.items():
+            losses = [r['val_loss'] for r in members]
+            spread = f' ({min(losses):.4f}-{max(losses):.4f})' if len(losses) > 1 else ''
+            print(f"{model:<{width}} {lr:>8g} {len(losses):>5}  {np.mean(losses):.4f}{spread}"
+                  f"{' *' if lr == best[model] else ''}")
+    for line in edge_warnings(table, best):
+        print(line)
+
+
+def write_records(records, fields, path):
+    """One CSV row a run."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fields, extrasaction='ignore', lineterminator='\n')
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def sweep(sources):
+    """Every run's record (best_lr marked), the table by model and learning rate, and the best rates; printed."""
+    merged = {}  # a later source's record of a run replaces an earlier one
+    for source in sources:
+        is_csv = source.endswith('.csv') and Path(source).is_file()
+        found = csv_records(source) if is_csv else [run_record(folder) for folder in run_folders(source)]
+        merged.update((run_key(r), r) for r in found)
+    records = list(merged.values())
+    table = by_model_and_lr(records)
+    if not table:
+        raise EvalError(f'no finished runs in {", ".join(sources)}: train them to the end first')
+    best = best_learning_rates(table)
+    for r in records:
+        r['best_lr'] = int(best.get(r['model']) == r['learning_rate'] and r['iter_num'] >= r['max_iters'])
+    print_sweep(records, table, best)
+    return records, table, best
+
+
+def run_sweep(cfg, sources):
+    """The learning-rate tables, out.csv (every run) and out_best.txt (the run folders at each model's best
+    learning rate, every seed, one a line)."""
+    records, table, best = sweep(sources)
+    write_records(records, SWEEP_FIELDS, f"{cfg['out']}.csv")
+    with open(f"{cfg['out']}_best.txt", 'w') as f:
+        f.writelines(f"{r['run']}\n" for r in records if r['best_lr'])
+    print(f"wrote {cfg['out']}.csv, {cfg['out']}_best.txt")
+    return records, best
+
+
+def frontier_losses(records, cfg):
+    """The loss so far at 2x and 8x the training context of each best-learning-rate run (the mean loss over
+    positions 1..t of the long documents with at least t positions), set in its record. The documents are cut
+    at 8x the context, which leaves those losses as they are."""
+    documents = {}
+    for r in records:
+        if not r['best_lr'] or r.get('loss_so_far_8x') is not None:  # a record from a .csv has them
+            continue
+        ckpt, path = open_checkpoint(r['run'], 'ckpt.pt')
+        if ckpt['tokenizer'] not in documents:
+            documents[ckpt['tokenizer']] = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)[0]
+        last = 8 * r['block_size']
+        docs = [doc[:last + 1] for doc in documents[ckpt['tokenizer']]]
+        result = evaluate_positions(ckpt, path, docs, {**cfg, 'max_len': last})
+        r['loss_so_far_2x'], r['loss_so_far_8x'] = loss_at(result, 2 * r['block_size']), loss_at(result, last)
+
+
+def frontier_points(records):
+    """{architecture: [point, ...]} ascending in FLOPs, a point a model at its best learning rate: the mean over
+    its seeds of the forward FLOPs, the validation loss and the losses so far."""
+    groups = {}
+    for r in records:
+        if r['best_lr']:
+            groups.setdefault(r['model'], []).append(r)
+    points = {}
+    for members in groups.values():
+        point = {key: members[0][key] for key in ('model', 'architecture', 'non_embedding_parameters',
+                                                   'learning_rate', 'block_size')}
+        for key in ('forward_flops', 'val_loss', 'loss_so_far_2x', 'loss_so_far_8x'):
+            values = [m.get(key) for m in members]
+            point[key] = None if None in values else float(np.mean(values))
+        points.setdefault(point['architecture'], []).append(point)
+    return {arch: sorted(ps, key=lambda p: p['forward_flops']) for arch, ps in sorted(points.items())}
+
+
+def print_frontier(points):
+    """Each architecture's best-learning-rate model of each size."""
+    print('\nthe frontier: each model at its best learning rate (forward FLOPs of training = flops_per_token / 3 x '
+          'tokens;\nloss so far at t: mean over positions 1..t of the long documents with at least t positions)')
+    print(f'{"architecture":<22} {"parameters":>12} {"lr":>8} {"forward FLOPs":>14} {"val loss":>9} '
+          f'{"so far 2x":>10} {"so far 8x":>10}')
+    for arch, series in points.items():
+        for p in series:
+            so_far = ''.join(f' {p[k]:>10.4f}' if p[k] is not None else f' {"-":>10}'
+                             for k in ('loss_so_far_2x', 'loss_so_far_8x'))
+            print(f"{arch:<22} {p['non_embedding_parameters']:>12,} {p['learning_rate']:>8g} "
+                  f"{p['forward_flops']:>14.3e} {p['val_loss']:>9.4f}{so_far}")
+
+
+def plot_frontier(points, path):
+    """Two panels against forward training FLOPs (log scale), a colour an architecture: the validation loss at the
+    training context, and the loss so far at 2x (solid) and 8x (dashed) it. -> whether it wrote the plot."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, (at_context, beyond) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for colour, (arch, series) in enumerate(points.items()):
+        flops = [p['forward_flops'] for p in series]
+        kw = dict(color=f'C{colour % 10}', marker='o')
+        at_context.plot(flops, [p['val_loss'] for p in series], label=arch, **kw)
+        for p in series:
+            at_context.annotate(f"{p['non_embedding_parameters'] / 1e6:.1f}M, lr {p['learning_rate']:g}",
+                                (p['forward_flops'], p['val_loss']), textcoords='offset points', xytext=(4, 4),
+                                fontsize=7, color=kw['color'])
+        for key, style, factor in (('loss_so_far_2x', '-', 2), ('loss_so_far_8x', '--', 8)):
+            shown = [(f, p[key]) for f, p in zip(flops, series) if p[key] is not None]
+            if shown:
+                beyond.plot(*zip(*shown), linestyle=style, label=f'{arch}, {factor}x the context', **kw)
+    block = next(iter(points.values()))[0]['block_size']
+    for ax, title, ylabel in (
+            (at_context, f'validation loss at the training context ({block})', 'validation loss (nats/token)'),
+            (beyond, f'loss so far at 2x ({2 * block}, solid) and 8x ({8 * block}, dashed) the context',
+             'loss so far (nats/token)')):
+        ax.set_xscale('log')
+        ax.set(title=title, xlabel='forward FLOPs of training (flops_per_token / 3 x tokens)', ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return save_figure(plt, fig, path)
+
+
+def run_frontier(cfg, sources):
+    """The learning-rate tables, the best-rate runs' losses beyond the context, the frontier table, out.csv (every
+    run) and out.png."""
+    records, _, _ = sweep(sources)
+    frontier_losses(records, cfg)
+    points = frontier_points(records)
+    print_frontier(points)
+    write_records(records, SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'), f"{cfg['out']}.csv")
+    plotted = bool(points) and plot_frontier(points, f"{cfg['out']}.png")
+    print(f"wrote {cfg['out']}.csv{', .png' if plotted else ''}")
+    return records, points
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main(argv=()):
+    """python research/analysis.py sweep|frontier|scaling --runs=... --key=value ... -> the subcommand's results (None
+    for --help)."""
+    argv = list(argv)
+    if argv[:1] in (['-h'], ['--help']):
+        print(__doc__)
+        return None
+    modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS}
+    mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
+    if '-h' in argv or '--help' in argv:
+        print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode]))
+        return None
+    sources, argv = take_all(argv, 'runs')
+    cfg = load_config(modes[mode], argv)
+    check_ranges(cfg)
+    check_out(cfg['out'])
+    runs = RUNS['scaling' if mode == 'scaling' else 'sweep']
+    if not sources:
+        raise ConfigError(f'--runs is missing: give {runs} (--runs may repeat)')
+    for source in sources:
+        if not os.path.exists(source):
+            raise ConfigError(f'--runs={source} does not exist: give {runs}')
+    if mode == 'scaling':
+        return run_scaling(cfg, sources)
+    if mode == 'sweep':
+        return run_sweep(cfg, sources)
+    check_device(cfg['device'], cfg['dtype'])
+    return run_frontier(cfg, sources)
+
+
+if __name__ == '__main__':
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, CheckpointError, EvalError) as e:
+        sys.exit(f'error: {e}')
