@@ -239,7 +239,10 @@ def text_documents(path, tok):
 def load_documents(data, data_dir, tokenizer, ckpt_path):
     """The documents (1-D token arrays) of --data for a checkpoint of this tokenizer, and a description."""
     if not data:  # the default corpus's long split, prepared once; data_dir '': the repository's data/
-        folder = prepare(dataset='default', tokenizer=tokenizer, data_dir=data_dir or DEFAULT_DATA_DIR)
+        try:
+            folder = prepare(dataset='default', tokenizer=tokenizer, data_dir=data_dir or DEFAULT_DATA_DIR)
+        except (ValueError, RuntimeError) as e:  # a data_dir that is a file, a full disk
+            raise EvalError(str(e)) from None
         data = str(folder / 'long.bin')
     path = Path(data)
     if path.suffix == '.bin':
@@ -842,10 +845,10 @@ def main(argv=()):
     mode = take_subcommand(argv, modes, USAGE, moved, default='positions')
     settings = modes[mode]
     if '-h' in argv or '--help' in argv:
-        print(__doc__ + f'\nsettings of {mode} (--key=value; --out_dir may repeat):\n' + help_text(settings))
+        print(__doc__ + f'\nsettings of {mode} (--key=value; --out_dir may repeat):\n' + help_text(settings, __file__))
         return None
     out_dirs, argv = take_all(argv, 'out_dir')
-    cfg = load_config(settings, argv, types={'num_fewshot': int, 'limit': int})
+    cfg = load_config(settings, argv, types={'num_fewshot': int, 'limit': int}, config_files=False, program='eval.py')
     check_ranges(cfg)
     if mode != 'routing' or cfg['out']:  # routing's default writes into each out_dir
         check_out(cfg['out'])

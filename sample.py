@@ -18,7 +18,7 @@ from configurator import ConfigError, help_text, load_config
 from generate import Generator, Sampling
 
 # -----------------------------------------------------------------------------
-out_dir = 'out'
+out_dir = 'out'  # the training run's folder
 ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: the best validation loss), or a path
 start = '\n'  # the prompt, or FILE:path to read it from a file
 num_samples = 3  # generated together, as one batch
@@ -26,8 +26,8 @@ max_new_tokens = 500  # or fewer: a sample ends at end-of-text where the tokeniz
 temperature = 0.8  # below 1: more conservative; above 1: more random; 0: always the most likely token
 top_k = None  # sample from the k most likely tokens only; None: all
 top_p = 1.0  # sample from the smallest set of most likely tokens whose probability reaches top_p; 1.0: all
-seed = 1337
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
+seed = 1337  # seed of the sampling: the same seed gives the same samples
+device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, float32 elsewhere
 # -----------------------------------------------------------------------------
 _DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
@@ -36,7 +36,7 @@ _DEFAULTS['top_k'] = None
 
 def settings(argv):
     """The settings from argv (--key=value), checked: ConfigError names the first bad one."""
-    cfg = load_config(_DEFAULTS, argv, types={'top_k': int})
+    cfg = load_config(_DEFAULTS, argv, types={'top_k': int}, config_files=False, program='sample.py')
     if cfg['dtype'] not in ('auto', 'float32', 'bfloat16', 'float16'):
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg['dtype']!r}")
     if cfg['num_samples'] < 1 or cfg['max_new_tokens'] < 1:
@@ -143,7 +143,7 @@ class Stream:
 def main(argv=()):
     argv = list(argv)
     if '-h' in argv or '--help' in argv:
-        print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS))
+        print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS, __file__))
         return []
     cfg = settings(argv)
     model, tok = load(cfg)

@@ -2196,11 +2196,6 @@ def test_scripts_without_config_files_say_what_to_pass(program, tmp_path):
         assert str(error.value) == message
 
 
-NO_COMMENT_YET = pytest.mark.xfail(strict=True, reason='comments added by the main engineer')
-NOT_WIRED_YET = pytest.mark.xfail(strict=True, reason='call sites wired by the main engineer')
-
-
-@NOT_WIRED_YET
 @pytest.mark.parametrize('script', ['sample', 'eval'])
 def test_sample_and_eval_name_a_training_config(script):
     fm_small = os.path.join(REPO, 'config', 'fm_small.py')
@@ -2209,26 +2204,25 @@ def test_sample_and_eval_name_a_training_config(script):
         {'sample': sample, 'eval': evaluation}[script].main([fm_small])
 
 
-@NOT_WIRED_YET
 def test_help_explains_the_settings(capsys):
     train.main(['--help'])
     sample.main(['--help'])
     evaluation.main(['harness', '--help'])
     out = capsys.readouterr().out
     for setting, explanation in (('--eval_iters=16', 'the validation set is eval_iters * batch_size fixed windows'),
-                                 ('--n_memory=32', 'm, memory rows'),  # from model.py
+                                 ('--fm_eps=1e-06', "epsilon of the memory rows' RMS norm"),  # from model.py
                                  ('--num_samples=3', 'generated together, as one batch'),
                                  ("--tasks=''", 'lm-eval task names, comma-separated')):
         assert re.search(rf'^  {re.escape(setting)} +{re.escape(explanation)}$', out, re.M), setting
 
 
 @pytest.mark.parametrize('settings, sources', [
-    pytest.param(train.default_config(), ('train.py', 'model.py'), id='train', marks=NO_COMMENT_YET),
-    pytest.param(sample._DEFAULTS, ('sample.py',), id='sample', marks=NO_COMMENT_YET),
-    *[pytest.param(getattr(evaluation, name), ('eval.py',), id=f'eval {name}',
-                   marks=[] if name in ('SCALING_SETTINGS', 'SWEEP_SETTINGS') else NO_COMMENT_YET)
-      for name in ('POSITION_SETTINGS', 'HARNESS_SETTINGS', 'SCALING_SETTINGS', 'SWEEP_SETTINGS', 'FRONTIER_SETTINGS',
-                   'ROUTING_SETTINGS')],
+    pytest.param(train.default_config(), ('train.py', 'model.py'), id='train'),
+    pytest.param(sample._DEFAULTS, ('sample.py',), id='sample'),
+    *[pytest.param(getattr(evaluation, name), ('eval.py',), id=f'eval {name}')
+      for name in ('POSITION_SETTINGS', 'HARNESS_SETTINGS', 'ROUTING_SETTINGS')],
+    *[pytest.param(getattr(analysis, name), ('research/analysis.py',), id=f'analysis {name}')
+      for name in ('SCALING_SETTINGS', 'SWEEP_SETTINGS', 'FRONTIER_SETTINGS')],
 ])
 def test_every_setting_has_a_help_line(settings, sources):
     lines = help_text(settings, *(os.path.join(REPO, source) for source in sources)).splitlines()

@@ -33,7 +33,7 @@ import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config
 from model import Model, ModelConfig
-from prepare_data import DEFAULT_DATA_DIR, dataset_dir, get_tokenizer, load_tokens, prepare
+from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
 from run_safety import RunFolder, TrainError, check_settings, on_rank_0, rng_states, set_rng_states
 
 # -----------------------------------------------------------------------------
@@ -139,10 +139,9 @@ def load_data(cfg, group):
     """The tokenizer, folder, train and val tokens of data_dir/{dataset}_{tokenizer} and the validation windows' starts;
     rank 0 prepares the default corpus if needed."""
     tok = get_tokenizer(cfg.tokenizer)  # checked by check_settings
-    data_dir = cfg.data_dir or DEFAULT_DATA_DIR
-    folder = dataset_dir(cfg.dataset, cfg.tokenizer, data_dir, cfg.hf_config or None)
+    folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
     if cfg.dataset == 'default':
-        on_rank_0(lambda: prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=data_dir), group)
+        on_rank_0(lambda: prepare_default(cfg), group)
     if not (folder / 'train.bin').exists():
         hf_config = f' --hf_config {cfg.hf_config}' if cfg.hf_config else ''
         data_dir = f' --data_dir {cfg.data_dir}' if cfg.data_dir else ''
@@ -161,6 +160,14 @@ def load_data(cfg, group):
     val_starts = np.random.default_rng(_EVAL_SEED).integers(0, len(val.tokens) - cfg.block_size,
                                                             size=cfg.eval_iters * cfg.batch_size)
     return SimpleNamespace(tok=tok, folder=folder, train=train.tokens, val=val.tokens, val_starts=val_starts)
+
+
+def prepare_default(cfg):
+    """The default corpus's token files, written once."""
+    try:
+        prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir)
+    except (ValueError, RuntimeError) as e:  # a full disk
+        raise TrainError(str(e)) from None
 
 
 def new_model(cfg, config, vocab_size):

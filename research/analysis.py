@@ -406,10 +406,10 @@ def main(argv=()):
     modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS}
     mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
     if '-h' in argv or '--help' in argv:
-        print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode]))
+        print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode], __file__))
         return None
     sources, argv = take_all(argv, 'runs')
-    cfg = load_config(modes[mode], argv)
+    cfg = load_config(modes[mode], argv, config_files=False, program='research/analysis.py')
     check_ranges(cfg)
     check_out(cfg['out'])
     runs = RUNS['scaling' if mode == 'scaling' else 'sweep']
