@@ -19,6 +19,7 @@ import sys
 import tokenize
 import traceback
 import types as pytypes
+import typing
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'config'
@@ -186,3 +187,13 @@ def _literal(node):
         return ast.literal_eval(node)
     except (ValueError, TypeError):
         return node
+
+
+def optional_types(cls):
+    """For the fields of a dataclass that default to None (e.g. top_k: int | None), the type a value must have."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if len(args) == 1 and isinstance(args[0], type):
+            out[name] = args[0]
+    return out

@@ -1,6 +1,7 @@
-"""What keeps a train.py run from losing or mixing work, apart from the training loop that calls it:
+"""What keeps train.py (and sample.py) from failing late, or losing or mixing work, apart from the loops that call it:
 
-- check_settings refuses a bad setting before anything is written;
+- check_settings refuses a bad setting, and a batch that cannot fit, before anything is written (sample.py:
+  check_generation_fits);
 - RunFolder claims out_dir for one run (train.lock), saves its checkpoints, replaces an earlier run's ckpt.pt and
   best.pt as a pair and only at the new run's first save, turns Ctrl-C / SIGTERM into a stop after the current step,
   and stops the run without saving once a loss, gradient norm, weight or validation loss is not finite or the
@@ -94,6 +95,20 @@ def check_settings(cfg, defaults, model_args):
     check_batch_fits(cfg, config, torch.device(cfg.device))
 
 
+def check_resume(ckpt, path, cfg, config):
+    """Refuse to resume a checkpoint of another tokenizer or with other model settings (block_size aside)."""
+    if ckpt['tokenizer'] != cfg.tokenizer:
+        raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
+                         f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
+    saved = ckpt['model_config']
+    changed = [k for k, v in saved.items() if k in config and k != 'block_size' and config[k] != v]
+    if changed:
+        raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run '
+                         f'asks for {", ".join(f"{k}={config[k]!r}" for k in changed)}. A run resumes with the model '
+                         f'it trained: drop those settings (or give the config file the run was started with), or '
+                         f'train the new model from scratch in a new --out_dir')
+
+
 def check_device(name):
     """Raise ConfigError if the device cannot be used here."""
     try:
@@ -128,6 +143,30 @@ def check_batch_fits(cfg, config, device):
         raise ConfigError(f'--batch_size={cfg.batch_size} x --block_size={cfg.block_size} = {tokens:,} tokens a '
                           f'micro-batch need more than {need / 1e9:,.1f} GB, and {device} has {have / 1e9:,.1f} GB: '
                           f'lower --batch_size (raise --gradient_accumulation_steps to keep the step)')
+
+
+def check_generation_fits(model, batch, prompt_len, max_new_tokens):
+    """ConfigError, with the estimate, if the decoding buffers of batch rows (the state of every layer: a KV cache
+    grows with the length, FM's and Mamba-2's memory do not; the new tokens; the logits) exceed the device's free
+    memory."""
+    device = model.embed.weight.device
+    state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
+    need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
+    need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == 'cuda' else available_memory()
+    if need > free:
+        raise ConfigError(f'--num_samples={batch} x {prompt_len + max_new_tokens:,} tokens (prompt and '
+                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers, and {device} has '
+                          f'{free / 1e9:,.1f} GB free: lower --num_samples or --max_new_tokens')
+
+
+def available_memory():
+    """Bytes of RAM free for new allocations (Linux's MemAvailable; all of it elsewhere)."""
+    try:
+        with open('/proc/meminfo') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+    except (OSError, StopIteration):
+        return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
 # ----------------------------------------------------------------------------- exact resume

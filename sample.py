@@ -16,6 +16,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from generate import Generator, Sampling
+from run_safety import check_device, check_generation_fits
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the training run's folder
@@ -43,14 +44,9 @@ def settings(argv):
         raise ConfigError('num_samples and max_new_tokens must be at least 1')
     try:
         Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p']).validate()
-        device = torch.device(cfg['device'])
-    except (ValueError, RuntimeError) as e:
+    except ValueError as e:
         raise ConfigError(str(e)) from None
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ConfigError(f"--device={cfg['device']}: this machine has no CUDA GPU (or this torch has no CUDA); "
-                          f"use --device=cpu")
-    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"--device={cfg['device']}: this machine has {torch.cuda.device_count()} GPU(s)")
+    check_device(cfg['device'])
     return cfg
 
 
@@ -81,30 +77,6 @@ def prompt_ids(cfg, tok, vocab_size):
         raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {vocab_size}: '
                               f'is the checkpoint from another tokenizer?')
     return ids
-
-
-def check_fits(model, batch, prompt_len, max_new_tokens):
-    """ConfigError, with the estimate, if the decoding buffers of batch rows (the state of every layer: a KV cache
-    grows with the length, FM's and Mamba-2's memory do not; the new tokens; the logits) exceed the device's free
-    memory."""
-    device = model.embed.weight.device
-    state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
-    need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
-    need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == 'cuda' else available_memory()
-    if need > free:
-        raise ConfigError(f'--num_samples={batch} x {prompt_len + max_new_tokens:,} tokens (prompt and '
-                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers, and {device} has '
-                          f'{free / 1e9:,.1f} GB free: lower --num_samples or --max_new_tokens')
-
-
-def available_memory():
-    """Bytes of RAM free for new allocations (Linux's MemAvailable; all of it elsewhere)."""
-    try:
-        with open('/proc/meminfo') as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
-    except (OSError, StopIteration):
-        return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
 class Progress:
@@ -148,7 +120,7 @@ def main(argv=()):
     cfg = settings(argv)
     model, tok = load(cfg)
     ids = prompt_ids(cfg, tok, model.config.vocab_size)
-    check_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
+    check_generation_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
     sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'], n_tokens=tok.vocab_size)  # no padding ids
     generator = Generator(model, sampling, eot=tok.eot)
     stream = Stream(tok, ids) if cfg['num_samples'] == 1 else None

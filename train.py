@@ -1,17 +1,12 @@
 """
 Train a language model whose mixer is Factorization Memory ('fm'), attention ('attn') or Mamba-2 ('mamba2').
 
-One process, CPU or one GPU:
     python train.py                                   # small FM model, default corpus, a few minutes on a CPU
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
-DDP on the GPUs of one node (NCCL; gloo with --device=cpu):
-    torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py
-Several nodes: run on each node
-    torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py config/fm_1b.py
+    torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py   # DDP (NCCL; gloo with --device=cpu)
 Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost (run_safety.py): Ctrl-C or SIGTERM finishes
-the step, saves ckpt.pt and exits (a second Ctrl-C exits at once); a run that diverges (a loss or gradient that is
-not finite, a validation loss above the untrained model's) stops without saving; one out_dir holds one run, and
---overwrite=True replaces an earlier run's checkpoints only when the new run writes its first.
+the step and saves; a run that diverges (a loss or gradient not finite, a validation loss above the untrained
+model's) stops without saving; --overwrite=True replaces an earlier run only when the new run first saves.
 """
 import math
 import os
@@ -19,7 +14,6 @@ import random
 import resource
 import sys
 import time
-import typing
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from types import SimpleNamespace
@@ -31,10 +25,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, help_text, load_config
+from configurator import ConfigError, help_text, load_config, optional_types
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
-from run_safety import RunFolder, TrainError, check_settings, on_rank_0, rng_states, set_rng_states
+from run_safety import RunFolder, TrainError, check_resume, check_settings, on_rank_0, rng_states, set_rng_states
 
 # -----------------------------------------------------------------------------
 # default settings: a small FM model on the default corpus, a few minutes on a 2-core CPU
@@ -93,13 +87,6 @@ def default_config():
     config = {k: globals()[k] for k in _TRAIN_KEYS}
     config.update({f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size' and f.name not in config})
     return config
-
-
-def optional_types():
-    """For ModelConfig fields that default to None (e.g. top_k: int | None), the type a value must have."""
-    hints = {name: [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-             for name, hint in typing.get_type_hints(ModelConfig).items()}
-    return {name: args[0] for name, args in hints.items() if len(args) == 1 and isinstance(args[0], type)}
 
 
 def model_args(config):
@@ -178,20 +165,11 @@ def new_model(cfg, config, vocab_size):
 
 
 def resumed_model(ckpt, path, cfg, config):
-    """The checkpoint's model, refused if this run's model settings differ from it; training settings (block_size
-    too) are this run's."""
-    if ckpt['tokenizer'] != cfg.tokenizer:
-        raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses '
-                         f'{cfg.tokenizer!r}: pass --tokenizer={ckpt["tokenizer"]}')
-    saved = ckpt['model_config']
-    changed = [k for k, v in saved.items() if k in config and k != 'block_size' and config[k] != v]
-    if changed:
-        raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run '
-                         f'asks for {", ".join(f"{k}={config[k]!r}" for k in changed)}. A run resumes with the model '
-                         f'it trained: drop those settings (or give the config file the run was started with), or '
-                         f'train the new model from scratch in a new --out_dir')
+    """The checkpoint's model (check_resume refuses other model settings); the training settings, block_size too,
+    are this run's."""
+    check_resume(ckpt, path, cfg, config)
     for k, v in ckpt['train_config'].items():
-        if k in config and (k == 'block_size' or k not in saved) and config[k] != v and cfg.master:
+        if k in config and (k == 'block_size' or k not in ckpt['model_config']) and config[k] != v and cfg.master:
             print(f'resume: {k}={config[k]!r} (the checkpoint\'s run had {v!r})')
     model = model_from_checkpoint(ckpt, path)
     model.config.block_size = cfg.block_size  # the context trained from now on (the model has no limit)
@@ -245,7 +223,7 @@ def settings(argv):
     if '-h' in argv or '--help' in argv:
         print(__doc__ + '\nsettings (--key=value):\n' + help_text(default_config(), __file__, model_file.__file__))
         return None, None
-    config = load_config(default_config(), argv, optional_types())
+    config = load_config(default_config(), argv, optional_types(ModelConfig))
     cfg = SimpleNamespace(**config)
     check_settings(cfg, default_config(), model_args(config))
     return cfg, config
