@@ -34,14 +34,14 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import fm_kernel
+import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from generate import Generator, Sampling
@@ -627,6 +627,8 @@ class RoutingStats:
     def __init__(self, n_memory, top_k, d_model):
         self.m, self.k, self.tokens = n_memory, top_k, 0
         self.usage = torch.zeros(n_memory, dtype=torch.float64)  # selections (sparse) or alpha (dense), summed
+        self.weight = torch.zeros(n_memory, dtype=torch.float64)  # alpha renormalised over the k rows, summed
+        self.theta = torch.zeros(n_memory, dtype=torch.float64)  # write rates theta = eta alpha, summed
         self.entropy = 0.0  # of the full softmax, summed
         self.etas, self.mu = [], 0.0  # eta of every token; mu summed
         self.logit_sum = torch.zeros(n_memory, dtype=torch.float64)  # logits centred over the rows, summed
@@ -638,15 +640,14 @@ class RoutingStats:
     def add(self, mixer, x):
         """Add the tokens of x (..., d_model), the layer's input (after its norm)."""
         x = x.flatten(0, -2).double()  # (N, d_model)
+        idx, alpha, eta, mu = mixer.route(x)
         with torch.autocast(x.device.type, enabled=False):
-            scores = mixer.router_scores(x)  # (N, M + 2)
-        idx, alpha, eta, mu = fm_kernel.route_naive(scores, mixer.top_k, mixer.tau)  # as mixer.route
-        probs = torch.softmax(scores[:, :-2] / mixer.tau, -1)  # (N, M)
-        logits = scores[:, :-2] / mixer.tau  # (N, M)
-        if idx is None:
-            self.usage += probs.sum(0).cpu()
-        else:
-            self.usage += torch.zeros_like(probs).scatter_(-1, idx, 1.0).sum(0).cpu()
+            logits = mixer.router_scores(x)[:, :-2] / mixer.tau  # (N, M)
+        probs = torch.softmax(logits, -1)  # (N, M)
+        weight = alpha if idx is None else torch.zeros_like(probs).scatter_(-1, idx, alpha)  # (N, M)
+        self.usage += (probs if idx is None else (weight > 0).double()).sum(0).cpu()
+        self.weight += weight.sum(0).cpu()
+        self.theta += (eta * weight).sum(0).cpu()
         self.entropy += float(-(probs * probs.clamp_min(1e-300).log()).sum())
         self.etas.append(eta.flatten().float().cpu())
         self.mu += float(mu.sum())
@@ -662,13 +663,16 @@ class RoutingStats:
         n, m = self.tokens, self.m
         usage = self.usage / n  # sums to k (sparse) or 1 (dense)
         fair = (self.k if self.k < m else 1) / m
-        shares = usage / usage.sum()
+        shares, weight = usage / usage.sum(), self.weight / n  # weight: each row's mean alpha, summing to 1
         etas = torch.cat(self.etas)
         return {'usage': usage.tolist(),
+                'weight_usage': weight.tolist(),
+                'weight_effective_rows': effective(weight),
+                'busiest_row_theta': float(self.theta[weight.argmax()] / n),
                 'dead_rows': int((usage < 1 / (10 * m)).sum()),
                 'rare_rows': int((usage < fair / 10).sum()),
                 'busiest_row': float(usage.max()),
-                'effective_rows': float(torch.exp(-(shares * shares.clamp_min(1e-300).log()).sum())),
+                'effective_rows': effective(shares),
                 'entropy': self.entropy / n, 'entropy_uniform': math.log(m),
                 'eta_mean': float(etas.mean()), 'mu_mean': self.mu / n,
                 'eta_quantiles': dict(zip(('0.1', '0.5', '0.9'),
@@ -676,6 +680,11 @@ class RoutingStats:
                 'eta_histogram': (torch.histc(etas, ETA_BINS, 0, 1) / n).tolist(),
                 'logit_bias_share': float((self.logit_sum / n).pow(2).sum() / (self.logit_energy / n)),
                 'input_mean_share': float((self.input_sum / n).pow(2).sum() / (self.input_energy / n))}
+
+
+def effective(shares):
+    """The effective number of rows of shares summing to 1: exp of their entropy."""
+    return float(torch.exp(-(shares * shares.clamp_min(1e-300).log()).sum()))
 
 
 def routing_tokens(docs, n_tokens):
@@ -706,16 +715,53 @@ def measure_routing(model, docs, cfg):
     return stats
 
 
+def add_ablations(model, docs, cfg, layers):
+    """Set each layer's 'busiest_row_ablation': the increase of the mean loss on docs (nats a token) with the
+    read-out of its row of the most weight zeroed (phi = 0 there; the row is still written)."""
+    base = mean_loss(model, docs, cfg)
+    for block, layer in zip(model.blocks, layers):
+        with read_out_zeroed(block.mixer, int(np.argmax(layer['weight_usage']))):
+            layer['busiest_row_ablation'] = mean_loss(model, docs, cfg) - base
+
+
+def mean_loss(model, docs, cfg):
+    ctx = autocast(cfg['device'], cfg['dtype'])
+    return float(np.concatenate([document_losses(model, doc, cfg['chunk_len'], ctx) for doc in docs]).mean())
+
+
+@contextmanager
+def read_out_zeroed(mixer, row):
+    """Within: the FM layer mixer reads nothing from memory row `row` (its phi zeroed in the scan it calls)."""
+    scan = model_file.memory_scan
+
+    def scan_without_row(xbar, theta, phi, *args):
+        return scan(xbar, theta, phi.index_fill(-1, torch.tensor([row], device=phi.device), 0.0), *args)
+
+    def use(function):
+        return lambda *args: setattr(model_file, 'memory_scan', function)
+
+    hooks = [mixer.register_forward_pre_hook(use(scan_without_row)), mixer.register_forward_hook(use(scan))]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model_file.memory_scan = scan
+
+
 def print_routing(result):
-    """One line a layer: dead and rare rows, the effective number of rows, entropy, the busiest row, eta."""
+    """One line a layer: by selection (dead and rare rows, effective rows, entropy, the busiest row), by weight
+    (effective rows, the heaviest row's share, its write rate, the loss without its read-out), eta."""
     print(f"\n{result['label']}: {result['model']}, {result['tokens']:,} tokens; usage = share of tokens selecting a "
-          f"row (dense: mean alpha); dead < 1/(10 m), rare < a tenth of the fair share")
-    print(f"{'layer':>6}{'dead':>6}{'rare':>6}{'eff. rows':>10}{'entropy':>9}{'busiest':>9}{'eta mean':>9}"
-          f"{'eta med':>8}{'bias share':>11}{'input mean':>11}")
+          f"row (dense: mean alpha); dead < 1/(10 m), rare < a tenth of the fair share; weight = mean renormalised "
+          f"alpha; heaviest: the row of the most weight, its theta and the loss increase without its read-out")
+    print(f"{'layer':>6}{'dead':>6}{'rare':>6}{'eff. rows':>10}{'entropy':>9}{'busiest':>9}{'by weight':>10}"
+          f"{'heaviest':>9}{'theta':>7}{'ablation':>9}{'eta mean':>9}{'bias share':>11}{'input mean':>11}")
     for i, layer in enumerate(result['layers']):
         print(f"{i:>6}{layer['dead_rows']:>6}{layer['rare_rows']:>6}{layer['effective_rows']:>10.1f}"
-              f"{layer['entropy']:>9.3f}{layer['busiest_row']:>9.3f}{layer['eta_mean']:>9.3f}"
-              f"{layer['eta_quantiles']['0.5']:>8.3f}{layer['logit_bias_share']:>11.3f}"
+              f"{layer['entropy']:>9.3f}{layer['busiest_row']:>9.3f}{layer['weight_effective_rows']:>10.1f}"
+              f"{max(layer['weight_usage']):>9.3f}{layer['busiest_row_theta']:>7.3f}"
+              f"{layer['busiest_row_ablation']:>9.4f}{layer['eta_mean']:>9.3f}{layer['logit_bias_share']:>11.3f}"
               f"{layer['input_mean_share']:>11.3f}")
 
 
@@ -760,6 +806,7 @@ def run_routing(cfg, out_dirs):
         stats = measure_routing(model, docs, cfg)
         result = {**summary(ckpt, path, model), 'data': description, 'tokens': stats[0].tokens,
                   'layers': [s.summary() for s in stats]}
+        add_ablations(model, docs, cfg, result['layers'])
         print_routing(result)
         with open(os.path.join(out_dir, 'routing.json'), 'w') as f:
             json.dump(result, f, indent=1)
@@ -773,8 +820,9 @@ def run_routing(cfg, out_dirs):
 def write_routing(results, out):
     """out.csv, a row a checkpoint and layer (usage as its sorted values), and out.png, every checkpoint's map."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fields = ('dead_rows', 'rare_rows', 'effective_rows', 'entropy', 'busiest_row', 'eta_mean', 'mu_mean',
-              'logit_bias_share', 'input_mean_share')
+    fields = ('dead_rows', 'rare_rows', 'effective_rows', 'entropy', 'busiest_row', 'weight_effective_rows',
+              'busiest_row_theta', 'busiest_row_ablation', 'eta_mean', 'mu_mean', 'logit_bias_share',
+              'input_mean_share')
     with open(f'{out}.csv', 'w', newline='') as f:
         writer = csv.writer(f, lineterminator='\n')
         writer.writerow(['checkpoint', 'model', 'val_loss', 'layer', *fields])

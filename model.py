@@ -9,7 +9,9 @@ Factorization Memory ("Language Modeling With Factorization Memory", Section 3),
     theta, phi = eta * alpha, mu * alpha     (m)  write and read weights, zero outside the top-k
     h[i] = (1 - theta[i]) h[i] + theta[i] W_i x                 for each memory row i
     y = W_o sum_i phi[i] h[i] / rms(h[i])
-The recurrence itself lives in fm_kernel.py.
+The recurrence itself lives in fm_kernel.py. Two optional parts around it, not in the paper (the block Mamba-2 puts
+around its scan): fm_conv, a short causal convolution + SiLU on the values, W_i x -> silu(conv(W_i x)); fm_gate, an
+output gate, y = W_o (read-out * silu(W_z x)).
 """
 
 import math
@@ -50,6 +52,8 @@ class ModelConfig:
     d_memory: int | None = None  # width of a memory row; None: d_model
     tau: float = 1.0  # router softmax temperature
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
+    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on the values W_i x; 0: none (the paper's layer)
+    fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
     chunk_size: int = 64  # tokens a chunk of the PyTorch FM scan and of the Mamba-2 scan (a power of 2)
     # attn
     n_head: int = 8  # query heads
@@ -107,6 +111,7 @@ class ModelConfig:
         if self.mixer == 'fm':
             positive('n_memory', 'tau', 'fm_eps')
             positive('d_memory', optional=True)
+            check(isinstance(self.fm_conv, int) and self.fm_conv >= 0, 'fm_conv', 'must be >= 0 (0: no convolution)')
             check(self.top_k is None or 1 <= self.top_k <= self.n_memory, 'top_k',
                   f"must be between 1 and n_memory={self.n_memory} (None means dense, k = m)")
         if self.mixer == 'attn':
@@ -158,6 +163,24 @@ class SwiGLU(nn.Module):
         return gemv.decode_linear(F.silu(gate) * up, self.down_proj.weight)
 
 
+def causal_conv(x, history, conv, lengths=None):
+    """Causal depthwise convolution + SiLU over time: x (B, T, C) after history (B, C, W - 1), the inputs before it
+    -> (B, T, C), and the new history: the W - 1 inputs before each row's end (lengths (B,); None: T)."""
+    inputs = torch.cat([history.to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, C, W - 1 + T)
+    out = F.conv1d(inputs, conv.weight, conv.bias, groups=conv.groups)  # (B, C, T)
+    ends = torch.full((len(x),), x.shape[1], device=x.device) if lengths is None else lengths
+    window = ends[:, None] + torch.arange(history.shape[-1], device=x.device)  # (B, W - 1)
+    return F.silu(out.transpose(1, 2)), inputs.gather(2, window[:, None].expand(-1, inputs.shape[1], -1))
+
+
+def causal_conv_step(x, history, conv):
+    """causal_conv of one token x (B, C), in a few elementwise ops (one fused kernel when compiled); the history
+    (B, C, W - 1) moves on in place."""
+    inputs = torch.cat([history, x[..., None].to(history.dtype)], dim=-1)  # (B, C, W)
+    history.copy_(inputs[..., 1:])
+    return F.silu((inputs * conv.weight[:, 0]).sum(-1) + conv.bias).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
@@ -194,7 +217,10 @@ class FactorizationMemory(nn.Module):
         self.tau, self.eps, self.chunk_size = config.tau, config.fm_eps, config.chunk_size
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
-        self.in_proj = nn.Linear(config.d_model, config.memory_dim, bias=False)  # W_i
+        self.gated = config.fm_gate
+        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.memory_dim, bias=False)  # W_i (then W_z)
+        dim = self.memory_dim
+        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on the values
         self.out_proj = nn.Linear(config.memory_dim, config.d_model, bias=False)  # W_o
 
     def router_scores(self, x):
@@ -223,13 +249,28 @@ class FactorizationMemory(nn.Module):
         theta = eta * alpha
         if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
+        xbar, z, conv = self.values(x, None if state is None else state['conv'] if self.conv else None, lengths)
         h0 = None if state is None else state['h']
-        y, h = memory_scan(self.in_proj(x), theta, mu * alpha, h0, self.eps, self.chunk_size)  # y (B, T, d_memory)
-        return self.out_proj(y), {'h': h}
+        y, h = memory_scan(xbar, theta, mu * alpha, h0, self.eps, self.chunk_size)  # y (B, T, d_memory)
+        return self.out_proj(y if z is None else y * F.silu(z)), {'h': h} if conv is None else {'h': h, 'conv': conv}
+
+    def values(self, x, history=None, lengths=None):
+        """x (B, T, d_model) -> the values written into the memory (B, T, d_memory), after the convolution from its
+        last inputs history (B, d_memory, W - 1; None: zeros); the gate's input z (None without a gate); and the
+        convolution's last inputs after each row's end (lengths (B,); None: all T), None without one."""
+        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)
+        if self.conv is None:
+            return xbar, z, None
+        if history is None:
+            history = xbar.new_zeros(len(x), self.memory_dim, self.conv.kernel_size[0] - 1)
+        xbar, history = causal_conv(xbar, history, self.conv, lengths)
+        return xbar, z, history
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: updates state['h'] in place -> y (B, d_model)."""
-        xbar = self.in_proj(x)  # (B, d_memory)
+        """One token: updates the state's buffers in place -> y (B, d_model)."""
+        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
+        if self.conv is not None:
+            xbar = causal_conv_step(xbar, state['conv'], self.conv)
         if type(self).route is FactorizationMemory.route:  # the standard router: fused into the update
             with torch.autocast(x.device.type, enabled=False):
                 scores = self.router_scores(x)  # (B, M + 2)
@@ -239,11 +280,15 @@ class FactorizationMemory(nn.Module):
             if idx is None:  # dense: every row
                 idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
             y = memory_step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
-        return self.out_proj(y)
+        return self.out_proj(y if z is None else y * F.silu(z))
 
     def init_state(self, batch_size, max_len, device):
-        dtype = compute_dtype(self.in_proj.weight.dtype)
-        return {'h': torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=dtype, device=device)}
+        dtype = self.in_proj.weight.dtype
+        state = {'h': torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=compute_dtype(dtype), device=device)}
+        if self.conv is not None:
+            state['conv'] = torch.zeros(batch_size, self.memory_dim, self.conv.kernel_size[0] - 1, dtype=dtype,
+                                        device=device)
+        return state
 
 
 # ----------------------------------------------------------------------------- attention
@@ -374,7 +419,7 @@ class Mamba2(nn.Module):
         self.chunk_size = config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
         self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim)  # see conv_window
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim)  # see causal_conv
         dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform in [1e-3, 0.1]
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)
@@ -394,22 +439,12 @@ class Mamba2(nn.Module):
                                              initial_states=h0, return_final_states=True)
         return ssd_scan(x, dt, A, B, C, self.chunk_size, h0)
 
-    def conv_window(self, xBC, history):
-        """Causal depthwise conv + SiLU: xBC (b, L, conv_dim) after history (b, conv_dim, d_conv - 1), the inputs
-        before it -> (b, L, conv_dim), and the inputs it ran over (b, conv_dim, d_conv - 1 + L)."""
-        inputs = torch.cat([history.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)
-        out = F.conv1d(inputs, self.conv.weight, self.conv.bias, groups=self.conv_dim)  # (b, conv_dim, L)
-        return F.silu(out.transpose(1, 2)), inputs
-
     def forward(self, u, state=None, lengths=None):  # u (b, T, d_model)
         """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token (lengths (b,); None: T)."""
         b, T, _ = u.shape
         z, xBC, dt = self.split(self.in_proj(u))
         history = u.new_zeros(b, self.conv_dim, self.d_conv - 1) if state is None else state['conv']
-        xBC, inputs = self.conv_window(xBC, history)  # inputs (b, conv_dim, d_conv - 1 + T)
-        ends = torch.full((b,), T, device=u.device) if lengths is None else lengths
-        window = ends[:, None] + torch.arange(self.d_conv - 1, device=u.device)  # the d_conv - 1 inputs before the end
-        conv_state = inputs.gather(2, window[:, None].expand(-1, self.conv_dim, -1))  # (b, conv_dim, d_conv - 1)
+        xBC, conv_state = causal_conv(xBC, history, self.conv, lengths)  # conv_state (b, conv_dim, d_conv - 1)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(b, T, self.n_heads, self.head_dim)
         dt = F.softplus(dt + self.dt_bias)  # (b, T, H)
@@ -423,9 +458,7 @@ class Mamba2(nn.Module):
     def step(self, u, state):  # u (b, d_model)
         """One token: updates state['conv'] and state['ssm'] in place -> y (b, d_model)."""
         z, xBC, dt = self.split(self.in_proj(u))
-        xBC, inputs = self.conv_window(xBC[:, None], state['conv'])
-        state['conv'].copy_(inputs[..., 1:])
-        x, B, C = xBC[:, 0].split([self.d_inner, self.d_state, self.d_state], dim=-1)
+        x, B, C = causal_conv_step(xBC, state['conv'], self.conv).split([self.d_inner, self.d_state, self.d_state], -1)
         x = x.reshape(-1, self.n_heads, self.head_dim)  # (b, H, P)
         if selective_state_update is not None and u.is_cuda:
             y = self.fused_ssm_step(state['ssm'], x, dt, B, C)

@@ -517,6 +517,8 @@ def test_triton_scan_real_size_gpu(dtype, M, tol):
 MIXERS = {  # name -> config overrides; the fm cases use m = 8
     'fm_dense': dict(mixer='fm'),
     'fm_sparse': dict(mixer='fm', top_k=3),
+    'fm_block_dense': dict(mixer='fm', fm_conv=4, fm_gate=True),  # the layer with a convolution and an output gate
+    'fm_block_sparse': dict(mixer='fm', top_k=3, fm_conv=4, fm_gate=True),
     'attn': dict(mixer='attn'),
     'mamba2': dict(mixer='mamba2'),
 }
@@ -540,6 +542,37 @@ def fm_reference(layer, x):
     eta, mu = torch.sigmoid(layer.rates(x)).unbind(-1)  # (B, T)
     y, h = fm_kernel.fm_scan_naive(layer.in_proj(x), eta[..., None] * alpha, mu[..., None] * alpha, eps=layer.eps)
     return layer.out_proj(y), h
+
+
+def block_reference(layer, x):
+    """FM with its two parts beside the paper written out: values silu(causal conv of W_i x) (a loop over the taps,
+    zeros before the start), the read-out gated by silu(W_z x) before W_o."""
+    values, z = F.linear(x, layer.in_proj.weight).chunk(2, dim=-1)  # (B, T, D)
+    taps = layer.conv.weight[:, 0]  # (D, W)
+    W = taps.shape[1]
+    conv = sum(F.pad(values, (0, 0, W - 1 - j, 0))[:, :x.shape[1]] * taps[:, j] for j in range(W)) + layer.conv.bias
+    alpha = torch.softmax(layer.router(x) / layer.tau, dim=-1)
+    mask = torch.zeros_like(alpha).scatter(-1, alpha.topk(layer.top_k, dim=-1).indices, 1.0)
+    alpha = mask * alpha / (mask * alpha).sum(-1, keepdim=True)
+    eta, mu = torch.sigmoid(layer.rates(x)).unbind(-1)
+    y, h = fm_kernel.fm_scan_naive(F.silu(conv), eta[..., None] * alpha, mu[..., None] * alpha, eps=layer.eps)
+    return layer.out_proj(y * F.silu(z)), h
+
+
+@pytest.mark.parametrize('top_k', [3, None])
+def test_fm_block_matches_its_equations(top_k):
+    """fm_conv and fm_gate as block_reference writes them, in float64; the state carries the convolution's last
+    W - 1 values."""
+    torch.manual_seed(0)
+    layer = FactorizationMemory(tiny_config(top_k=top_k, fm_conv=4, fm_gate=True)).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 37, 32, dtype=torch.float64)
+    y, state = layer(x)
+    y_ref, h_ref = block_reference(layer, x)
+    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10
+    values = F.linear(x, layer.in_proj.weight[:32])  # W_i x, the convolution's input
+    assert rel_err(state['conv'], values[:, -3:].transpose(1, 2)) < 1e-15
 
 
 @pytest.mark.parametrize('top_k', [1, 3, 7, 8, None])
@@ -627,7 +660,7 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
         assert rel_err(stepped[row], alone[0, n - 1:]) < 1e-12, (row, n)
 
 
-@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'mamba2'])
+@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'fm_block_dense', 'fm_block_sparse', 'mamba2'])
 def test_chunked_pass_carries_the_state(name):
     """Recurrent mixers run a long text in chunks, each continuing from the last one's state: the same hidden
     states and final state as one pass (eval.py relies on this for bounded memory at any length)."""
@@ -838,14 +871,15 @@ def test_a_router_override_reaches_decoding(top_k):
 
 
 @needs_triton
-@pytest.mark.parametrize('top_k, tau, router', [(3, 1.0, 'standard'), (None, 1.0, 'standard'), (3, 0.5, 'standard'),
-                                                (3, 1.0, 'override'), (None, 0.5, 'override')])
-def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router):
+@pytest.mark.parametrize('top_k, tau, router, block', [
+    (3, 1.0, 'standard', False), (None, 1.0, 'standard', False), (3, 0.5, 'standard', False),
+    (3, 1.0, 'override', False), (None, 0.5, 'override', False), (3, 1.0, 'standard', True)])
+def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, block):
     """The dispatch the model takes on CUDA (fm_scan; fm_route_step, or fm_step for an overridden router;
     gemv.linear), here under the interpreter, in float32; with tau, which reaches the step's kernel apart from the
     forward's router."""
     torch.manual_seed(0)
-    model = fm_model(router, top_k=top_k, init_std=0.1, tau=tau).to(DEVICE).eval()
+    model = fm_model(router, top_k=top_k, init_std=0.1, tau=tau, fm_conv=4 * block, fm_gate=block).to(DEVICE).eval()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     steps = []
     with pytest.MonkeyPatch.context() as patch:
@@ -1353,8 +1387,10 @@ def hand_forward_flops(name, seq_len):
         per_layer += d * (64 + 80 + 4) + 80 * 4 + 80 + 3 * 4 + 64 + 64 * d  # in_proj, conv, dt, A, D, norm, out_proj
         work = 5 * 64 * 8  # each state element: decay, input outer product, add, C readout (2)
     else:  # m = 8 rows of 32; k = 3 (sparse) or 8 (dense)
-        k = 3 if name == 'fm_sparse' else 8
+        k = 3 if name.endswith('sparse') else 8
         per_layer += d * 8 + (2 * d + 2) + 2 * d * d  # router, rates (eta, mu; biased), in_proj, out_proj
+        if name.startswith('fm_block'):
+            per_layer += d * 4 + d + d * d  # a conv of 4 over the values (and its bias), the gate's W_z
         work = k * (9 * d + 5)  # paper App. FLOPS: the recurrence costs 9 d_memory + 5 per row read and written
     params = layers * per_layer + d  # and the final norm
     return params, 2 * (params + d * vocab) + layers * work
@@ -1415,8 +1451,12 @@ def routing_by_hand(model, tokens):
         else:
             probs_or_selections = probs
         eta = torch.sigmoid(x @ mixer.rates.weight[0].detach().double() + mixer.rates.bias[0].item())
+        kept = probs_or_selections if mixer.top_k < 8 else torch.ones_like(probs)  # the rows a token reads
+        weight = probs * kept / (probs * kept).sum(-1, keepdim=True)  # alpha renormalised over them
+        heaviest = weight.mean(0).argmax()
         layers.append({'usage': probs_or_selections.mean(0), 'entropy': float(-(probs * probs.log()).sum(-1).mean()),
-                       'eta_mean': float(eta.mean())})
+                       'eta_mean': float(eta.mean()), 'weight_usage': weight.mean(0),
+                       'busiest_row_theta': float((eta * weight[:, heaviest]).mean())})
     return layers
 
 
@@ -1451,6 +1491,12 @@ def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
             assert layer['dead_rows'] == int((want['usage'] < 1 / 80).sum()) >= 1
             assert layer['entropy'] == pytest.approx(want['entropy'], abs=1e-9)
             assert layer['eta_mean'] == pytest.approx(want['eta_mean'], abs=1e-6)
+            weight = torch.tensor(layer['weight_usage'], dtype=torch.float64)
+            assert (weight - want['weight_usage']).abs().max() < 1e-9 and abs(weight.sum() - 1) < 1e-9
+            entropy = -torch.special.xlogy(want['weight_usage'], want['weight_usage']).sum()  # 0 log 0 = 0
+            assert layer['weight_effective_rows'] == pytest.approx(float(torch.exp(entropy)))
+            assert layer['busiest_row_theta'] == pytest.approx(want['busiest_row_theta'], abs=1e-6)
+            assert layer['busiest_row_ablation'] == 0  # the planted blocks add nothing: no read-out reaches the loss
         saved = json.loads((tmp_path / name / 'routing.json').read_text())
         keys = ('usage', 'dead_rows', 'entropy', 'eta_mean')
         assert [[layer[key] for key in keys] for layer in saved['layers']] == [
@@ -1460,6 +1506,32 @@ def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
     assert [(row['checkpoint'], row['layer']) for row in rows] == [('sparse', '0'), ('sparse', '1'), ('dense', '0'),
                                                                    ('dense', '1')]
     assert [int(row['dead_rows']) for row in rows] == [layer['dead_rows'] for r in results for layer in r['layers']]
+
+
+def test_busiest_row_ablation_zeroes_that_rows_read_out_only():
+    """The ablation of a layer's heaviest row is the loss with that row's phi zeroed in that layer alone (the row
+    still written), written out by hand; the model computes as before afterwards."""
+    torch.manual_seed(12)
+    model = Model(tiny_config(top_k=3, init_std=0.3)).double().eval()
+    tokens = torch.randint(0, 64, (40,))
+    layers = [{'weight_usage': [0.0] * 8} for _ in model.blocks]
+    layers[1]['weight_usage'][5] = 1.0  # layer 1's row 5
+    cfg = {'device': 'cpu', 'dtype': 'float32', 'chunk_len': 16}
+    base = model(tokens[None, :-1], tokens[None, 1:])[1].item()
+    evaluation.add_ablations(model, [tokens.numpy()], cfg, layers)
+    x = model.embed(tokens[None, :-1])
+    x, _ = model.blocks[0](x)
+    block, mixer = model.blocks[1], model.blocks[1].mixer
+    h = block.mixer_norm(x)
+    idx, alpha, eta, mu = mixer.route(h)
+    alpha = torch.zeros(*h.shape[:-1], 8, dtype=alpha.dtype).scatter(-1, idx, alpha)
+    phi = (mu * alpha).index_fill(-1, torch.tensor([5]), 0.0)
+    y, _ = fm_kernel.fm_scan_naive(mixer.in_proj(h), eta * alpha, phi, eps=mixer.eps)
+    x = block.add_mlp(x + mixer.out_proj(y))
+    ablated = F.cross_entropy(model.head(x)[0], tokens[1:]).item()
+    assert layers[1]['busiest_row_ablation'] == pytest.approx(ablated - base, abs=1e-9)
+    assert abs(ablated - base) > 1e-4
+    assert model(tokens[None, :-1], tokens[None, 1:])[1].item() == base
 
 
 @pytest.mark.parametrize('name', ['attn', 'mamba2'])
@@ -1683,7 +1755,8 @@ def test_num_params(tie):
 
 
 def test_flops_per_token():
-    fm_dense, fm_sparse, attn, mamba2 = (Model(tiny_config(**MIXERS[name])) for name in MIXERS)
+    names = ('fm_dense', 'fm_sparse', 'attn', 'mamba2')
+    fm_dense, fm_sparse, attn, mamba2 = (Model(tiny_config(**MIXERS[name])) for name in names)
     for model in (fm_dense, fm_sparse, attn, mamba2):
         assert model.flops_per_token(48) > 6 * model.num_params()
     assert fm_dense.flops_per_token(48) == fm_dense.flops_per_token(4096)  # recurrent: no context term
