@@ -126,11 +126,13 @@ def open_checkpoint(out_dir, ckpt_name):
 
 
 def describe(config):
-    """A short name of a model config (a dict): '6x256 fm m=64 k=16 tau=1', '6x256 attn', '6x256 mamba2'."""
+    """A short name of a model config (a dict): '6x256 fm m=64 k=16 tau=1', '6x256 fm m=64 k=16 tau=1 conv4 gate'
+    (the block's parts beside the paper's layer), '6x256 attn', '6x256 mamba2'."""
     name = f"{config['n_layer']}x{config['d_model']} {config['mixer']}"
     if config['mixer'] == 'fm':
         m, k = config['n_memory'], config['top_k'] or config['n_memory']
         name += f" m={m} {'dense' if k == m else f'k={k}'} tau={config['tau']:g}"
+        name += f" conv{config['fm_conv']}" * bool(config.get('fm_conv')) + ' gate' * bool(config.get('fm_gate'))
     return name
 
 
