@@ -335,16 +335,17 @@ def bench_stages():
 def config_value(path, key):
     """The value of one setting in a config/*.py file as train.py reads it."""
     import train
-    from configurator import load_config
-    return load_config(train.default_config(), [path], train.optional_types())[key]
+    from configurator import load_config, optional_types
+    from model import ModelConfig
+    return load_config(train.default_config(), [path], optional_types(ModelConfig))[key]
 
 
 def model_from_config_file(path, vocab_size, **overrides):
     """A Model built from a config/*.py file as train.py reads it (ModelConfig fields only)."""
     import train
-    from configurator import load_config
+    from configurator import load_config, optional_types
     from model import Model, ModelConfig
-    cfg = load_config(train.default_config(), [path], train.optional_types())
+    cfg = load_config(train.default_config(), [path], optional_types(ModelConfig))
     names = {f for f in ModelConfig.__dataclass_fields__}
     model_cfg = ModelConfig(**{k: v for k, v in cfg.items() if k in names}, vocab_size=vocab_size)
     return Model(ModelConfig(**{**model_cfg.__dict__, **overrides}))
@@ -360,14 +361,17 @@ def train_step(model, optimizer, batch, autocast):
 
 
 def bench_train(args):
-    """Training steps (AdamW, bf16 autocast, optionally compiled) on random tokens of the 1B configs."""
-    import train
-    _, autocast = train.precision("bfloat16", "cuda")  # as train.py: bf16 autocast, TF32 where float32 remains
+    """Training steps (AdamW, bf16 autocast, optionally compiled) on random tokens of the 1B models (MODELS, those
+    args.models selects)."""
+    torch.set_float32_matmul_precision("high")  # as train.py: bf16 autocast, TF32 where float32 remains
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     rows = []
-    for path in args.configs:
+    for name, path, overrides, fused in generate_models(args):
+        if fused:  # a decoding kernel: the same training
+            continue
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        model = model_from_config_file(path, args.vocab_size, block_size=args.block_size).cuda()
+        model = model_from_config_file(path, args.vocab_size, block_size=args.block_size, **overrides).cuda()
         optimizer = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), "cuda")
         step_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
         tokens = torch.randint(args.vocab_size, (args.steps + 3, args.batch_size, args.block_size + 1), device="cuda")
@@ -380,7 +384,7 @@ def bench_train(args):
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.steps
         tokens_per_s = args.batch_size * args.block_size / seconds
-        rows.append({"config": path.split("/")[-1], "params M": model.num_params() / 1e6,
+        rows.append({"model": name, "params M": model.num_params() / 1e6,
                      "ms/step": 1e3 * seconds, "tokens/s": tokens_per_s,
                      "MFU %": 100 * model.estimate_mfu(tokens_per_s),
                      "peak GB": torch.cuda.max_memory_allocated() / 2**30})
@@ -436,8 +440,9 @@ def kernel_kind(name):
     return next((kind for kind, keys in kinds if any(key in name.lower() for key in keys)), "other")
 
 
-GENERATE_MODELS = (  # (name, config file, ModelConfig overrides, use mamba-ssm's fused decode step)
+MODELS = (  # (name, config file, ModelConfig overrides, use mamba-ssm's fused decode step)
     ("fm_1b k=8", "config/fm_1b.py", {}, False),
+    ("fm_1b block", "config/fm_1b.py", {"fm_conv": 4, "fm_gate": True, "d_ff": 4800}, False),  # parameters -0.2%
     ("fm_1b dense", "config/fm_1b.py", {"top_k": None}, False),
     ("mamba2_1b", "config/mamba2_1b.py", {}, False),
     ("mamba2_1b fused", "config/mamba2_1b.py", {}, True),
@@ -477,7 +482,8 @@ def decode_ms(generator, n_tokens):
 
 
 def prefill_ms(generator, prompts):
-    """ms of Generator.start (the parallel pass, its state written into the buffers), best of two."""
+    """ms of Generator.start (the parallel pass, compiled with the step, its state written into the buffers), best of
+    two (the first compiles)."""
     times = []
     for _ in range(2):
         torch.cuda.synchronize()
@@ -508,8 +514,8 @@ def measure_decode(model, batch, prompt_len, args, bandwidth, vocab):
 
 
 def generate_models(args):
-    """GENERATE_MODELS whose name contains one of args.models (all when None)."""
-    return [m for m in GENERATE_MODELS if args.models is None or any(part in m[0] for part in args.models)]
+    """MODELS whose name contains one of args.models (all when None)."""
+    return [m for m in MODELS if args.models is None or any(part in m[0] for part in args.models)]
 
 
 def set_decode_switches(args):
@@ -539,7 +545,8 @@ def bench_generate(args):
             model = model_from_config_file(path, vocab, **overrides).to(torch.bfloat16).eval()
         prompt = torch.randint(vocab, (1, args.prompt)).tolist()
         row = {"model": name, "params M": model.num_params(non_embedding=False) / 1e6,
-               "prefill ms": prefill_ms(Generator(model, Sampling(temperature=0)), prompt)}
+               "prefill ms": prefill_ms(Generator(model, Sampling(temperature=0),
+                                                  compile=args.compile_mode if args.compile else None), prompt)}
         for batch in args.batch:
             result = measure_decode(model, batch, args.prompt, args, bandwidth, vocab)
             row.update({f"b{batch} {key}": value for key, value in result.items()})
@@ -682,8 +689,6 @@ def print_table(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["kernels", "stages", "train", "generate", "gemv"])
-    parser.add_argument("--configs", nargs="+",
-                        default=["config/fm_1b.py", "config/transformer_1b.py", "config/mamba2_1b.py"])
     parser.add_argument("--vocab_size", type=int, default=100288, help="cl100k_base padded to a multiple of 64")
     parser.add_argument("--block_size", type=int, default=2048)
     parser.add_argument("--batch_size", type=int, default=8)
@@ -698,7 +703,8 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="generate: batch sizes")
     parser.add_argument("--sweep", type=int, nargs="*", default=[1024, 4096, 16384, 65536],
                         help="generate: prompt lengths of the context sweep at batch 1 (none: no sweep, no plot)")
-    parser.add_argument("--models", nargs="+", help="generate: only the models whose name contains one of these")
+    parser.add_argument("--models", nargs="+", help="train, generate: only the models (of MODELS) whose name contains "
+                                                    "one of these")
     parser.add_argument("--coordinate_descent", type=int, default=1,
                         help="generate: 0 compiles the step without STEP_COMPILE_OPTIONS (cuBLAS GEMVs)")
     parser.add_argument("--out_dir", default="out-bench", help="where plots and profiles go")

@@ -74,13 +74,15 @@ class Generator:
     in place; on CUDA a step is one CUDA-graph replay, captured once per batch size and length."""
 
     def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
-        """compile: None (the step as written) or a torch.compile mode ('default', 'max-autotune-no-cudagraphs'),
-        which fuses the step's small kernels at the cost of a compilation per batch size; with STEP_COMPILE_OPTIONS."""
+        """compile: None (the model as written) or a torch.compile mode ('default', 'max-autotune-no-cudagraphs'):
+        the step (with STEP_COMPILE_OPTIONS) and the prefill's parallel pass are compiled, which fuses their small
+        kernels at the cost of a compilation per batch size (step) and prompt shape (prefill)."""
         sampling.validate()
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
         self.compiled_step = self._step if compile is None else torch.compile(self._step, options=step_options(compile))
+        self.hidden = model.hidden if compile is None else torch.compile(model.hidden, mode=compile)
         self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
         self.shape = self.graph = None
 
@@ -139,7 +141,7 @@ class Generator:
         piece = width if self.model.config.mixer == 'attn' else self.prefill_tokens
         states = None
         for start in range(0, width, piece):
-            x, states = self.model.hidden(idx[:, start:start + piece], states, (lengths - start).clamp(max=piece))
+            x, states = self.hidden(idx[:, start:start + piece], states, (lengths - start).clamp(max=piece))
         return x[torch.arange(len(prompts), device=self.device), lengths - 1 - start], states  # in the last piece
 
     @torch.no_grad()

@@ -1292,21 +1292,43 @@ def test_frontier_sizes_match_in_parameters():
             assert (c['n_memory'], c['top_k'], c['tau']) == (64, 16, 1.0), line
     assert list(sizes) == ['8M', '4M', '2M', '1M']
     for size, n_params in sizes.items():
-        assert set(n_params) == {'transformer', 'mamba2', 'fm-k16'}, size
+        assert set(n_params) == {'transformer', 'mamba2', 'fm-k16', 'fm-k16-block'}, size
         assert max(n_params.values()) / min(n_params.values()) < 1.01, (size, n_params)
         assert 0.8 < n_params['fm-k16'] / (int(size[:-1]) * 1e6) < 1.25, (size, n_params)
-    grids = dict(LRS_TRANSFORMER='1e-3 2e-3', LRS_MAMBA2='2e-3', LRS_FM='5e-4 1e-3', SEEDS='1 2')
+    grids = dict(LRS_TRANSFORMER='1e-3 2e-3', LRS_MAMBA2='2e-3', LRS_FM='5e-4 1e-3', LRS_FM_BLOCK='2e-3', SEEDS='1 2',
+                 MODELS='transformer mamba2 fm-k16 fm-k16-block fm-dense')
     at_4m = reproduce_sh('frontier_runs', SIZES='4M', **grids).splitlines()
     extrapolation = reproduce_sh('extrapolation_runs', **grids).splitlines()
-    assert len(at_4m) == 5 and set(at_4m) == {line for line in extrapolation if ' --seed=1' in line
-                                              and not line.startswith(('extrapolation/fm-dense', 'extrapolation/fm-k4'))}
+    assert len(at_4m) == 6 and set(at_4m) == {line for line in extrapolation if ' --seed=1' in line
+                                              and not line.startswith('extrapolation/fm-dense')}
+
+
+def test_extrapolation_models_match_in_parameters():
+    """Every model of reproduce.sh's extrapolation subset (the variants of FM's block through d_ff) has the
+    non-embedding parameters of FM k = 16 within 0.3%; the paper's layer and the block have three seeds."""
+    config, types = defaults()
+    params, seeds = {}, {}
+    for line in reproduce_sh('extrapolation_models | while read -r model seeds; do '
+                             'echo "$model $(extrapolation_model "$model")"; done').splitlines():
+        model, *args = line.split()
+        c = load_config(config, args, types)
+        with torch.device('meta'):
+            params[model] = Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
+                                              vocab_size=256)).num_params()
+    for line in reproduce_sh('extrapolation_models').splitlines():
+        model, *model_seeds = line.split()
+        seeds[model] = model_seeds
+    assert {'fm-k16-gate', 'fm-k16-conv', 'fm-k16-block', 'fm-dense-block', 'fm-k4-block'} <= set(params)
+    for model, n in params.items():
+        assert abs(n / params['fm-k16'] - 1) < 0.003, (model, n)
+    assert seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3'] and seeds['fm-k16-gate'] == ['1', '2']
 
 
 def test_reproduce_frontier_dry_run(tmp_path):
     """bash research/reproduce.sh frontier on the CPU, 2 steps a run, one size and one learning rate a model: every
     run in frontier.csv, at its best rate, with its training FLOPs and losses at 2x and 8x the context."""
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), JOBS='3', SIZES='1M',
-               LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
+               LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3', MODELS='transformer mamba2 fm-k16',
                TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
     run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
@@ -1640,7 +1662,7 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
     analysis.write_records([earlier], analysis.SWEEP_FIELDS + ('loss_so_far_2x', 'loss_so_far_8x'),
                              previous / 'frontier.csv')
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=str(previous), JOBS='2',
-               SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3',
+               SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3', MODELS='transformer mamba2 fm-k16',
                TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
     run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})

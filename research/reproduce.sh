@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The paper's experiments at small scale on one GPU, on the default corpus (bytes), one subset a call:
-#   bash research/reproduce.sh extrapolation  # Figures 3-4: Transformer, Mamba-2, FM dense, k = m/4, k = 4 trained
-#                                             # at 512 (research/extrapolation_*.py), each at 3 learning rates x
-#                                             # SEEDS (30 runs); the learning-rate table, then loss by position of
-#                                             # each model at its best rate
-#   bash research/reproduce.sh frontier       # Figures 2-3: Transformer, Mamba-2 and FM k = m/4 = 16 at 1M, 2M, 4M
-#                                             # and 8M parameters (frontier_sizes below), each at 3 learning rates,
-#                                             # seed 1 (36 runs, the 9 at 4M are extrapolation runs); loss against
-#                                             # forward FLOPs at the training context and at 2x and 8x it
-#   bash research/reproduce.sh routing        # which memory rows FM's tokens use: k = m/4 = 16 at tau 1 and 0.5
-#                                             # and dense at LR_FM x SEEDS; m = 128, 64, 16 at the memory-scaling
-#                                             # shape, k = m/4, dense and k = 4 (14 runs); eval.py routing of each
+#   bash research/reproduce.sh extrapolation  # Figures 3-4: the Transformer, Mamba-2, FM (the paper's layer: dense,
+#                                             # k = m/4, k = 4; with a gate, a conv or both, the block: k = m/4,
+#                                             # dense and k = 4 with both) trained at 512 (research/extrapolation_*.py),
+#                                             # each at 3 learning rates x its seeds (extrapolation_models below); the
+#                                             # learning-rate table, then loss by position of each at its best rate
+#   bash research/reproduce.sh frontier       # Figures 2-3: the Transformer, Mamba-2, FM k = m/4 = 16 and the same
+#                                             # with the block at 1M, 2M, 4M and 8M parameters (frontier_sizes below),
+#                                             # each at 3 learning rates, seed 1 (the 4M runs are extrapolation runs);
+#                                             # loss against forward FLOPs at the training context and at 2x and 8x
+#   bash research/reproduce.sh routing        # eval.py routing (which memory rows the tokens use, by selection and by
+#                                             # weight) of the extrapolation subset's FM runs at their best rates
 #   bash research/reproduce.sh scaling        # Figure 5: FM with m = 16..256, dense / k = 4 / k = m/4, tau = 1..0.125
-#                                             # (research/scaling_fm.py, 56 runs); validation loss at each m's
-#                                             # best tau
+#                                             # (research/scaling_fm.py, 56 runs; VARIANT=block: with the block);
+#                                             # validation loss at each m's best tau
 # Every run trains 640 steps of 32 x 512 bytes = 10.5M bytes (scaling: 480 x 16 x 512 = 3.9M), about 1.9 passes
 # over the 5.5M-byte training split, with min_lr = learning_rate / 10.
 # Each subset trains its runs, JOBS at a time (small models leave a GPU idle between kernel launches), skipping
@@ -27,12 +27,16 @@
 #   RESULTS=$OUT or results where the results go
 #   JOBS=12                 trainings at once
 #   TRAIN_SECONDS=420       then running trainings save a checkpoint and stop (run again to resume them); 0: no limit
-#   SEEDS="1 2"             extrapolation seeds ("1 2 3" adds a third: the first two are not trained again)
+#   MODELS=                 the models of extrapolation_models trained and evaluated (extrapolation, frontier);
+#                           empty: all
+#   SEEDS="1 2 3"           the seeds trained, of each model's own (extrapolation_models)
 #   LRS_TRANSFORMER="1e-3 2e-3 4e-3"  learning rates of the Transformer (extrapolation and frontier); a rate
 #   LRS_MAMBA2="2e-3 4e-3 8e-3"       added later trains only its own runs; the sweep warns when a model's best
-#   LRS_FM="5e-4 1e-3 2e-3"           rate is the lowest or highest of its grid (every FM model)
-#   LR_FM=1e-3              the learning rate of the routing subset's FM runs (FM's best in the extrapolation subset)
+#   LRS_FM="5e-4 1e-3 2e-3"           rate is the lowest or highest of its grid (the paper's FM layer)
+#   LRS_FM_BLOCK="1e-3 2e-3 4e-3"     FM with a gate, a conv or both
 #   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
+#   MEMORIES="256 128 64 32 16", TAUS="1 0.5 0.25 0.125"  the scaling subset's m and tau; VARIANT=block: FM with the
+#                           block (its runs in RUNS/scaling-block)
 #   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv,
 #                           routing.csv and scaling.csv list are not trained again; the tables and plots include them
 #                           (routing's: only this machine's runs)
@@ -44,12 +48,16 @@ cd "$(dirname "$0")/.."
 export RUNS=${RUNS:-out-repro} TRAIN_SECONDS=${TRAIN_SECONDS:-420} TRAIN_ARGS=${TRAIN_ARGS:-}
 RESULTS=${RESULTS:-${OUT:-results}}
 JOBS=${JOBS:-12}
-SEEDS=${SEEDS:-1 2}
+MODELS=${MODELS:-}
+SEEDS=${SEEDS:-1 2 3}
 LRS_TRANSFORMER=${LRS_TRANSFORMER:-1e-3 2e-3 4e-3}
 LRS_MAMBA2=${LRS_MAMBA2:-2e-3 4e-3 8e-3}
 LRS_FM=${LRS_FM:-5e-4 1e-3 2e-3}
-LR_FM=${LR_FM:-1e-3}
+LRS_FM_BLOCK=${LRS_FM_BLOCK:-1e-3 2e-3 4e-3}
 SIZES=${SIZES:-1M 2M 4M 8M}
+MEMORIES=${MEMORIES:-256 128 64 32 16}
+TAUS=${TAUS:-1 0.5 0.25 0.125}
+VARIANT=${VARIANT:-}
 export PREVIOUS=${PREVIOUS:-}
 export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
 
@@ -117,6 +125,7 @@ lr_runs() {  # lr_runs SUBSET/NAME MODEL SEED train.py-arguments...: a run line 
     case $model in
         transformer) lrs=$LRS_TRANSFORMER;;
         mamba2) lrs=$LRS_MAMBA2;;
+        fm*-gate|fm*-conv|fm*-block) lrs=$LRS_FM_BLOCK;;
         fm*) lrs=$LRS_FM;;
     esac
     for lr in $lrs; do
@@ -126,20 +135,46 @@ lr_runs() {  # lr_runs SUBSET/NAME MODEL SEED train.py-arguments...: a run line 
 
 # ----------------------------------------------------------------------------- subsets: one function each
 
-extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments
+extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments (d_ff: the parameters within 0.1% of FM's)
     case $1 in
         transformer) echo research/extrapolation_transformer.py;;
         mamba2) echo research/extrapolation_mamba2.py;;
         fm-dense) echo research/extrapolation_fm.py --top_k=None;;
         fm-k16) echo research/extrapolation_fm.py;;
         fm-k4) echo research/extrapolation_fm.py --top_k=4;;
+        fm-k16-gate) echo research/extrapolation_fm.py --fm_gate=True --d_ff=619;;
+        fm-k16-conv) echo research/extrapolation_fm.py --fm_conv=4 --d_ff=702;;
+        fm-k16-block) echo research/extrapolation_fm.py --fm_conv=4 --fm_gate=True --d_ff=617;;
+        fm-dense-block) echo research/extrapolation_fm.py --top_k=None --fm_conv=4 --fm_gate=True --d_ff=617;;
+        fm-k4-block) echo research/extrapolation_fm.py --top_k=4 --fm_conv=4 --fm_gate=True --d_ff=617;;
     esac
 }
 
-extrapolation_runs() {  # each model at each learning rate of its grid, each seed
-    local seed model
-    for seed in $SEEDS; do
-        for model in transformer mamba2 fm-dense fm-k16 fm-k4; do
+extrapolation_models() {  # MODEL SEEDS...: the paper's layer and the best variant with three seeds, the rest two
+    cat <<'EOF'
+transformer 1 2
+mamba2 1 2
+fm-k16 1 2 3
+fm-dense 1 2
+fm-k4 1 2
+fm-k16-gate 1 2
+fm-k16-conv 1 2
+fm-k16-block 1 2 3
+fm-dense-block 1 2
+fm-k4-block 1 2
+EOF
+}
+
+selected() {  # selected MODEL: whether MODELS (empty: all) names it
+    [[ -z $MODELS || " $MODELS " == *" $1 "* ]]
+}
+
+extrapolation_runs() {  # each model at each learning rate of its grid, each of its seeds in SEEDS
+    local model seeds seed
+    extrapolation_models | while read -r model seeds; do
+        selected "$model" || continue
+        for seed in $seeds; do
+            [[ " $SEEDS " == *" $seed "* ]] || continue
             # shellcheck disable=SC2046  # the config and its arguments: several words
             lr_runs "extrapolation/$model" "$model" "$seed" $(extrapolation_model "$model")
         done
@@ -180,13 +215,17 @@ frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MO
 1M transformer --n_layer=6 --d_model=128 --n_head=2 --n_kv_head=1 --d_ff=364
 1M mamba2      --n_layer=6 --d_model=128 --d_ff=316
 1M fm-k16      --n_layer=6 --d_model=128
+8M fm-k16-block --n_layer=12
+4M fm-k16-block
+2M fm-k16-block --n_layer=12 --d_model=128 --d_ff=340
+1M fm-k16-block --n_layer=6 --d_model=128 --d_ff=340
 EOF
 }
 
 frontier_runs() {  # each model of SIZES at each learning rate of its grid, seed 1
     local size model args
     frontier_sizes | while read -r size model args; do
-        [[ " $SIZES " == *" $size "* ]] || continue
+        [[ " $SIZES " == *" $size "* ]] && selected "$model" || continue
         # shellcheck disable=SC2046,SC2086  # the config and its arguments: several words
         if [[ -z $args ]]; then
             lr_runs "extrapolation/$model" "$model" 1 $(extrapolation_model "$model")
@@ -206,50 +245,36 @@ frontier() {
     python research/analysis.py frontier $runs --out="$RESULTS/frontier"
 }
 
-routing_runs() {  # the paper's layer at FM's rate LR_FM, sparse and dense, and k = 16 at tau 0.5
-    local base="--learning_rate=$LR_FM --min_lr=$(tenth "$LR_FM")" seed m k
-    for seed in $SEEDS; do  # extrapolation_fm.py: k = m/4 = 16 at tau 1 and 0.5, dense
-        echo "routing/k16-plain-s$seed research/extrapolation_fm.py $base --seed=$seed"
-        echo "routing/k16-tau0.5-s$seed research/extrapolation_fm.py --tau=0.5 $base --seed=$seed"
-        echo "routing/dense-plain-s$seed research/extrapolation_fm.py --top_k=None $base --seed=$seed"
-    done
-    for m in 128 64 16; do  # the memory-scaling shape (scaling_fm.py): k = m/4, dense and k = 4
-        for k in $(( m / 4 )) "$m" $( (( m / 4 != 4 )) && echo 4 ); do
-            echo "routing/m$m-$( (( k == m )) && echo dense || echo "k$k" )-plain research/scaling_fm.py \
---n_memory=$m --top_k=$( (( k == m )) && echo None || echo "$k" ) $base"
-        done
-    done
-}
-
-routing() {
-    routing_runs | train_all
-    echo "training done at $(( $(date +%s) - BEGIN )) s"
+routing() {  # the extrapolation subset's FM runs at their best rates (run it first)
     local runs
-    runs=$(routing_runs | finished | sed 's/^--runs=/--out_dir=/')
-    [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    runs=$(grep -s '/extrapolation/fm-' "$RESULTS/extrapolation_lr_best.txt" | while read -r dir; do
+               if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
+    [[ -z $runs ]] && { echo "no FM runs of the extrapolation subset here: run it first"; return 0; }
     # shellcheck disable=SC2086  # several --out_dir
     python eval.py routing $runs --out="$RESULTS/routing"
 }
 
 scaling() {
-    local done_before=" "
-    [[ -n $PREVIOUS && -f $PREVIOUS/scaling.csv ]] &&
-        done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/scaling.csv")"
+    local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant=
+    [[ $VARIANT == block ]] && variant="--fm_conv=4 --fm_gate=True --d_ff=617"  # parameters within 0.1%
+    [[ -n $PREVIOUS && -f $PREVIOUS/$subset.csv ]] &&
+        done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/$subset.csv")"
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
     # about 5 GB each, so only a few of those at a time
-    for tau in 1 0.5 0.25 0.125; do
-        for m in 256 128 64 32 16; do
+    for tau in $TAUS; do
+        for m in $MEMORIES; do
             for k in $m $(( m / 4 )) $( (( m / 4 != 4 )) && echo 4 ); do  # at m = 16, k = m/4 is k = 4
                 local name="m$m-$( (( k == m )) && echo dense || echo "k$k" )-tau$tau"
                 [[ $done_before == *" $name "* ]] && continue
-                echo "scaling/$name research/scaling_fm.py --n_memory=$m \
---top_k=$( (( k == m )) && echo None || echo "$k" ) --tau=$tau"
+                echo "$subset/$name research/scaling_fm.py --n_memory=$m \
+--top_k=$( (( k == m )) && echo None || echo "$k" ) --tau=$tau $variant"
             done
         done
     done | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
-    mkdir -p "$RUNS/scaling"
-    python research/analysis.py scaling $(previous scaling.csv) --runs="$RUNS/scaling" --out="$RESULTS/scaling"
+    mkdir -p "$RUNS/$subset"
+    # shellcheck disable=SC2046  # previous: one argument or none
+    python research/analysis.py scaling $(previous "$subset.csv") --runs="$RUNS/$subset" --out="$RESULTS/$subset"
 }
 
 # ----------------------------------------------------------------------------- the subset named
