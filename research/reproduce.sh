@@ -26,6 +26,7 @@
 #   RUNS=out-repro          run folders (out-* is ignored by git); RUNS/<subset>/<run>/finished marks a finished run
 #   RESULTS=$OUT or results where the results go
 #   JOBS=12                 trainings at once
+#   GPUS=                   the GPUs to spread the trainings over, e.g. "0 1" (empty: the default GPU)
 #   TRAIN_SECONDS=420       then running trainings save a checkpoint and stop (run again to resume them); 0: no limit
 #   MODELS=                 the models of extrapolation_models trained and evaluated (extrapolation, frontier);
 #                           empty: all
@@ -45,7 +46,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-export RUNS=${RUNS:-out-repro} TRAIN_SECONDS=${TRAIN_SECONDS:-420} TRAIN_ARGS=${TRAIN_ARGS:-}
+export RUNS=${RUNS:-out-repro} TRAIN_SECONDS=${TRAIN_SECONDS:-420} TRAIN_ARGS=${TRAIN_ARGS:-} GPUS=${GPUS:-}
 RESULTS=${RESULTS:-${OUT:-results}}
 JOBS=${JOBS:-12}
 MODELS=${MODELS:-}
@@ -86,8 +87,11 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
     [[ -f $dir/ckpt.pt ]] && resume=(--init_from=resume)
     (( TRAIN_SECONDS > 0 )) && limit=(timeout --signal=TERM --kill-after=60 "$left")
     start=$(date +%s)
+    local gpus=($GPUS) gpu=()  # with several GPUs, each run on one of them, chosen by its name
+    (( ${#gpus[@]} )) && gpu=(env CUDA_VISIBLE_DEVICES="${gpus[$(( $(cksum <<< "$name" | cut -d' ' -f1) \
+                                                                 % ${#gpus[@]} ))]}")
     # shellcheck disable=SC2086  # TRAIN_ARGS: several arguments
-    OMP_NUM_THREADS=1 "${limit[@]}" python train.py "$@" $TRAIN_ARGS --out_dir="$dir" "${resume[@]}" \
+    OMP_NUM_THREADS=1 "${gpu[@]}" "${limit[@]}" python train.py "$@" $TRAIN_ARGS --out_dir="$dir" "${resume[@]}" \
         >> "$dir/train.log" 2>&1 || status=$?
     case $status in
         0) touch "$dir/finished"
