@@ -284,7 +284,8 @@ class FactorizationMemory(nn.Module):
 
     def init_state(self, batch_size, max_len, device):
         dtype = self.in_proj.weight.dtype
-        state = {'h': torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=compute_dtype(dtype), device=device)}
+        h = torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=compute_dtype(dtype), device=device)
+        state = {'h': h}
         if self.conv is not None:
             state['conv'] = torch.zeros(batch_size, self.memory_dim, self.conv.kernel_size[0] - 1, dtype=dtype,
                                         device=device)

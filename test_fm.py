@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -886,7 +887,8 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
         patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, _: fm_scan(x, theta, phi, h0, eps))
         patch.setattr(model_module, 'triton_step', lambda h: True)
         for name in ('fm_step', 'fm_route_step'):
-            patch.setattr(fm_kernel, name, lambda *args, step=getattr(fm_kernel, name): steps.append(step) or step(*args))
+            step = getattr(fm_kernel, name)
+            patch.setattr(fm_kernel, name, lambda *args, step=step: steps.append(step) or step(*args))
         patch.setattr(gemv, 'decode_linear', lambda x, weight: torch.cat([gemv.linear(row[None], weight) for row in x]))
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
@@ -2402,12 +2404,54 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
     ('--grad_clip=-1', '--grad_clip=-1.0 is out of range: set it to at least 0 (the gradient norm clipped to; 0: no '
                        'clipping)'),
     ('--out_dir=', '--out_dir is empty: name the folder the checkpoints go to'),
+    ('--seed=-1', '--seed=-1 is out of range: set it to at least 0'),
+    ('--min_lr=1.0', '--min_lr=1.0 is above --learning_rate=0.01: the cosine decays from learning_rate to min_lr'),
+    ('--vocab_multiple=0', '--vocab_multiple=0 is out of range: set it to at least 1'),
+    ('--chunk_size=7', 'ModelConfig.chunk_size=7: must be a power of 2'),
+    ('--mixer=foo', "ModelConfig.mixer='foo': unknown mixer; use one of fm, attn, mamba2"),
+    ('--n_layer=0', 'ModelConfig.n_layer=0: must be positive'),
+    ('--fm_conv=-1', 'ModelConfig.fm_conv=-1: must be >= 0'),
+    ('--batch_size=100000000', '--batch_size=100000000 x --block_size=48 = 4,800,000,000 tokens a micro-batch need '
+                               'more than'),
+    ('--data_dir=FILE', 'is a file: give the folder prepare_data.py writes to'),
+    *([] if importlib.util.find_spec('wandb') else [('--wandb_log=True', '--wandb_log=True needs wandb: pip install')]),
 ])
 def test_bad_settings_are_refused(data_dir, tmp_path, arg, message):
+    """Each refused before anything is written: no out_dir, no lock file."""
+    arg = arg.replace('FILE', str(Path(data_dir) / 'default_bytes' / 'train.bin'))
+    out_dir = tmp_path / 'new'
     with pytest.raises(ConfigError) as error:
-        train.main(tiny(data_dir, tmp_path, arg))
+        train.main([*tiny(data_dir, out_dir), arg])  # after tiny's --data_dir
     assert message in str(error.value)
-    assert not os.listdir(tmp_path)  # before anything is written
+    assert not out_dir.exists()
+
+
+def test_a_run_refused_after_claiming_its_folder_leaves_nothing(data_dir, tmp_path):
+    """A refusal that only the data can tell (no dataset there) removes the lock file, and the out_dir it made."""
+    out_dir = tmp_path / 'new'
+    with pytest.raises(train.TrainError, match='no dataset at'):
+        train.main(tiny(data_dir, out_dir, f'--dataset={tmp_path / "corpus.txt"}'))
+    assert not out_dir.exists()
+    out_dir.mkdir()
+    with pytest.raises(train.TrainError, match='no dataset at'):
+        train.main(tiny(data_dir, out_dir, f'--dataset={tmp_path / "corpus.txt"}'))
+    assert out_dir.exists() and not os.listdir(out_dir)  # a folder the user made stays
+
+
+def test_paper_layer_config_gives_the_papers_layer():
+    """config/paper_layer.py after an FM config removes the block: the paper's layer at its own SwiGLU width."""
+    for name, paper_params in (('fm_small', 772_232), ('fm_1b', 882_903_072)):
+        with_block = build(os.path.join(REPO, 'config', f'{name}.py'), meta=True)
+        config, types = defaults()
+        c = load_config(config, [os.path.join(REPO, 'config', file) for file in (f'{name}.py', 'paper_layer.py')], types)
+        assert (with_block.config.fm_conv, with_block.config.fm_gate) == (4, True)
+        assert (c['fm_conv'], c['fm_gate'], c['d_ff']) == (0, False, None)
+        vocab = 100288 if c['tokenizer'] == 'cl100k_base' else 256
+        with torch.device('meta'):
+            paper = Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
+                                      vocab_size=vocab))
+        assert paper.num_params(non_embedding=False) == paper_params
+        assert abs(with_block.num_params(non_embedding=False) / paper_params - 1) < 0.003
 
 
 def test_command_line_errors_are_clear():
@@ -3122,7 +3166,8 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     assert {'out', 'out-fm-small', 'out-transformer-small', 'out-attn'} <= set(os.listdir(tmp_path))
     assert torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] == 6  # resumed
     assert os.path.exists(tmp_path / 'results' / 'loss_by_position.csv')
-    assert os.path.exists(tmp_path / 'out-fm-small' / 'routing.json') and os.path.exists(tmp_path / 'results' / 'sweep.csv')
+    assert os.path.exists(tmp_path / 'out-fm-small' / 'routing.json')
+    assert os.path.exists(tmp_path / 'results' / 'sweep.csv')
 
 
 if __name__ == "__main__":

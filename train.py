@@ -60,6 +60,9 @@ d_model = 128  # width of the residual stream
 n_memory = 32  # FM: m, memory rows
 top_k = 8  # FM: k rows read and written per token; None: dense
 tau = 1.0  # FM: router softmax temperature
+fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on the values (0: none; config/paper_layer.py)
+fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
+d_ff = 340  # SwiGLU width: the block's W_z and conv leave the parameters of the paper's layer at its 384
 chunk_size = 16  # chunk length of the parallel scan: 16 is fastest for the PyTorch scan on a CPU
 # AdamW
 learning_rate = 4e-3  # the peak learning rate, reached after warmup_iters

@@ -1,6 +1,7 @@
 # A small Factorization Memory model on the default corpus (Shakespeare and Milton, bytes): what `python train.py`
 # trains, written out. About 3.5 minutes on a 2-core CPU (500 steps of 16 x 256 bytes); val loss ~1.95 nats/byte.
-# Parameters: 772,232. Compare with transformer_small.py and mamba2_small.py (same size within 2%).
+# Parameters: 772,744 (772,232 with config/paper_layer.py). Compare with transformer_small.py and mamba2_small.py
+# (same size within 2%).
 #   python train.py config/fm_small.py
 
 out_dir = 'out-fm-small'
@@ -18,6 +19,9 @@ d_model = 128
 n_memory = 32
 top_k = 8  # k = m/4, the paper's proportional sparsity
 tau = 1.0
+fm_conv = 4  # FM's block (not in the paper): a 4-tap convolution on the values and an output gate;
+fm_gate = True  # add config/paper_layer.py for the paper's layer exactly
+d_ff = 340  # 384 without the block: the same parameters within 0.1%
 chunk_size = 16  # fastest for the PyTorch scan on a CPU
 
 learning_rate = 4e-3

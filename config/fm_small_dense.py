@@ -1,4 +1,4 @@
-# A dense Factorization Memory model (every token reads and writes all m rows), otherwise fm_small.py.
+# A dense Factorization Memory model (every token reads and writes all m rows), otherwise fm_small.py (the block too).
 #   python train.py config/fm_small_dense.py
 
 out_dir = 'out-fm-small-dense'
@@ -16,6 +16,9 @@ d_model = 128
 n_memory = 32
 top_k = None  # dense: k = m
 tau = 1.0
+fm_conv = 4  # FM's block, as fm_small.py
+fm_gate = True
+d_ff = 340
 chunk_size = 16  # fastest for the PyTorch scan on a CPU
 
 learning_rate = 4e-3

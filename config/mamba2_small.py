@@ -1,5 +1,5 @@
 # A small Mamba-2 model on the default corpus, the baseline for fm_small.py (same blocks, data and schedule):
-# expand 1 (d_inner 128 in 4 heads of 32), d_state 32. Parameters: 761,264 (fm_small: 772,232), with the SwiGLU
+# expand 1 (d_inner 128 in 4 heads of 32), d_state 32. Parameters: 761,264 (fm_small: 772,744), with the SwiGLU
 # width 320 instead of 384. About 2.5 minutes on a 2-core CPU.
 #   python train.py config/mamba2_small.py
 

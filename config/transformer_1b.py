@@ -1,6 +1,6 @@
 # Transformer baseline for fm_1b.py: the same 16 LLaMA blocks, d_model 2048, context 1024, data and schedule, with
 # grouped-query causal attention (16 heads of 128, 4 KV heads, RoPE) in place of Factorization Memory.
-# Parameters: 882,837,504 (677,447,680 without the tied embedding), fm_1b: 882,903,072 (-0.01%). Attention with
+# Parameters: 882,837,504 (677,447,680 without the tied embedding), fm_1b: 880,969,760 (+0.21%). Attention with
 # 4 KV heads has 0.5 d_model^2 more weights per layer than FM, so the SwiGLU width is 5184 instead of 5504.
 #
 #   torchrun --standalone --nproc_per_node=8 train.py config/transformer_1b.py

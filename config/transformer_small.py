@@ -1,5 +1,5 @@
 # A small Transformer on the default corpus, the baseline for fm_small.py (same blocks, data and schedule):
-# causal attention with 4 heads of 32, 2 KV heads, RoPE. Parameters: 771,200 (fm_small: 772,232), with the
+# causal attention with 4 heads of 32, 2 KV heads, RoPE. Parameters: 771,200 (fm_small: 772,744), with the
 # SwiGLU width 352 instead of 384. About 2.5 minutes on a 2-core CPU.
 #   python train.py config/transformer_small.py
 
