@@ -82,6 +82,7 @@ def _interpret_bf16_as_on_gpu():
 if fm_kernel.triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
     _interpret_bf16_as_on_gpu()
 needs_triton = pytest.mark.skipif(fm_kernel.triton is None, reason="Triton is not installed (Linux only)")
+core = pytest.mark.core  # the checks a forker runs after every change: pytest -m core test_fm.py (under a minute)
 DEVICE = "cuda" if CUDA else "cpu"
 
 
@@ -133,6 +134,7 @@ def assert_close_all(got, want, tol):
 # ============================================================================= fm_kernel.py: references
 
 
+@core
 @pytest.mark.parametrize("T", [1, 17, 64, 200])
 @pytest.mark.parametrize("k", [1, 4, 16])
 @pytest.mark.parametrize("with_h0", [True, False])
@@ -145,6 +147,7 @@ def test_chunked_torch_matches_loop(T, k, with_h0):
     assert_close_all(got, want, 1e-10)
 
 
+@core
 @pytest.mark.parametrize("rate", [1e-4, 0.5, 1 - 1e-6, 1.0])
 def test_chunked_torch_extreme_rates(rate):
     torch.manual_seed(1)
@@ -173,6 +176,7 @@ SATURATED_TOKENS = [0, 5, 15, 16, 31, 49]  # with chunks of 16 in 50 tokens: the
 # last and first tokens, the last token of a full chunk and the last token (inside a padded chunk)
 
 
+@core
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("k", [1, 8])  # 8 = M: dense
 def test_chunked_torch_saturated_rates(dtype, tol, k):
@@ -187,6 +191,7 @@ def test_chunked_torch_saturated_rates(dtype, tol, k):
     assert rel_err(got[3][:, SATURATED_TOKENS], want[3][:, SATURATED_TOKENS]) < tol
 
 
+@core
 def test_step_naive_matches_scan_and_leaves_other_rows_alone():
     torch.manual_seed(2)
     B, T, D, M, K = 2, 12, 20, 10, 3
@@ -235,6 +240,7 @@ def triton_and_loop(inputs):
     return [g.cpu() for g in scan_and_grads(fm_scan, f32, grad_y.to(DEVICE), grad_h.to(DEVICE))], want
 
 
+@core
 @needs_triton
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_triton_scan_matches_loop(case, poisoned_outputs):
@@ -360,6 +366,7 @@ def step_inputs(B, K, M, D):
     return h, x, idx, torch.rand(B, K, device=DEVICE), torch.rand(B, K, device=DEVICE)
 
 
+@core
 @needs_triton
 @pytest.mark.parametrize("K, M, D, one_pass", [(1, 4, 16, True), (3, 10, 40, True), (8, 8, 100, True),
                                                (5, 12, 3000, False), (11, 16, 1100, False)])  # looped: 2 passes
@@ -378,6 +385,7 @@ def test_triton_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     assert torch.equal(h[untouched], h_naive[untouched])
 
 
+@core
 @needs_triton
 @pytest.mark.parametrize("K, M, D, one_pass", [(1, 4, 16, True), (3, 10, 40, True), (8, 64, 100, True),
                                                (10, 10, 40, True), (5, 12, 3000, False), (16, 16, 1100, False)])
@@ -433,6 +441,7 @@ def test_route_step_refuses_bad_scores():
         fm_kernel.fm_route_step(h, x, torch.zeros(2, 12, device=DEVICE), 11)
 
 
+@core
 @needs_triton
 @pytest.mark.parametrize("N, K", [(8, 16), (40, 300), (33, 2100)])
 def test_triton_decode_product_matches_naive(N, K, poisoned_outputs):
@@ -560,6 +569,7 @@ def block_reference(layer, x):
     return layer.out_proj(y * F.silu(z)), h
 
 
+@core
 @pytest.mark.parametrize('top_k', [3, None])
 def test_fm_block_matches_its_equations(top_k):
     """fm_conv and fm_gate as block_reference writes them, in float64; the state carries the convolution's last
@@ -576,6 +586,7 @@ def test_fm_block_matches_its_equations(top_k):
     assert rel_err(state['conv'], values[:, -3:].transpose(1, 2)) < 1e-15
 
 
+@core
 @pytest.mark.parametrize('top_k', [1, 3, 7, 8, None])
 def test_fm_layer_matches_paper_equations(top_k):
     """The reference always masks to the top k and renormalises: at k = m (8, None) the dense layer equals it."""
@@ -629,6 +640,7 @@ def test_router_reduction_of_a_decoding_step_matches_the_product():
 
 # ----------------------------------------------------------------------------- every mixer
 
+@core
 @pytest.mark.parametrize('name', MIXERS)
 def test_step_and_prefill_match_forward(name):
     torch.manual_seed(0)
@@ -645,6 +657,7 @@ def test_step_and_prefill_match_forward(name):
     assert rel_err(torch.stack(continued, 1), logits[:, 20:]) < 1e-12
 
 
+@core
 @pytest.mark.parametrize('name', MIXERS)
 def test_ragged_prefill_gives_each_row_its_own_state(name):
     """Prompts of different lengths, right-padded in one pass: each row's logits and decoding state are what the
@@ -661,6 +674,7 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
         assert rel_err(stepped[row], alone[0, n - 1:]) < 1e-12, (row, n)
 
 
+@core
 @pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'fm_block_dense', 'fm_block_sparse', 'mamba2'])
 def test_chunked_pass_carries_the_state(name):
     """Recurrent mixers run a long text in chunks, each continuing from the last one's state: the same hidden
@@ -702,6 +716,7 @@ def test_static_kv_cache_ignores_capacity_and_stale_entries():
     assert rel_err(runs[0], model(idx)[0][:, 9:]) < 1e-12
 
 
+@core
 @pytest.mark.parametrize('name', MIXERS)
 def test_greedy_generation_is_argmax_of_the_forward(name):
     """Batched prompts of different lengths, greedy: each row's tokens are the argmax of the full forward pass
@@ -855,6 +870,7 @@ def fm_model(router='standard', **overrides):
         return Model(tiny_config(mixer='fm', **overrides))
 
 
+@core
 @pytest.mark.parametrize('top_k', [3, None])
 def test_a_router_override_reaches_decoding(top_k):
     """A layer whose route is overridden decodes through it (the plain step, not the fused kernel of the standard
