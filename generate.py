@@ -9,8 +9,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch._inductor
 
 from model import write_state
+
 
 @dataclass
 class Sampling:
@@ -62,12 +64,6 @@ STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
 PROGRESS_EVERY = 16  # steps between Generator.generate's on_progress calls
 
 
-def step_options(mode):
-    """torch.compile options of a decoding step compiled in `mode`: the mode's own, then STEP_COMPILE_OPTIONS."""
-    import torch._inductor
-    return {**torch._inductor.list_mode_options(mode), **STEP_COMPILE_OPTIONS}
-
-
 class Generator:
     """Batched generation from a Model with static buffers. The prompts are prefilled in parallel passes (right-
     padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
@@ -81,7 +77,8 @@ class Generator:
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
-        self.compiled_step = self._step if compile is None else torch.compile(self._step, options=step_options(compile))
+        options = None if compile is None else {**torch._inductor.list_mode_options(compile), **STEP_COMPILE_OPTIONS}
+        self.compiled_step = self._step if compile is None else torch.compile(self._step, options=options)
         self.hidden = model.hidden if compile is None else torch.compile(model.hidden, mode=compile)
         self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
         self.shape = self.graph = None

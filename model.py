@@ -65,29 +65,13 @@ class ModelConfig:
     mamba_expand: int = 2  # d_inner = mamba_expand * d_model
     d_conv: int = 4  # taps of the causal depthwise convolution
 
-    @property
-    def ffn_dim(self):
-        return 64 * math.ceil(8 * self.d_model / 3 / 64) if self.d_ff is None else self.d_ff
-
-    @property
-    def memory_dim(self):
-        return self.d_model if self.d_memory is None else self.d_memory
-
-    @property
-    def k(self):
-        return self.n_memory if self.top_k is None else self.top_k
-
-    @property
-    def kv_heads(self):
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def mamba_d_inner(self):
-        return self.mamba_expand * self.d_model
-
-    @property
-    def mamba_n_heads(self):
-        return self.mamba_d_inner // self.mamba_head_dim
+    # the values the None fields stand for
+    ffn_dim = property(lambda self: 64 * math.ceil(8 * self.d_model / 3 / 64) if self.d_ff is None else self.d_ff)
+    memory_dim = property(lambda self: self.d_model if self.d_memory is None else self.d_memory)
+    k = property(lambda self: self.n_memory if self.top_k is None else self.top_k)
+    kv_heads = property(lambda self: self.n_head if self.n_kv_head is None else self.n_kv_head)
+    mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
+    mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
 
     def validate(self):
         """Raise ValueError naming the first bad field and what to change (checks the chosen mixer's fields only)."""
@@ -165,7 +149,9 @@ class SwiGLU(nn.Module):
 
 def causal_conv(x, history, conv, lengths=None):
     """Causal depthwise convolution + SiLU over time: x (B, T, C) after history (B, C, W - 1), the inputs before it
-    -> (B, T, C), and the new history: the W - 1 inputs before each row's end (lengths (B,); None: T)."""
+    (None: zeros) -> (B, T, C), and the new history: the W - 1 inputs before each row's end (lengths (B,); None: T)."""
+    if history is None:
+        history = x.new_zeros(len(x), x.shape[-1], conv.kernel_size[0] - 1)
     inputs = torch.cat([history.to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, C, W - 1 + T)
     out = F.conv1d(inputs, conv.weight, conv.bias, groups=conv.groups)  # (B, C, T)
     ends = torch.full((len(x),), x.shape[1], device=x.device) if lengths is None else lengths
@@ -242,29 +228,21 @@ class FactorizationMemory(nn.Module):
             return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h'} after each row's last real token (lengths (B,); None: all T)."""
+        """-> y (B, T, d_model), state {'h'} (and 'conv' with a convolution) after each row's last real token
+        (lengths (B,); None: all T)."""
         idx, alpha, eta, mu = self.route(x)
         if idx is not None:  # the scan takes dense (B, T, M) weights, zero outside the top-k
             alpha = alpha.new_zeros(*x.shape[:-1], self.n_memory).scatter(-1, idx, alpha)
         theta = eta * alpha
         if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
-        xbar, z, conv = self.values(x, None if state is None else state['conv'] if self.conv else None, lengths)
-        h0 = None if state is None else state['h']
-        y, h = memory_scan(xbar, theta, mu * alpha, h0, self.eps, self.chunk_size)  # y (B, T, d_memory)
-        return self.out_proj(y if z is None else y * F.silu(z)), {'h': h} if conv is None else {'h': h, 'conv': conv}
-
-    def values(self, x, history=None, lengths=None):
-        """x (B, T, d_model) -> the values written into the memory (B, T, d_memory), after the convolution from its
-        last inputs history (B, d_memory, W - 1; None: zeros); the gate's input z (None without a gate); and the
-        convolution's last inputs after each row's end (lengths (B,); None: all T), None without one."""
-        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)
-        if self.conv is None:
-            return xbar, z, None
-        if history is None:
-            history = xbar.new_zeros(len(x), self.memory_dim, self.conv.kernel_size[0] - 1)
-        xbar, history = causal_conv(xbar, history, self.conv, lengths)
-        return xbar, z, history
+        state = {} if state is None else state
+        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, T, d_memory)
+        new_state = {}
+        if self.conv is not None:  # the values through the convolution, from the last inputs of the one before
+            xbar, new_state['conv'] = causal_conv(xbar, state.get('conv'), self.conv, lengths)
+        y, new_state['h'] = memory_scan(xbar, theta, mu * alpha, state.get('h'), self.eps, self.chunk_size)
+        return self.out_proj(y if z is None else y * F.silu(z)), new_state
 
     def step(self, x, state):  # x (B, d_model)
         """One token: updates the state's buffers in place -> y (B, d_model)."""
@@ -283,12 +261,11 @@ class FactorizationMemory(nn.Module):
         return self.out_proj(y if z is None else y * F.silu(z))
 
     def init_state(self, batch_size, max_len, device):
-        dtype = self.in_proj.weight.dtype
+        dtype, width = self.in_proj.weight.dtype, self.conv.kernel_size[0] if self.conv else 0
         h = torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=compute_dtype(dtype), device=device)
         state = {'h': h}
-        if self.conv is not None:
-            state['conv'] = torch.zeros(batch_size, self.memory_dim, self.conv.kernel_size[0] - 1, dtype=dtype,
-                                        device=device)
+        if width:  # the convolution's last inputs
+            state['conv'] = torch.zeros(batch_size, self.memory_dim, width - 1, dtype=dtype, device=device)
         return state
 
 
@@ -428,10 +405,6 @@ class Mamba2(nn.Module):
         self.norm = RMSNorm(self.d_inner, config.norm_eps)
         self.out_proj = nn.Linear(self.d_inner, config.d_model, bias=False)
 
-    def split(self, zxbcdt):
-        """in_proj output (..., *) -> z (..., d_inner), xBC (..., conv_dim), dt (..., H)."""
-        return zxbcdt.split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
-
     def ssd(self, x, dt, B, C, h0):
         """x (b, T, H, P), dt (b, T, H), B, C (b, T, N), h0 (b, H, P, N) or None -> y (b, T, H, P), hT."""
         A = -torch.exp(self.A_log)
@@ -443,9 +416,8 @@ class Mamba2(nn.Module):
     def forward(self, u, state=None, lengths=None):  # u (b, T, d_model)
         """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token (lengths (b,); None: T)."""
         b, T, _ = u.shape
-        z, xBC, dt = self.split(self.in_proj(u))
-        history = u.new_zeros(b, self.conv_dim, self.d_conv - 1) if state is None else state['conv']
-        xBC, conv_state = causal_conv(xBC, history, self.conv, lengths)  # conv_state (b, conv_dim, d_conv - 1)
+        z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
+        xBC, conv_state = causal_conv(xBC, None if state is None else state['conv'], self.conv, lengths)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(b, T, self.n_heads, self.head_dim)
         dt = F.softplus(dt + self.dt_bias)  # (b, T, H)
@@ -458,7 +430,7 @@ class Mamba2(nn.Module):
 
     def step(self, u, state):  # u (b, d_model)
         """One token: updates state['conv'] and state['ssm'] in place -> y (b, d_model)."""
-        z, xBC, dt = self.split(self.in_proj(u))
+        z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         x, B, C = causal_conv_step(xBC, state['conv'], self.conv).split([self.d_inner, self.d_state, self.d_state], -1)
         x = x.reshape(-1, self.n_heads, self.head_dim)  # (b, H, P)
         if selective_state_update is not None and u.is_cuda:

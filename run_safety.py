@@ -93,6 +93,9 @@ def check_settings(cfg, defaults, model_args):
         raise ConfigError(str(e)) from None
     check_device(cfg.device)
     check_batch_fits(cfg, config, torch.device(cfg.device))
+    if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
+        print("warning: --dtype=float16 on the CPU is slow: with PyTorch's float16 CPU kernels a step of the default "
+              "model takes about 10 times as long as in float32. Use --dtype=float32, the default here")
 
 
 def check_resume(ckpt, path, cfg, config):
@@ -184,6 +187,21 @@ def rng_states(batch_state, group):
             'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None, 'batch': batch_states}
 
 
+def resume_states(ckpt, optimizer, scaler, gen, cfg, rank, world_size, train_tokens):
+    """Load the optimizer's, the loss scaler's and every random state of ckpt -> this rank's batch generator, where
+    the checkpoint's run left it (a new one, with a note, if the world size or the training data changed)."""
+    optimizer.load_state_dict(ckpt['optimizer'])
+    if ckpt.get('scaler') and scaler.is_enabled():  # float16 runs only; empty for bfloat16 / float32
+        scaler.load_state_dict(ckpt['scaler'])
+    set_rng_states(ckpt['rng'])
+    if ckpt['data_state']['world_size'] == world_size and ckpt['data_state']['train_tokens'] == train_tokens:
+        gen.bit_generator.state = ckpt['rng']['batch'][rank]
+        return gen
+    if cfg.master:
+        print('resume: the world size or the training data changed, so the batches differ from an uninterrupted run')
+    return np.random.default_rng([cfg.seed, rank, ckpt['iter_num']])
+
+
 def set_rng_states(rng):
     random.setstate(rng['python'])
     np.random.set_state((rng['numpy'][0], np.array(rng['numpy'][1], dtype=np.uint32), *rng['numpy'][2:]))
@@ -200,7 +218,8 @@ def on_rank_0(step, group):
         try:
             step()
         except Exception as e:  # any error: the other ranks must not wait for rank 0 forever
-            error = str(e) if isinstance(e, TrainError) else f'{type(e).__name__}: {e}'
+            user = isinstance(e, (TrainError, ValueError, RuntimeError))  # e.g. prepare_data's, a full disk
+            error = str(e) if user else f'{type(e).__name__}: {e}'
     if group is not None:
         shared = [error]
         dist.broadcast_object_list(shared, src=0, group=group)

@@ -10,12 +10,14 @@ the terminal as it is generated; several are generated as one batch.
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from configurator import ConfigError, help_text, load_config
 from generate import Generator, Sampling
+from prepare_data import read_utf8
 from run_safety import check_device, check_generation_fits
 
 # -----------------------------------------------------------------------------
@@ -62,16 +64,15 @@ def load(cfg):
 
 
 def prompt_ids(cfg, tok, vocab_size):
+    """The prompt's token ids: --start, or the UTF-8 text of its FILE:path."""
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
         if not os.path.isfile(prompt[5:]):
             raise ConfigError(f'--start=FILE:{prompt[5:]}: no such file')
         try:
-            with open(prompt[5:], encoding='utf-8') as f:
-                prompt = f.read()
-        except UnicodeDecodeError as e:
-            raise ConfigError(f'--start=FILE:{prompt[5:]} is not UTF-8 text ({e.reason} at byte {e.start}): '
-                              f'convert it to UTF-8') from None
+            prompt = read_utf8(Path(prompt[5:]))
+        except ValueError as e:
+            raise ConfigError(f'--start=FILE:{e}') from None
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
     if max(ids) >= vocab_size:
         raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {vocab_size}: '

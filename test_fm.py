@@ -1,4 +1,5 @@
 """The test suite: `python test_fm.py` (or `pytest test_fm.py`); CPU only, a few minutes on 2 cores.
+`pytest -m core test_fm.py`: the core checks alone (the tests marked @core), in under a minute.
 
 Kernels: the float64 loop `fm_scan_naive` checks `fm_scan_torch`, and both check the Triton kernels,
 which run on the CPU under TRITON_INTERPRET=1 when no GPU is present (as in CI). Then the model
@@ -2459,7 +2460,8 @@ def test_paper_layer_config_gives_the_papers_layer():
     for name, paper_params in (('fm_small', 772_232), ('fm_1b', 882_903_072)):
         with_block = build(os.path.join(REPO, 'config', f'{name}.py'), meta=True)
         config, types = defaults()
-        c = load_config(config, [os.path.join(REPO, 'config', file) for file in (f'{name}.py', 'paper_layer.py')], types)
+        files = [os.path.join(REPO, 'config', file) for file in (f'{name}.py', 'paper_layer.py')]
+        c = load_config(config, files, types)
         assert (with_block.config.fm_conv, with_block.config.fm_gate) == (4, True)
         assert (c['fm_conv'], c['fm_gate'], c['d_ff']) == (0, False, None)
         vocab = 100288 if c['tokenizer'] == 'cl100k_base' else 256

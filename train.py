@@ -28,7 +28,7 @@ from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config, optional_types
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
-from run_safety import RunFolder, TrainError, check_resume, check_settings, on_rank_0, rng_states, set_rng_states
+from run_safety import RunFolder, TrainError, check_resume, check_settings, on_rank_0, resume_states, rng_states
 
 # -----------------------------------------------------------------------------
 # default settings: a small FM model on the default corpus, a few minutes on a 2-core CPU
@@ -119,9 +119,6 @@ def resolve_dtype(dtype, device_type):
         dtype = 'float16'
     if device_type == 'cuda':
         torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
-    if dtype == 'float16' and device_type == 'cpu':
-        print("warning: --dtype=float16 on the CPU is slow: with PyTorch's float16 CPU kernels a step of the default "
-              "model takes about 10 times as long as in float32. Use --dtype=float32, the default here")
     return dtype
 
 
@@ -130,8 +127,8 @@ def load_data(cfg, group):
     rank 0 prepares the default corpus if needed."""
     tok = get_tokenizer(cfg.tokenizer)  # checked by check_settings
     folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
-    if cfg.dataset == 'default':
-        on_rank_0(lambda: prepare_default(cfg), group)
+    if cfg.dataset == 'default':  # written once
+        on_rank_0(lambda: prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), group)
     if not (folder / 'train.bin').exists():
         hf_config = f' --hf_config {cfg.hf_config}' if cfg.hf_config else ''
         data_dir = f' --data_dir {cfg.data_dir}' if cfg.data_dir else ''
@@ -150,14 +147,6 @@ def load_data(cfg, group):
     val_starts = np.random.default_rng(_EVAL_SEED).integers(0, len(val.tokens) - cfg.block_size,
                                                             size=cfg.eval_iters * cfg.batch_size)
     return SimpleNamespace(tok=tok, folder=folder, train=train.tokens, val=val.tokens, val_starts=val_starts)
-
-
-def prepare_default(cfg):
-    """The default corpus's token files, written once."""
-    try:
-        prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir)
-    except (ValueError, RuntimeError) as e:  # a full disk
-        raise TrainError(str(e)) from None
 
 
 def new_model(cfg, config, vocab_size):
@@ -273,18 +262,8 @@ def setup(cfg, config, run, data, rank, world_size, group):
                                                device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == 'float16')
     gen = np.random.default_rng([cfg.seed, rank])  # this rank's batches
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt['optimizer'])
-        if ckpt.get('scaler') and scaler.is_enabled():  # float16 runs only; empty for bfloat16 / float32
-            scaler.load_state_dict(ckpt['scaler'])
-        set_rng_states(ckpt['rng'])
-        if ckpt['data_state']['world_size'] == world_size and ckpt['data_state']['train_tokens'] == len(data.train):
-            gen.bit_generator.state = ckpt['rng']['batch'][rank]
-        else:
-            gen = np.random.default_rng([cfg.seed, rank, iter_num])
-            if cfg.master:
-                print('resume: the world size or the training data changed, so the batches differ from an '
-                      'uninterrupted run')
+    if ckpt is not None:  # and every random state as ckpt.pt left them: the run goes on as if uninterrupted
+        gen = resume_states(ckpt, optimizer, scaler, gen, cfg, rank, world_size, len(data.train))
     if cfg.master:
         tokens = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         print(f'device {device} ({torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}), dtype '
@@ -332,7 +311,9 @@ def train(cfg, config, run, data, raw_model, model, optimizer, scaler, gen, iter
             new_best = iter_num > start_iter and val_loss < best_val_loss
             best_val_loss = val_loss if new_best else best_val_loss
             if cfg.master:
-                log_val(cfg, iter_num, val_loss, new_best)
+                bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
+                log(cfg, f'step {iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}',
+                    {'iter': iter_num, 'val/loss': val_loss, 'lr': get_lr(iter_num, cfg)})
             save_last = cfg.always_save_checkpoint or iter_num >= cfg.max_iters
             names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
             if iter_num > start_iter and names:
@@ -384,12 +365,12 @@ def train(cfg, config, run, data, raw_model, model, optimizer, scaler, gen, iter
     return history
 
 
-def log_val(cfg, iter_num, val_loss, new_best):
-    bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
-    print(f'step {iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}')
+def log(cfg, line, values):
+    """Print a log line (rank 0), and log its values to wandb when --wandb_log."""
+    print(line, flush=True)
     if cfg.wandb_log:
         import wandb
-        wandb.log({'iter': iter_num, 'val/loss': val_loss, 'lr': get_lr(iter_num, cfg)})
+        wandb.log(values)
 
 
 def log_step(cfg, raw_model, iter_num, lossf, lr, tok_s, dt, device, world_size):
@@ -400,11 +381,8 @@ def log_step(cfg, raw_model, iter_num, lossf, lr, tok_s, dt, device, world_size)
         memory = torch.cuda.max_memory_allocated(device) / 2**30
     else:
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
-    print(f'iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s{mfu_text}, mem {memory:.2f}GB, '
-          f'{1000 * dt:.1f}ms/iter', flush=True)
-    if cfg.wandb_log:
-        import wandb
-        wandb.log({'iter': iter_num, 'train/loss': lossf, 'lr': lr, 'mfu': mfu, 'tok_s': tok_s})
+    log(cfg, f'iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s{mfu_text}, mem {memory:.2f}GB, '
+             f'{1000 * dt:.1f}ms/iter', {'iter': iter_num, 'train/loss': lossf, 'lr': lr, 'mfu': mfu, 'tok_s': tok_s})
 
 
 if __name__ == '__main__':
