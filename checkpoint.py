@@ -25,7 +25,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, unreadable or does not fit this code; the message says what to do."""
 
 
-def save_checkpoint(ckpt, path):
+def save_checkpoint(ckpt, path, then='continue with --init_from=resume'):
     """Write atomically: to a temporary file beside path, then rename, so path is never half-written. If the write
     fails (disk full, no permission), remove the temporary file and raise CheckpointError; path stays as it was."""
     tmp = f'{path}.tmp'
@@ -38,11 +38,11 @@ def save_checkpoint(ckpt, path):
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            raise CheckpointError(_write_error(ckpt, path, e)) from None
+            raise CheckpointError(_write_error(ckpt, path, e, then)) from None
         raise
 
 
-def _write_error(ckpt, path, error):
+def _write_error(ckpt, path, error, then):
     """What went wrong writing path, and what to do."""
     cause = error if isinstance(error, OSError) else error.__context__
     folder = os.path.dirname(os.path.abspath(path))
@@ -50,9 +50,9 @@ def _write_error(ckpt, path, error):
     if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
         return (f'could not write {path}: the disk is full ({cause.strerror}). A checkpoint needs about '
                 f'{checkpoint_bytes(ckpt) / 1e6:,.1f} MB; {folder} has {shutil.disk_usage(folder).free / 1e6:,.1f} MB '
-                f'free. {kept}: free some space, then continue with --init_from=resume')
+                f'free. {kept}: free some space, then {then}')
     reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(error)[:200]
-    return f'could not write {path} ({reason}). {kept}: make {folder} writable, then continue with --init_from=resume'
+    return f'could not write {path} ({reason}). {kept}: make {folder} writable, then {then}'
 
 
 def checkpoint_bytes(ckpt):
@@ -177,13 +177,28 @@ def _way_on(path):
             f'{path.parent}')
 
 
-def model_from_checkpoint(ckpt, path):
-    """Rebuild the model of a checkpoint (on the CPU) with clear errors for a config or weights mismatch."""
+REMOVED_SETTINGS = {'router_init_std': None, 'eta_bias': 0.0, 'router_weight_decay': True, 'router_balance': 0.0,
+                    'router_center': False}  # research settings removed on 2026-11-25, at the values of the paper's layer
+
+
+def model_config_of(ckpt, path):
+    """The ModelConfig of a checkpoint; CheckpointError if this model.py cannot build it. Checkpoints of before
+    2026-11-25 name the removed research settings: at their defaults they are the model this code builds."""
+    config = dict(ckpt['model_config'])
+    removed = {key: config.pop(key, default) for key, default in REMOVED_SETTINGS.items()}
+    changed = [f'{key}={value!r}' for key, value in removed.items() if value != REMOVED_SETTINGS[key]]
     try:
-        model = Model(ModelConfig(**ckpt['model_config']))
+        if changed:
+            raise ValueError(f'{", ".join(changed)}: research settings that model.py no longer has')
+        return ModelConfig(**config)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f'{path} holds a model config this model.py cannot build ({e}): use the model.py '
-                              f'version that wrote it, or train a new model in a new --out_dir') from None
+                              f'version that wrote it (git log), or train a new model in a new --out_dir') from None
+
+
+def model_from_checkpoint(ckpt, path):
+    """Rebuild the model of a checkpoint (on the CPU) with clear errors for a config or weights mismatch."""
+    model = Model(model_config_of(ckpt, path))
     try:
         missing, unexpected = model.load_state_dict(ckpt['model'], strict=False)
         problem = '; '.join(f'{what} {", ".join(keys[:3])}{", ..." if len(keys) > 3 else ""}'

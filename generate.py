@@ -130,8 +130,7 @@ class Generator:
 
     def _prefill(self, prompts):
         """Parallel passes over right-padded prompts -> the hidden state after each one's last token (B, d_model)
-        and the per-layer states. A recurrent model takes a prompt longer than prefill_tokens (then alone: see
-        start) in pieces, carrying its state, so that memory does not grow with the prompt; attention takes it whole."""
+        and the per-layer states; a recurrent model takes a long prompt in pieces of prefill_tokens (bounded memory)."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
         width = int(lengths.max())
         idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)

@@ -42,7 +42,7 @@ class ModelConfig:
     n_layer: int = 4  # blocks
     d_model: int = 256  # width of the residual stream
     mixer: str = 'fm'  # the sequence mixer of every block: 'fm', 'attn' or 'mamba2'
-    d_ff: int | None = None  # SwiGLU hidden size; None: 8/3 d_model rounded up to a multiple of 64; 0: no MLP
+    d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model up to a multiple of 64 less FM's block's weights; 0: no
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head shares the embedding's weight
     init_std: float = 0.02  # std of the normal initialisation of every matrix
@@ -65,8 +65,11 @@ class ModelConfig:
     mamba_expand: int = 2  # d_inner = mamba_expand * d_model
     d_conv: int = 4  # taps of the causal depthwise convolution
 
-    # the values the None fields stand for
-    ffn_dim = property(lambda self: 64 * math.ceil(8 * self.d_model / 3 / 64) if self.d_ff is None else self.d_ff)
+    # the values the None fields stand for; FM's block takes its weights (W_z, the conv's) from the MLP's
+    block_weights = property(lambda self: (self.mixer == 'fm') * self.memory_dim * (
+        self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1)))
+    ffn_dim = property(lambda self: self.d_ff if self.d_ff is not None else
+                       64 * math.ceil(8 * self.d_model / 3 / 64) - round(self.block_weights / (3 * self.d_model)))
     memory_dim = property(lambda self: self.d_model if self.d_memory is None else self.d_memory)
     k = property(lambda self: self.n_memory if self.top_k is None else self.top_k)
     kv_heads = property(lambda self: self.n_head if self.n_kv_head is None else self.n_kv_head)
@@ -200,10 +203,9 @@ class FactorizationMemory(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_memory, self.top_k, self.memory_dim = config.n_memory, config.k, config.memory_dim
-        self.tau, self.eps, self.chunk_size = config.tau, config.fm_eps, config.chunk_size
+        self.tau, self.eps, self.chunk_size, self.gated = config.tau, config.fm_eps, config.chunk_size, config.fm_gate
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
-        self.gated = config.fm_gate
         self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.memory_dim, bias=False)  # W_i (then W_z)
         dim = self.memory_dim
         self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on the values
@@ -393,11 +395,10 @@ class Mamba2(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.d_inner, self.n_heads = config.mamba_d_inner, config.mamba_n_heads
-        self.head_dim, self.d_state, self.d_conv = config.mamba_head_dim, config.d_state, config.d_conv
-        self.chunk_size = config.chunk_size
+        self.head_dim, self.d_state, self.chunk_size = config.mamba_head_dim, config.d_state, config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
         self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim)  # see causal_conv
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # see causal_conv
         dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform in [1e-3, 0.1]
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)
@@ -460,8 +461,8 @@ class Mamba2(nn.Module):
                                       dt_softplus=True)
 
     def init_state(self, batch_size, max_len, device):
-        dtype = self.in_proj.weight.dtype
-        return {'conv': torch.zeros(batch_size, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device),
+        dtype, window = self.in_proj.weight.dtype, self.conv.kernel_size[0] - 1
+        return {'conv': torch.zeros(batch_size, self.conv_dim, window, dtype=dtype, device=device),
                 'ssm': torch.zeros(batch_size, self.n_heads, self.head_dim, self.d_state,
                                    dtype=compute_dtype(dtype), device=device)}
 
@@ -550,8 +551,9 @@ class Model(nn.Module):
         return logits, loss
 
     def init_state(self, batch_size, max_len, device=None):
-        """Empty decoding states in static buffers for up to max_len tokens a row, one dict a layer: fm {'h'},
-        attn {'k', 'v' (a KV cache of max_len positions), 'pos'}, mamba2 {'conv', 'ssm'}."""
+        """Empty decoding states in static buffers for up to max_len tokens a row, one dict a layer: fm {'h'} (and
+        'conv', its convolution's window), attn {'k', 'v' (a KV cache of max_len positions), 'pos'}, mamba2 {'conv',
+        'ssm'}."""
         device = self.embed.weight.device if device is None else device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
@@ -584,14 +586,11 @@ class Model(nn.Module):
 
     def flops_per_token(self, seq_len):
         """Training (forward + backward = 3 x forward) FLOPs per token at context seq_len, 2 FLOPs a multiply-add:
-
-            6 * N_nonembedding + 6 * d_model * vocab_size     every weight matmul, LM head included
+            6 * N_nonembedding + 6 * d_model * vocab_size    every weight matmul, LM head included
             + n_layer * mixer term:
-              attn    12 * seq_len * d_model                 QK^T and AV, no causal discount (nanoGPT / PaLM)
-              fm      3 * k * (9 * d_memory + 5)             paper App. FLOPS: the recurrence costs 9 d_memory + 5
-                                                             per row read and written (k = m when dense)
-              mamba2  3 * 5 * d_inner * d_state              per state element: decay, input outer product, add,
-                                                             and the C readout (2)
+              attn    12 * seq_len * d_model     QK^T and AV, no causal discount (nanoGPT / PaLM)
+              fm      3 * k * (9 * d_memory + 5) paper App. FLOPS: 9 d_memory + 5 a row read and written (k = m dense)
+              mamba2  3 * 5 * d_inner * d_state  per state element: decay, input outer product, add, C readout (2)
         """
         c = self.config
         if c.mixer == 'attn':

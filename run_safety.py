@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import nonfinite, save_checkpoint
+from checkpoint import CheckpointError, nonfinite, save_checkpoint
 from configurator import ConfigError
 from model import ModelConfig
 from prepare_data import get_tokenizer
@@ -68,6 +68,10 @@ def check_settings(cfg, defaults, model_args):
     for key, (low, meaning) in AT_LEAST.items():
         if not getattr(cfg, key) >= low:
             raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low} ({meaning})')
+    world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
+    if cfg.gradient_accumulation_steps % world_size:
+        raise ConfigError(f'--gradient_accumulation_steps={cfg.gradient_accumulation_steps} counts the micro-batches '
+                          f'of a step over all {world_size} processes: make it a multiple of {world_size}')
     if not 0 < cfg.learning_rate:
         raise ConfigError(f'--learning_rate={cfg.learning_rate} is out of range: set it above 0 (the peak learning '
                           f'rate, reached after warmup_iters)')
@@ -211,21 +215,25 @@ def set_rng_states(rng):
 
 
 def on_rank_0(step, group):
-    """Run step() on rank 0 only; an error it raises is raised on every rank as a TrainError (under DDP the others
-    would otherwise wait for rank 0 and die of a closed connection)."""
-    error = None
+    """Run step() on rank 0 only -> its result on every rank. An error it raises is raised on every rank (under DDP
+    the others would otherwise wait for rank 0 and die of a closed connection): on rank 0 a TrainError or
+    CheckpointError as it is, anything else and on the other ranks a TrainError with its message."""
+    result, error, failure = None, None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            step()
+            result = step()
         except Exception as e:  # any error: the other ranks must not wait for rank 0 forever
-            user = isinstance(e, (TrainError, ValueError, RuntimeError))  # e.g. prepare_data's, a full disk
-            error = str(e) if user else f'{type(e).__name__}: {e}'
+            user = isinstance(e, (TrainError, CheckpointError, ValueError, RuntimeError))  # e.g. a full disk
+            failure, error = e, str(e) if user else f'{type(e).__name__}: {e}'
     if group is not None:
-        shared = [error]
+        shared = [result, error]
         dist.broadcast_object_list(shared, src=0, group=group)
-        error = shared[0]
+        result, error = shared
+    if isinstance(failure, (TrainError, CheckpointError)):
+        raise failure
     if error is not None:
         raise TrainError(error)
+    return result
 
 
 # ----------------------------------------------------------------------------- the run folder
@@ -237,7 +245,7 @@ class RunFolder:
 
     def __init__(self, cfg, group=None):
         self.cfg, self.group, self.master = cfg, group, not dist.is_initialized() or dist.get_rank() == 0
-        self.folder = Path(cfg.out_dir)
+        self.folder, self.lock_path = Path(cfg.out_dir), Path(cfg.out_dir) / 'train.lock'
         self.earlier = []  # an earlier run's checkpoints, replaced at this run's first save
         self.saved = {}  # name -> the step this run saved it at
         self.stop = False
@@ -247,16 +255,20 @@ class RunFolder:
     def __enter__(self):
         self.created, self.lock, self.handlers = not self.folder.exists(), None, {}
         try:
-            on_rank_0(self._claim, self.group)
+            self.earlier = on_rank_0(self._claim, self.group)  # the same on every rank
         except BaseException:
             self._release()
             raise
+        return self
+
+    def catch_signals(self):
+        """From now on (the training loop), Ctrl-C or SIGTERM stops the run after its step; a second Ctrl-C at once.
+        Before, they stop it at once, leaving nothing."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self.handlers[sig] = signal.signal(sig, self._request_stop)
             except ValueError:  # not the main thread: no handlers
                 pass
-        return self
 
     def __exit__(self, *exc):
         for sig, handler in self.handlers.items():
@@ -275,8 +287,7 @@ class RunFolder:
     def _claim(self):
         """Hold out_dir/train.lock (the kernel drops the lock of a process that dies, so a later run takes it
         over), finish or undo an interrupted replacement, and refuse a scratch run into an out_dir that holds
-        checkpoints unless --overwrite=True."""
-        self.lock_path = self.folder / 'train.lock'
+        checkpoints unless --overwrite=True -> the names of the earlier run's checkpoints this run replaces."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -292,7 +303,7 @@ class RunFolder:
             raise TrainError(f'{self.folder} holds {" and ".join(earlier)} of an earlier run, which this new run '
                              f'would replace: continue that run with --init_from=resume, start this one in a new '
                              f'--out_dir, or pass --overwrite=True to replace it')
-        self.earlier = earlier if self.cfg.init_from == 'scratch' else []
+        return earlier if self.cfg.init_from == 'scratch' else []
 
     def _lock(self):
         """The open lock file, locked by this process (or unlocked where the file system has no locks)."""
@@ -314,17 +325,20 @@ class RunFolder:
             except OSError as e:  # a file system without locks, e.g. Lustre mounted without flock
                 print(f'warning: cannot lock {self.lock_path} ({e.strerror}): nothing stops a second run in '
                       f'{self.folder}')
-            if self.lock_path.exists() and os.stat(self.lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
-                break
+            try:
+                if os.stat(self.lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             lock.close()  # the run before removed the file as we locked it: lock the new one
         lock.truncate(0)
         lock.write(f'process {os.getpid()} on {socket.gethostname()}, started {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
         lock.flush()
         return lock
 
-    def _restore_earlier(self):
-        """Undo a replacement that a kill interrupted (the new run's first save did not finish): the earlier run's
-        files go back, any of the new run's go."""
+    def _restore_earlier(self, quiet=False):
+        """Undo a replacement that a kill or a failed write interrupted (the new run's first save did not finish):
+        the earlier run's files go back, any of the new run's go."""
         aside = self.folder / ASIDE
         shutil.rmtree(self.folder / f'{ASIDE}.removed', ignore_errors=True)
         if not aside.exists():
@@ -332,13 +346,15 @@ class RunFolder:
         if (aside / 'moved').exists():  # every checkpoint in out_dir is the new run's
             for name in CHECKPOINTS:
                 (self.folder / name).unlink(missing_ok=True)
+            (aside / 'moved').unlink()  # so that a kill from here on leaves the earlier run's files alone
         for name in CHECKPOINTS:
             if (aside / name).exists():
                 os.replace(aside / name, self.folder / name)
         shutil.rmtree(aside)
-        restored = [name for name in CHECKPOINTS if (self.folder / name).exists()]
-        print(f'note: a run started with --overwrite=True in {self.folder} was stopped before its first checkpoint '
-              f'was written; the earlier run\'s checkpoints ({" and ".join(restored)}) are back in place')
+        restored = ' and '.join(name for name in CHECKPOINTS if (self.folder / name).exists()) or 'none left'
+        if not quiet:
+            print(f'note: a run started with --overwrite=True in {self.folder} was stopped before its first '
+                  f'checkpoint was written; the earlier run\'s checkpoints ({restored}) are back in place')
 
     # ------------------------------------------------------------------- save
 
@@ -352,16 +368,27 @@ class RunFolder:
         broken = nonfinite({**ckpt['model'], **optimizer_state})
         if broken:
             self.diverged(f'{broken[0]} is not finite (NaN or infinity)', step)
-        if self.master:
-            aside = self._move_earlier_aside() if self.earlier else None
-            for name in names:
-                save_checkpoint(ckpt, self.folder / name)
-            if aside is not None:
-                os.replace(aside, self.folder / f'{ASIDE}.removed')  # atomic: the earlier run is gone as a whole
-                shutil.rmtree(self.folder / f'{ASIDE}.removed')
-                print(f'replaced the earlier run\'s {" and ".join(self.earlier)} in {self.folder}')
+        on_rank_0(lambda: self._write(ckpt, names), self.group)
         self.earlier = []
         self.saved.update({name: step for name in names})
+
+    def _write(self, ckpt, names):
+        """Rank 0's part of save. A write that fails (a full disk) puts the earlier run back."""
+        if not self.earlier:
+            for name in names:
+                save_checkpoint(ckpt, self.folder / name)
+            return
+        aside = self._move_earlier_aside()
+        try:
+            for name in names:
+                save_checkpoint(ckpt, self.folder / name, then='start this run again with --overwrite=True (the '
+                                                               'earlier run is back in place)')
+        except BaseException:
+            self._restore_earlier(quiet=True)
+            raise
+        os.replace(aside, self.folder / f'{ASIDE}.removed')  # atomic: the earlier run is gone as a whole
+        shutil.rmtree(self.folder / f'{ASIDE}.removed')
+        print(f'replaced the earlier run\'s {" and ".join(self.earlier)} in {self.folder}')
 
     def _move_earlier_aside(self):
         aside = self.folder / ASIDE

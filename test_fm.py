@@ -2629,6 +2629,22 @@ def test_incompatible_checkpoints(trained, tmp_path):
             sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
 
 
+def test_a_checkpoint_of_before_the_research_settings_went_loads(data_dir, trained, tmp_path):
+    """A checkpoint of 2026-11-24 names the five research settings removed since, and has no untrained_loss: at
+    their defaults it samples and resumes (the uniform guess ln 256 as the untrained loss); otherwise it is refused,
+    naming the setting."""
+    ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
+    old = {**ckpt, 'model_config': {**ckpt['model_config'], **checkpoint.REMOVED_SETTINGS}}
+    del old['untrained_loss']
+    torch.save(old, tmp_path / 'ckpt.pt')
+    assert sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2', '--temperature=0'])
+    history = train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume'))
+    assert [i for i, _ in history['train']] == [9]
+    torch.save({**old, 'model_config': {**old['model_config'], 'router_balance': 0.01}}, tmp_path / 'ckpt.pt')
+    with pytest.raises(checkpoint.CheckpointError, match=r"router_balance=0.01: research settings that model.py no "):
+        sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+
+
 def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
     copy_run(trained, tmp_path)
     before = {name: (tmp_path / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
@@ -2840,6 +2856,10 @@ def test_ddp_on_cpu(data_dir, tmp_path):
     resumed = torchrun(tmp_path / 'b', '--max_iters=2').stdout
     refused = torchrun(tmp_path / 'b', '--max_iters=4', returncode=1).stderr
     assert refused.count('error: ') == 2 and '--overwrite=True' in refused and '[rank' not in refused
+    diverged = torchrun(tmp_path / 'b', '--max_iters=4', '--overwrite=True', '--learning_rate=1e6',
+                        '--eval_interval=100', returncode=1).stderr  # every rank knows the earlier run it keeps
+    errors = [line for line in diverged.splitlines() if line.startswith('error: ')]
+    assert len(errors) == 2 and all("the earlier run's ckpt.pt and best.pt in" in line for line in errors), diverged
     resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume').stdout
     logged = [[line.split(',')[0] for line in out.splitlines() if line.startswith(('iter', 'step'))]
               for out in (straight, resumed)]
@@ -3022,12 +3042,14 @@ def test_an_interrupted_replacement_is_undone(data_dir, tmp_path, trained, monke
         pass
 
     def dies_on_the_second_call(real):
-        return lambda *args: (calls.append(1), real(*args))[1] if len(calls) < 1 else (_ for _ in ()).throw(Killed())
+        return lambda *args, **kw: (calls.append(1), real(*args, **kw))[1] if not calls else (_ for _ in ()).throw(
+            Killed())
 
     if killed == 'moving the earlier run aside':
         monkeypatch.setattr(run_safety.os, 'replace', dies_on_the_second_call(os.replace))
     else:
         monkeypatch.setattr(run_safety, 'save_checkpoint', dies_on_the_second_call(checkpoint.save_checkpoint))
+        monkeypatch.setattr(run_safety.RunFolder, '_restore_earlier', lambda *args, **kw: None)  # a kill runs nothing
     with pytest.raises(Killed):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
     monkeypatch.undo()
@@ -3036,6 +3058,49 @@ def test_an_interrupted_replacement_is_undone(data_dir, tmp_path, trained, monke
     with pytest.raises(train.TrainError, match='holds ckpt.pt and best.pt of an earlier run'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
     assert "the earlier run's checkpoints (ckpt.pt and best.pt) are back in place" in capsys.readouterr().out
+    assert run_bytes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+
+
+def test_a_kill_while_undoing_a_replacement_loses_nothing(data_dir, tmp_path, trained, monkeypatch):
+    """A replacement killed while writing, then the run that undoes it killed between its moves: the next run still
+    finds the earlier run whole (nothing of it is taken for the new run's)."""
+    copy_run(trained, tmp_path)
+    before = run_bytes(tmp_path)
+    (tmp_path / run_safety.ASIDE).mkdir()
+    for name in ('ckpt.pt', 'best.pt'):
+        os.replace(tmp_path / name, tmp_path / run_safety.ASIDE / name)
+    (tmp_path / run_safety.ASIDE / 'moved').touch()
+    (tmp_path / 'ckpt.pt').write_bytes(b'the new run')  # its first checkpoint, half of its first save
+    replace, calls = os.replace, []
+
+    def dies_on_the_second_move(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        replace(*args)
+
+    monkeypatch.setattr(run_safety.os, 'replace', dies_on_the_second_move)
+    with pytest.raises(KeyboardInterrupt):
+        run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='resume', overwrite=False)).__enter__()
+    monkeypatch.undo()
+    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='resume', overwrite=False)):
+        assert run_bytes(tmp_path) == before
+
+
+def test_a_failed_first_save_of_an_overwrite_puts_the_earlier_run_back(data_dir, tmp_path, trained, monkeypatch):
+    """A disk that fills up during an --overwrite run's first save: the earlier run is put back at once, and the
+    message says to start the new run again (a resume would continue the earlier one)."""
+    import errno
+    copy_run(trained, tmp_path)
+    before = run_bytes(tmp_path)
+
+    def full_disk(ckpt, path, then='continue with --init_from=resume'):
+        raise checkpoint.CheckpointError(checkpoint._write_error(ckpt, path, OSError(errno.ENOSPC, 'No space'), then))
+
+    monkeypatch.setattr(run_safety, 'save_checkpoint', full_disk)
+    with pytest.raises(checkpoint.CheckpointError, match=r'the disk is full .* then start this run again with '
+                                                         r'--overwrite=True \(the earlier run is back in place\)'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
     assert run_bytes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
 
 

@@ -4,9 +4,11 @@ Train a language model whose mixer is Factorization Memory ('fm'), attention ('a
     python train.py                                   # small FM model, default corpus, a few minutes on a CPU
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
     torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py   # DDP (NCCL; gloo with --device=cpu)
+    torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py ...  # nodes
 Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost (run_safety.py): Ctrl-C or SIGTERM finishes
-the step and saves; a run that diverges (a loss or gradient not finite, a validation loss above the untrained
-model's) stops without saving; --overwrite=True replaces an earlier run only when the new run first saves.
+the step and saves (a second Ctrl-C quits at once); a run that diverges (a loss or gradient not finite, a validation
+loss above the untrained model's) stops without saving; --overwrite=True replaces an earlier run only when the new
+run first saves.
 """
 import math
 import os
@@ -62,7 +64,6 @@ top_k = 8  # FM: k rows read and written per token; None: dense
 tau = 1.0  # FM: router softmax temperature
 fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on the values (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
-d_ff = 340  # SwiGLU width: the block's W_z and conv leave the parameters of the paper's layer at its 384
 chunk_size = 16  # chunk length of the parallel scan: 16 is fastest for the PyTorch scan on a CPU
 # AdamW
 learning_rate = 4e-3  # the peak learning rate, reached after warmup_iters
@@ -184,6 +185,7 @@ def random_batch(gen, tokens, cfg, device):
 @torch.no_grad()
 def estimate_loss(model, data, cfg, device, ctx, group):
     """Mean loss per token over the fixed validation windows (split over the ranks under DDP)."""
+    model = model.module if isinstance(model, DDP) else model  # no gradient sync in evaluation
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
@@ -227,9 +229,6 @@ def main(argv=()):
         return None
     rank, world_size, cfg.device, group = setup_ddp(cfg.device)
     cfg.master, cfg.dtype = rank == 0, resolve_dtype(cfg.dtype, torch.device(cfg.device).type)
-    if cfg.gradient_accumulation_steps % world_size:
-        raise ConfigError(f'gradient_accumulation_steps={cfg.gradient_accumulation_steps} counts the micro-batches '
-                          f'of a step over all {world_size} processes: make it a multiple of {world_size}')
     try:
         with RunFolder(cfg, group) as run:
             data = load_data(cfg, group)
@@ -286,7 +285,6 @@ def train(cfg, config, run, data, raw_model, model, optimizer, scaler, gen, iter
     group, world_size = run.group, dist.get_world_size() if dist.is_initialized() else 1
     grad_accum = cfg.gradient_accumulation_steps // world_size
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    eval_model = model.module if group is not None else model  # no DDP wrapper: evaluation needs no gradient sync
 
     def checkpoint():  # what a resume needs to go on as if uninterrupted (built on every rank; rank 0 writes it)
         return {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
@@ -300,11 +298,12 @@ def train(cfg, config, run, data, raw_model, model, optimizer, scaler, gen, iter
     batch_state = gen.bit_generator.state  # before drawing the pending batch: what a resume draws again
     X, Y = random_batch(gen, data.train, cfg, device)
     t_log, iters_since_log, loss_sum = time.time(), 0, torch.zeros((), device=device)
+    run.catch_signals()
     while True:
         # evaluate, and save ckpt.pt (and best.pt when val improves); not again right after resuming
         if (iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters) and (iter_num > start_iter or not resumed):
             run.check_finite(iter_num)
-            val_loss = estimate_loss(eval_model, data, cfg, device, ctx, group)
+            val_loss = estimate_loss(model, data, cfg, device, ctx, group)
             untrained_loss = val_loss if untrained_loss is None else untrained_loss  # a scratch run's first
             run.check_val_loss(val_loss, untrained_loss, iter_num)
             history['val'].append((iter_num, val_loss))
@@ -344,9 +343,7 @@ def train(cfg, config, run, data, raw_model, model, optimizer, scaler, gen, iter
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        iter_num += 1
-        iters_since_log += 1
-        loss_sum += step_loss
+        iter_num, iters_since_log, loss_sum = iter_num + 1, iters_since_log + 1, loss_sum + step_loss
 
         # log: this rank's loss, averaged over the steps since the last log line
         if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
@@ -359,10 +356,18 @@ def train(cfg, config, run, data, raw_model, model, optimizer, scaler, gen, iter
             t_log, iters_since_log, loss_sum = time.time(), 0, torch.zeros((), device=device)
         stop = run.stop_requested()
     if cfg.master:
-        best = f' and best.pt (val loss {best_val_loss:.4f})' if (run.folder / 'best.pt').exists() else ''
-        print(f'saved {run.folder / "ckpt.pt"} (step {iter_num}){best}; sample it with: python sample.py '
-              f'--out_dir={cfg.out_dir}')
+        finish(cfg, run, iter_num, best_val_loss)
     return history
+
+
+def finish(cfg, run, iter_num, best_val_loss):
+    """The end of a run: where it saved, and how to sample it."""
+    best = f' and best.pt (val loss {best_val_loss:.4f})' if (run.folder / 'best.pt').exists() else ''
+    print(f'saved {run.folder / "ckpt.pt"} (step {iter_num}){best}; sample it with: python sample.py '
+          f'--out_dir={cfg.out_dir}')
+    if cfg.wandb_log:
+        import wandb
+        wandb.finish()
 
 
 def log(cfg, line, values):

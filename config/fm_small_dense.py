@@ -18,7 +18,6 @@ top_k = None  # dense: k = m
 tau = 1.0
 fm_conv = 4  # FM's block, as fm_small.py
 fm_gate = True
-d_ff = 340
 chunk_size = 16  # fastest for the PyTorch scan on a CPU
 
 learning_rate = 4e-3

@@ -5,4 +5,4 @@
 
 fm_conv = 0
 fm_gate = False
-d_ff = None  # the SwiGLU width of 8/3 d_model, as the block's configs have it before they lower it
+d_ff = None  # the SwiGLU width of 8/3 d_model (fm_1b.py sets one for the block)

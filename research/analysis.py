@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_config_of
 from configurator import ConfigError, help_text, load_config
 from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
                   load_documents, loss_at, open_checkpoint, pyplot, save_figure, take_all, take_subcommand)
-from model import Model, ModelConfig
+from model import Model
 
 SCALING_SETTINGS = dict(out='results/scaling')  # writes out.csv and out.png
 SWEEP_SETTINGS = dict(out='results/sweep')  # writes out.csv and out_best.txt
@@ -208,7 +208,7 @@ def run_record(folder):
     ckpt = load_checkpoint(folder / 'ckpt.pt')
     config, train = ckpt['model_config'], ckpt['train_config']
     with torch.device('meta'):  # shapes only: no weights are made
-        model = Model(ModelConfig(**config))
+        model = Model(model_config_of(ckpt, folder / 'ckpt.pt'))
     tokens = ckpt['data_state']['tokens_seen']
     return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)",
             'architecture': describe(config).split(' ', 1)[1], 'parameters': model.num_params(non_embedding=False),

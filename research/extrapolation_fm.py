@@ -22,6 +22,8 @@ d_model = 256
 n_memory = 64
 top_k = 16  # k = m/4
 tau = 1.0
+fm_conv = 0  # the paper's layer: reproduce.sh adds FM's block where it names it
+fm_gate = False
 chunk_size = 64
 
 learning_rate = 1e-3  # the best of 2.5e-4 to 2e-3 for k = 16 and dense (k = 4: 5e-4), reproduce.sh extrapolation

@@ -38,9 +38,8 @@
 #   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
 #   MEMORIES="256 128 64 32 16", TAUS="1 0.5 0.25 0.125"  the scaling subset's m and tau; VARIANT=block: FM with the
 #                           block (its runs in RUNS/scaling-block)
-#   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv,
-#                           routing.csv and scaling.csv list are not trained again; the tables and plots include them
-#                           (routing's: only this machine's runs)
+#   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv
+#                           and scaling.csv list are not trained again; the tables and plots include them
 #   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its
 #                           own): TRAIN_ARGS="--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu"
 set -euo pipefail
@@ -72,9 +71,8 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
         echo "SKIPPED $name: $dir was trained with other settings ($(< "$dir/args")); remove it or set another RUNS"
         return 0
     fi
-    [[ -f $dir/finished ]] && return 0
-    if [[ -n $PREVIOUS ]] && { grep -qs "/$name," "$PREVIOUS/extrapolation_lr.csv" "$PREVIOUS/frontier.csv" ||
-                               grep -qs "^${name#routing/}," "$PREVIOUS/routing.csv"; }; then
+    [[ -f $dir/finished || -f $dir/diverged ]] && return 0
+    if [[ -n $PREVIOUS ]] && grep -qs "/$name," "$PREVIOUS/extrapolation_lr.csv" "$PREVIOUS/frontier.csv"; then
         return 0  # trained on an earlier machine
     fi
     left=$(( DEADLINE - $(date +%s) ))
@@ -98,7 +96,12 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
            echo "finished $name in $(( $(date +%s) - start )) s: $(grep -m1 '^parameters' "$dir/train.log"), \
 $(grep '^step' "$dir/train.log" | tail -1)";;
         124) echo "stopped at the time limit: $name (run again to resume)";;
-        *) echo "FAILED $name (exit $status), the end of $dir/train.log:"
+        *) if grep -q 'training stopped without saving' "$dir/train.log"; then  # not trained again: it would again
+               touch "$dir/diverged"
+               echo "DIVERGED $name: $(grep 'training stopped without saving' "$dir/train.log" | tail -1 | cut -c1-150)"
+               return 0
+           fi
+           echo "FAILED $name (exit $status), the end of $dir/train.log:"
            tail -5 "$dir/train.log";;
     esac
 }
@@ -139,18 +142,18 @@ lr_runs() {  # lr_runs SUBSET/NAME MODEL SEED train.py-arguments...: a run line 
 
 # ----------------------------------------------------------------------------- subsets: one function each
 
-extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments (d_ff: the parameters within 0.1% of FM's)
+extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments (the block takes its weights from d_ff)
     case $1 in
         transformer) echo research/extrapolation_transformer.py;;
         mamba2) echo research/extrapolation_mamba2.py;;
         fm-dense) echo research/extrapolation_fm.py --top_k=None;;
         fm-k16) echo research/extrapolation_fm.py;;
         fm-k4) echo research/extrapolation_fm.py --top_k=4;;
-        fm-k16-gate) echo research/extrapolation_fm.py --fm_gate=True --d_ff=619;;
-        fm-k16-conv) echo research/extrapolation_fm.py --fm_conv=4 --d_ff=702;;
-        fm-k16-block) echo research/extrapolation_fm.py --fm_conv=4 --fm_gate=True --d_ff=617;;
-        fm-dense-block) echo research/extrapolation_fm.py --top_k=None --fm_conv=4 --fm_gate=True --d_ff=617;;
-        fm-k4-block) echo research/extrapolation_fm.py --top_k=4 --fm_conv=4 --fm_gate=True --d_ff=617;;
+        fm-k16-gate) echo research/extrapolation_fm.py --fm_gate=True;;
+        fm-k16-conv) echo research/extrapolation_fm.py --fm_conv=4;;
+        fm-k16-block) echo research/extrapolation_fm.py --fm_conv=4 --fm_gate=True;;
+        fm-dense-block) echo research/extrapolation_fm.py --top_k=None --fm_conv=4 --fm_gate=True;;
+        fm-k4-block) echo research/extrapolation_fm.py --top_k=4 --fm_conv=4 --fm_gate=True;;
     esac
 }
 
@@ -221,8 +224,8 @@ frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MO
 1M fm-k16      --n_layer=6 --d_model=128
 8M fm-k16-block --n_layer=12
 4M fm-k16-block
-2M fm-k16-block --n_layer=12 --d_model=128 --d_ff=340
-1M fm-k16-block --n_layer=6 --d_model=128 --d_ff=340
+2M fm-k16-block --n_layer=12 --d_model=128
+1M fm-k16-block --n_layer=6 --d_model=128
 EOF
 }
 
@@ -260,7 +263,7 @@ routing() {  # the extrapolation subset's FM runs at their best rates (run it fi
 
 scaling() {
     local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant=
-    [[ $VARIANT == block ]] && variant="--fm_conv=4 --fm_gate=True --d_ff=617"  # parameters within 0.1%
+    [[ $VARIANT == block ]] && variant="--fm_conv=4 --fm_gate=True"
     [[ -n $PREVIOUS && -f $PREVIOUS/$subset.csv ]] &&
         done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/$subset.csv")"
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),

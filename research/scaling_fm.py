@@ -21,6 +21,8 @@ d_model = 256
 n_memory = 64
 top_k = 16
 tau = 1.0
+fm_conv = 0  # the paper's layer: reproduce.sh adds FM's block where it names it
+fm_gate = False
 chunk_size = 16  # the PyTorch scan (m = 256 on a GPU, above the Triton kernels' 128 rows): 16 keeps its memory low
 
 learning_rate = 3e-3
