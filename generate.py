@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch._inductor
 
 from model import write_state
 
@@ -61,7 +60,6 @@ def sample_next(logits, sampling):
 # setting) makes inductor write a product with one row (batch 1) as a reduction tuned for this GPU instead of a
 # cuBLAS GEMV, whose 64-row tiles leave most SMs idle at 2048 outputs (docs/kernel_log.md).
 STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
-PROGRESS_EVERY = 16  # steps between Generator.generate's on_progress calls
 
 
 class Generator:
@@ -77,7 +75,9 @@ class Generator:
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
-        options = None if compile is None else {**torch._inductor.list_mode_options(compile), **STEP_COMPILE_OPTIONS}
+        if compile is not None:  # inductor, imported only then: seconds
+            import torch._inductor
+            options = {**torch._inductor.list_mode_options(compile), **STEP_COMPILE_OPTIONS}
         self.compiled_step = self._step if compile is None else torch.compile(self._step, options=options)
         self.hidden = model.hidden if compile is None else torch.compile(model.hidden, mode=compile)
         self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
@@ -153,7 +153,7 @@ class Generator:
     def generate(self, prompts, max_new_tokens, on_tokens=None, on_progress=None):
         """New tokens for each prompt: up to max_new_tokens, a row ending at its end-of-text token (not returned).
         on_tokens(list of B ids), if given, gets each step's tokens as they come (streaming; a host sync a token);
-        on_progress(n), if given, the number of tokens a row so far, every PROGRESS_EVERY steps (no sync)."""
+        on_progress(n), if given, the number of tokens a row so far, every 16 steps (no sync)."""
         if max_new_tokens < 1:
             return [[] for _ in prompts]
         out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=self.device)  # (B, max_new_tokens)
@@ -162,7 +162,7 @@ class Generator:
         while True:
             if on_tokens is not None:
                 on_tokens(out[:, n - 1].tolist())
-            if on_progress is not None and n % PROGRESS_EVERY == 0:
+            if on_progress is not None and n % 16 == 0:
                 on_progress(n)
             finished = self.eot is not None and n % 16 == 0 and self.done.all()  # a host sync every 16
             if n == max_new_tokens or finished:
