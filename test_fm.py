@@ -1420,6 +1420,8 @@ def hand_forward_flops(name, seq_len):
     token at seq_len): 2 FLOPs a multiply-add of every weight (norm scales, biases and the conv counted as weights,
     as Model.flops_per_token does), the tied LM head, and the mixer's work on its sequence or state."""
     d, vocab, layers, ffn = 32, 64, 2, 128
+    if name.startswith('fm_block'):  # the block's weights taken from the MLP: 128 - round((32 * 32 + 5 * 32) / 96)
+        ffn = 116
     per_layer = 2 * d + 3 * d * ffn  # the two norms' scales; SwiGLU gate, up, down
     if name == 'attn':  # 4 query heads of 8, 2 key/value heads
         per_layer += d * 32 + 2 * d * 16 + 32 * d  # q, k, v, out
