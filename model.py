@@ -42,7 +42,7 @@ class ModelConfig:
     n_layer: int = 4  # blocks
     d_model: int = 256  # width of the residual stream
     mixer: str = 'fm'  # the sequence mixer of every block: 'fm', 'attn' or 'mamba2'
-    d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model up to a multiple of 64 less FM's block's weights; 0: no
+    d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block (ffn_dim); 0: no MLP
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head shares the embedding's weight
     init_std: float = 0.02  # std of the normal initialisation of every matrix
