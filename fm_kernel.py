@@ -15,12 +15,15 @@ theta and phi are zero outside a token's top-k rows, so one code path serves den
 | fm_step_naive  | one decode step touching only the selected rows                          |
 | fm_step        | the same step in Triton                                                  |
 | route_naive    | the router's rows and weights from its scores (softmax, top-k, rates)    |
-| fm_route_step_naive | route_naive, then fm_step_naive                                     |
+| conv_step_naive | a causal depthwise convolution + SiLU for one token (FM's block)        |
+| fm_route_step_naive | route_naive, then fm_step_naive; with FM's block, conv_step_naive on   |
+|                | xbar before and the output gate y * silu(z) after                        |
 | fm_route_step  | the same in one Triton kernel (the model's decoding step)                |
 
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
 Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D); with the
-router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu.
+router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu; FM's block (not in the paper): the gate's
+z (B,D), the convolution's window (B,D,W-1) updated in place, its weight (D,W) and bias (D,).
 
 The file in order: the references; the Triton device helpers; launch settings; the forward pass, the backward
 pass and the decode step, each kernel beside the function that launches it; the custom ops and the public API.
@@ -46,8 +49,9 @@ fm_scan, backward (fm::scan_backward)
                    _rate_grads_kernel      (chunk, batch)          dtheta and dphi
     _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where theta = 1
 fm_step (fm::step), fm_route_step (fm::route_step)
-    _step          _step_kernel            (batch)                 the top-k of the scores (route_step), the K
-                                                                    rows' update, their norms and y
+    _step          _step_kernel            (batch)                 the top-k of the scores (route_step), the
+                                                                    convolution of xbar, the K rows' update,
+                                                                    their norms, y and its gate
 
 The chunked algorithm (chunk of C tokens, chunk-start state H, b = within-chunk cumulative
 log(1 - theta)). Row i inside a chunk is a gated linear recurrence:
@@ -127,12 +131,25 @@ def route_naive(scores, top_k, tau):
     return idx, alpha, rates[..., :1], rates[..., 1:]
 
 
-def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6):
-    """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B, D)."""
+def conv_step_naive(x, window, weight, bias):
+    """Causal depthwise convolution + SiLU of one token x (B, C) after the window (B, C, W - 1) of the inputs
+    before it, which moves on in place; weight (C, W), bias (C,). Computed in at least float32 -> (B, C)."""
+    inputs = torch.cat([window, x[..., None].to(window.dtype)], dim=-1)  # (B, C, W)
+    window.copy_(inputs[..., 1:])
+    weight = weight.to(torch.promote_types(x.dtype, torch.float32))
+    return F.silu((inputs * weight).sum(-1) + bias.to(weight.dtype)).to(x.dtype)
+
+
+def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6, z=None, conv=None):
+    """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B, D). FM's block:
+    conv (window, weight, bias) turns xbar into conv_step_naive(xbar, *conv) first, z gates y: y * silu(z)."""
+    if conv is not None:
+        xbar = conv_step_naive(xbar, *conv)
     idx, alpha, eta, mu = route_naive(scores, top_k, tau)
     if idx is None:
         idx = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)  # (B, M)
-    return fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
+    y = fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
+    return y if z is None else y * F.silu(z)
 
 
 def _pad_time(x, multiple):
@@ -1074,10 +1091,42 @@ def _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends):
 if triton is not None:
 
     @triton.jit
-    def _step_rows(row_ptrs, x_ptr, write, offs_d, k_ok, D):
-        """Columns offs_d (BK, BD) of a step's rows after its write, h <- (1 - theta) h + theta x, stored back."""
+    def _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD: tl.constexpr, TAPS: tl.constexpr):
+        """xbar's columns offs_d (BD,) in float32: x, or with TAPS > 0 conv_step_naive's silu(sum_j w_j u_j + bias)
+        over the window u of the TAPS - 1 inputs before x and x itself; the window (D, TAPS - 1) moves on by x."""
+        ok = offs_d < D
+        x = tl.load(x_ptr + offs_d, mask=ok, other=0.0)  # (BD,)
+        if TAPS == 0:
+            xbar = x.to(tl.float32)
+        else:
+            acc = tl.zeros([BD], dtype=tl.float32)
+            for j in tl.static_range(TAPS - 1):  # a column's inputs stay in one thread: load, then shift down
+                u = tl.load(window_ptr + offs_d * (TAPS - 1) + j, mask=ok, other=0.0)
+                acc += tl.load(w_ptr + offs_d * TAPS + j, mask=ok, other=0.0).to(tl.float32) * u.to(tl.float32)
+                if j > 0:
+                    tl.store(window_ptr + offs_d * (TAPS - 1) + j - 1, u, mask=ok)
+            u = x.to(w_ptr.dtype.element_ty)  # the window's dtype, the weight's (one tap: no window)
+            if TAPS > 1:
+                tl.store(window_ptr + offs_d * (TAPS - 1) + TAPS - 2, u, mask=ok)
+            acc += tl.load(w_ptr + offs_d * TAPS + TAPS - 1, mask=ok, other=0.0).to(tl.float32) * u.to(tl.float32)
+            acc += tl.load(bias_ptr + offs_d, mask=ok, other=0.0).to(tl.float32)
+            xbar = (acc * tl.sigmoid(acc)).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference
+        return xbar
+
+    @triton.jit
+    def _gated(y, z_ptr, offs_d, D, GATE: tl.constexpr):
+        """y (BD,) float32, times silu(z) with GATE, rounded as fm_route_step_naive rounds (z's dtype is y's)."""
+        if GATE:
+            dtype = z_ptr.dtype.element_ty
+            z = tl.load(z_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            y = y.to(dtype).to(tl.float32) * (z * tl.sigmoid(z)).to(dtype).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _step_rows(row_ptrs, x, write, offs_d, k_ok, D):
+        """Columns offs_d (BK, BD) of a step's rows after its write of x (BD,), h <- (1 - theta) h + theta x,
+        stored back."""
         mask = k_ok[:, None] & (offs_d < D)[None, :]
-        x = tl.load(x_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)  # (BD,)
         h = tl.load(row_ptrs + offs_d[None, :], mask=mask, other=0.0)
         h = (1.0 - write) * h + write * x[None, :]
         tl.store(row_ptrs + offs_d[None, :], h, mask=mask)
@@ -1111,14 +1160,21 @@ if triton is not None:
         return rows, eta * alpha, mu * alpha
 
     @triton.jit
-    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, eps, tau, D, M, K, S,
+    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, z_ptr, window_ptr, w_ptr,
+                     bias_ptr, eps, tau, D, M, K, S, X_STRIDE, Z_STRIDE,
                      BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, ROUTE: tl.constexpr,
-                     BM: tl.constexpr, DENSE: tl.constexpr):
+                     BM: tl.constexpr, DENSE: tl.constexpr, TAPS: tl.constexpr, GATE: tl.constexpr):
         """One decode step of sequence bi on its K rows: h_k <- (1 - theta_k) h_k + theta_k x, then
         y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route; rows
         S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
-        and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows."""
+        and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows.
+        FM's block: TAPS > 0 convolves x first (_values), GATE multiplies y by silu(z) (_gated)."""
         bi = tl.program_id(0)
+        x_ptr += bi * X_STRIDE
+        if GATE:
+            z_ptr += bi * Z_STRIDE
+        if TAPS > 1:
+            window_ptr += bi * D * (TAPS - 1)
         offs_k = tl.arange(0, BK)
         k_ok = offs_k < K
         if ROUTE:
@@ -1131,24 +1187,27 @@ if triton is not None:
         row_ptrs = h_ptr + bi * M * D + rows[:, None] * D  # (BK, 1)
         if ONE_PASS:
             offs_d = tl.arange(0, BD)
-            h = _step_rows(row_ptrs, x_ptr + bi * D, write, offs_d, k_ok, D)  # (BK, BD)
+            x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS)  # (BD,)
+            h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
             sq_norm = tl.sum(h * h, axis=1)
         else:
             sq_norm = tl.zeros([BK], dtype=tl.float32)
             for d0 in range(0, D, BD):
-                h = _step_rows(row_ptrs, x_ptr + bi * D, write, d0 + tl.arange(0, BD), k_ok, D)  # (BK, BD)
+                offs_d = d0 + tl.arange(0, BD)
+                x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS)  # (BD,)
+                h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
                 sq_norm += tl.sum(h * h, axis=1)
             tl.debug_barrier()  # the second pass reads rows that other threads stored
         read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
         if ONE_PASS:
-            tl.store(y_ptr + bi * D + offs_d, tl.sum(read[:, None] * h, axis=0).to(y_ptr.dtype.element_ty),
-                     mask=offs_d < D)
+            y = _gated(tl.sum(read[:, None] * h, axis=0), z_ptr, offs_d, D, GATE)
+            tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
         else:
             for d0 in range(0, D, BD):
                 offs_d = d0 + tl.arange(0, BD)
                 h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-                tl.store(y_ptr + bi * D + offs_d, tl.sum(read[:, None] * h, axis=0).to(y_ptr.dtype.element_ty),
-                         mask=offs_d < D)
+                y = _gated(tl.sum(read[:, None] * h, axis=0), z_ptr, offs_d, D, GATE)
+                tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 def _step_meta(K, D):
@@ -1265,10 +1324,11 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
 def _step(h: Tensor, xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, eps: float) -> Tensor:
     """y (B, D); rows idx of h updated in place."""
     B, M, D = h.shape
-    x = xbar.contiguous()
-    y = torch.empty_like(x)
-    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), None, y, eps, 1.0, D, M,
-                       idx.shape[1], 0, ROUTE=False, BM=1, DENSE=False, **_step_meta(idx.shape[1], D))
+    x = _unit_stride(xbar)
+    y = xbar.new_empty(B, D)
+    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), None, y, None, None, None, None,
+                       eps, 1.0, D, M, idx.shape[1], 0, x.stride(0), 0, ROUTE=False, BM=1, DENSE=False, TAPS=0,
+                       GATE=False, **_step_meta(idx.shape[1], D))
     return y
 
 
@@ -1277,21 +1337,30 @@ def _(h, xbar, idx, theta, phi, eps):
     return torch.empty_like(xbar, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("fm::route_step", mutates_args={"h"})
-def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float, eps: float) -> Tensor:
-    """y (B, D); the top_k rows the scores select updated in place."""
+@torch.library.custom_op("fm::route_step", mutates_args={"h", "window"})
+def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float, eps: float, z: Optional[Tensor],
+                window: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+    """y (B, D); the top_k rows the scores select updated in place (and the convolution's window)."""
     B, M, D = h.shape
-    x = xbar.contiguous()
-    y = torch.empty_like(x)
-    scores = scores if scores.stride(-1) == 1 else scores.contiguous()  # rows may be strided (a padded product's)
-    _step_kernel[(B,)](h, x, None, None, None, scores, y, eps, tau, D, M, top_k, scores.stride(0), ROUTE=True,
-                       BM=max(2, triton.next_power_of_2(M)), DENSE=top_k == M, **_step_meta(top_k, D))
+    x, z, scores = _unit_stride(xbar), _unit_stride(z), _unit_stride(scores)  # rows may be strided (chunks, pads)
+    y = xbar.new_empty(B, D)
+    taps = 0 if weight is None else weight.shape[-1]
+    window = window if taps > 1 else None  # one tap: an empty window
+    _step_kernel[(B,)](h, x, None, None, None, scores, y, z, window, weight, bias, eps, tau, D, M, top_k,
+                       scores.stride(0), x.stride(0), 0 if z is None else z.stride(0), ROUTE=True,
+                       BM=max(2, triton.next_power_of_2(M)), DENSE=top_k == M, TAPS=taps, GATE=z is not None,
+                       **_step_meta(top_k, D))
     return y
 
 
 @_route_step.register_fake
-def _(h, xbar, scores, top_k, tau, eps):
-    return torch.empty_like(xbar, memory_format=torch.contiguous_format)
+def _(h, xbar, scores, top_k, tau, eps, z, window, weight, bias):
+    return xbar.new_empty(xbar.shape)
+
+
+def _unit_stride(x):
+    """x, copied only where its last dimension is not contiguous (None stays None)."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
 def _check_step_state(h):
@@ -1306,13 +1375,18 @@ def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
     return _step(h, xbar, idx, theta, phi, float(eps))
 
 
-def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6):
+def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
     """Triton decode step with its router (fm_route_step_naive in one kernel): selects the top_k rows from scores
-    (B, M + 2) float32, then updates them as fm_step does; returns y (B, D). A custom op (fm::route_step)."""
+    (B, M + 2) float32, then updates them as fm_step does; returns y (B, D). FM's block: conv (window (B, D, W - 1)
+    contiguous, weight (D, W), bias (D,)) convolves xbar first, z (B, D) gates y. A custom op (fm::route_step)."""
     _check_step_state(h)
     if scores.dtype != torch.float32 or scores.shape != (h.shape[0], h.shape[1] + 2):
         raise ValueError(f"scores must be float32 (B, M + 2) = {(h.shape[0], h.shape[1] + 2)}, "
                          f"got {scores.dtype} {tuple(scores.shape)}")
     if not 1 <= top_k <= h.shape[1]:
         raise ValueError(f"top_k must be in [1, M = {h.shape[1]}], got {top_k}")
-    return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps))
+    window, weight, bias = (None, None, None) if conv is None else conv
+    if conv is not None and not (all(t.is_contiguous() for t in conv) and window.dtype == weight.dtype):
+        raise ValueError("the convolution's window (B, D, W - 1), weight (D, W) and bias (D,) must be contiguous, "
+                         "the window in the weight's dtype")
+    return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps), z, window, weight, bias)

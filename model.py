@@ -152,22 +152,23 @@ class SwiGLU(nn.Module):
 
 def causal_conv(x, history, conv, lengths=None):
     """Causal depthwise convolution + SiLU over time: x (B, T, C) after history (B, C, W - 1), the inputs before it
-    (None: zeros) -> (B, T, C), and the new history: the W - 1 inputs before each row's end (lengths (B,); None: T)."""
-    if history is None:
-        history = x.new_zeros(len(x), x.shape[-1], conv.kernel_size[0] - 1)
-    inputs = torch.cat([history.to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, C, W - 1 + T)
-    out = F.conv1d(inputs, conv.weight, conv.bias, groups=conv.groups)  # (B, C, T)
-    ends = torch.full((len(x),), x.shape[1], device=x.device) if lengths is None else lengths
-    window = ends[:, None] + torch.arange(history.shape[-1], device=x.device)  # (B, W - 1)
-    return F.silu(out.transpose(1, 2)), inputs.gather(2, window[:, None].expand(-1, inputs.shape[1], -1))
+    (None: zeros) -> (B, T, C), and the new history: the W - 1 inputs before each row's end (lengths (B,); None: T).
+    W shifted multiply-adds in x's layout, in float32 at least: one fused kernel each way when compiled (F.conv1d
+    wants (B, C, T): two transposes, and a slow depthwise backward)."""
+    T, width = x.shape[1], conv.kernel_size[0]
+    before = x.new_zeros(len(x), width - 1, x.shape[-1]) if history is None else history.transpose(1, 2)
+    inputs = torch.cat([before.to(x.dtype), x], dim=1)  # (B, W - 1 + T, C)
+    weight = conv.weight[:, 0].to(compute_dtype(x.dtype))  # (C, W)
+    out = conv.bias.to(weight.dtype) + sum(inputs[:, i:i + T] * weight[:, i] for i in range(width))  # (B, T, C)
+    ends = torch.full((len(x),), T, device=x.device) if lengths is None else lengths
+    window = ends[:, None] + torch.arange(width - 1, device=x.device)  # (B, W - 1)
+    history = inputs.gather(1, window[..., None].expand(-1, -1, inputs.shape[-1]))  # (B, W - 1, C)
+    return F.silu(out).to(x.dtype), history.transpose(1, 2)
 
 
 def causal_conv_step(x, history, conv):
-    """causal_conv of one token x (B, C), in a few elementwise ops (one fused kernel when compiled); the history
-    (B, C, W - 1) moves on in place."""
-    inputs = torch.cat([history, x[..., None].to(history.dtype)], dim=-1)  # (B, C, W)
-    history.copy_(inputs[..., 1:])
-    return F.silu((inputs * conv.weight[:, 0]).sum(-1) + conv.bias).to(x.dtype)
+    """causal_conv of one token x (B, C); the history (B, C, W - 1) moves on in place (fm_kernel.conv_step_naive)."""
+    return fm_kernel.conv_step_naive(x, history, conv.weight[:, 0], conv.bias)
 
 
 # ----------------------------------------------------------------------------- Factorization Memory
@@ -191,10 +192,11 @@ def memory_step(h, xbar, idx, theta, phi, eps):
     return step(h, xbar, idx, theta, phi, eps)
 
 
-def memory_route_step(h, xbar, scores, top_k, tau, eps):
-    """memory_step with the standard router fused in, from its scores (B, M + 2): one kernel on CUDA."""
+def memory_route_step(h, xbar, scores, top_k, tau, eps, z=None, conv=None):
+    """memory_step with the standard router fused in, from its scores (B, M + 2), and FM's block (z, the gate; conv,
+    (window, weight, bias)): one kernel on CUDA."""
     step = fm_kernel.fm_route_step if triton_step(h) else fm_kernel.fm_route_step_naive
-    return step(h, xbar, scores, top_k, tau, eps)
+    return step(h, xbar, scores, top_k, tau, eps, z=z, conv=conv)
 
 
 class FactorizationMemory(nn.Module):
@@ -249,17 +251,17 @@ class FactorizationMemory(nn.Module):
     def step(self, x, state):  # x (B, d_model)
         """One token: updates the state's buffers in place -> y (B, d_model)."""
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
-        if self.conv is not None:
-            xbar = causal_conv_step(xbar, state['conv'], self.conv)
-        if type(self).route is FactorizationMemory.route:  # the standard router: fused into the update
+        if type(self).route is FactorizationMemory.route:  # the standard router: fused with the block's parts
             with torch.autocast(x.device.type, enabled=False):
                 scores = self.router_scores(x)  # (B, M + 2)
-            y = memory_route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps)
-        else:
-            idx, alpha, eta, mu = self.route(x)
-            if idx is None:  # dense: every row
-                idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
-            y = memory_step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
+            conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
+            return self.out_proj(memory_route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z, conv))
+        if self.conv is not None:
+            xbar = causal_conv_step(xbar, state['conv'], self.conv)
+        idx, alpha, eta, mu = self.route(x)
+        if idx is None:  # dense: every row
+            idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
+        y = memory_step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
         return self.out_proj(y if z is None else y * F.silu(z))
 
     def init_state(self, batch_size, max_len, device):

@@ -386,23 +386,56 @@ def test_triton_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     assert torch.equal(h[untouched], h_naive[untouched])
 
 
+def block_step_inputs(B, D, taps, dtype=torch.float32):
+    """FM's block in a decoding step: xbar and z (B, D) as the halves of one product's rows (strided), the
+    convolution's (window (B, D, taps - 1), weight (D, taps), bias (D,))."""
+    xbar, z = torch.randn(B, 2 * D, device=DEVICE, dtype=dtype).chunk(2, dim=-1)
+    conv = (torch.randn(B, D, taps - 1, device=DEVICE, dtype=dtype), torch.randn(D, taps, device=DEVICE, dtype=dtype),
+            torch.randn(D, device=DEVICE, dtype=dtype))
+    return xbar, z, conv
+
+
 @core
 @needs_triton
-@pytest.mark.parametrize("K, M, D, one_pass", [(1, 4, 16, True), (3, 10, 40, True), (8, 64, 100, True),
-                                               (10, 10, 40, True), (5, 12, 3000, False), (16, 16, 1100, False)])
-def test_triton_route_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
+@pytest.mark.parametrize("K, M, D, one_pass, taps", [
+    (1, 4, 16, True, 0), (3, 10, 40, True, 0), (8, 64, 100, True, 0), (10, 10, 40, True, 0),
+    (5, 12, 3000, False, 0), (16, 16, 1100, False, 0), (3, 10, 40, True, 4), (16, 16, 1100, False, 4),
+    (3, 10, 40, True, 1)])
+def test_triton_route_step_matches_naive(K, M, D, one_pass, taps, poisoned_outputs):
     """The router in the step's kernel: the same rows (sparse and dense, K = M), weights and update as route_naive
-    followed by fm_step_naive; every other row untouched."""
+    followed by fm_step_naive; every other row untouched. With FM's block (taps > 0), the convolution of xbar before
+    (its window moved on alike; one tap: no window) and the gate after, in one pass and in two."""
     assert fm_kernel._step_meta(K, D)["ONE_PASS"] == one_pass
     torch.manual_seed(K + M + D)
     B = 3
     h, x, *_ = step_inputs(B, K, M, D)
+    z, conv = None, None
+    if taps:
+        x, z, conv = block_step_inputs(B, D, taps)
     scores = (3 * torch.randn(B, M + 5, device=DEVICE))[:, :M + 2]  # rows strided, as a padded product returns them
-    h_naive = h.clone()
-    y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 0.7)
-    y = fm_kernel.fm_route_step(h, x, scores, K, 0.7)
+    h_naive, conv_naive = h.clone(), conv and (conv[0].clone(), *conv[1:])
+    y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 0.7, z=z, conv=conv_naive)
+    y = fm_kernel.fm_route_step(h, x, scores, K, 0.7, z=z, conv=conv)
     assert rel_err(y, y_naive) < 1e-6
     assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6)
+    if taps:
+        assert torch.equal(conv[0], conv_naive[0])
+
+
+@needs_triton
+def test_triton_route_step_with_the_block_in_bfloat16():
+    """The model's decoding dtype: xbar, z and the window bfloat16 (h float32); the kernel rounds the convolution's
+    output and the gated y where the reference does, so both agree to float32's error, and the windows exactly."""
+    torch.manual_seed(5)
+    B, K, M, D = 3, 3, 10, 40
+    h, *_ = step_inputs(B, K, M, D)
+    x, z, conv = block_step_inputs(B, D, taps=4, dtype=torch.bfloat16)
+    scores = 3 * torch.randn(B, M + 2, device=DEVICE)
+    h_naive, conv_naive = h.clone(), (conv[0].clone(), *conv[1:])
+    y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 1.0, z=z, conv=conv_naive)
+    y = fm_kernel.fm_route_step(h, x, scores, K, 1.0, z=z, conv=conv)
+    assert y.dtype == torch.bfloat16 and rel_err(y, y_naive) < 2e-3
+    assert torch.allclose(h, h_naive, rtol=1e-5, atol=1e-5) and torch.equal(conv[0], conv_naive[0])
     idx, *_ = fm_kernel.route_naive(scores, K, 0.7)
     if idx is not None:
         untouched = torch.ones(B, M, dtype=torch.bool, device=DEVICE).scatter(1, idx, False)
@@ -474,7 +507,10 @@ def test_fm_step_compiles_without_graph_break():
     torch.manual_seed(1)
     h, x, idx, theta, phi = step_inputs(2, 3, 10, 40)
     torch.library.opcheck(fm_kernel._step, (h.clone(), x, idx, theta, phi, 1e-6))
-    torch.library.opcheck(fm_kernel._route_step, (h.clone(), x, torch.randn(2, 12, device=DEVICE), 3, 1.0, 1e-6))
+    scores = torch.randn(2, 12, device=DEVICE)
+    torch.library.opcheck(fm_kernel._route_step, (h.clone(), x, scores, 3, 1.0, 1e-6, None, None, None, None))
+    xbar, z, (window, weight, bias) = block_step_inputs(2, 40, taps=4)
+    torch.library.opcheck(fm_kernel._route_step, (h.clone(), xbar, scores, 3, 1.0, 1e-6, z, window, weight, bias))
 
     def decode(h, x, idx, theta, phi):
         return fm_step(h, 2 * x, idx, theta.softmax(-1), phi).sum(-1)
@@ -905,7 +941,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
         patch.setattr(model_module, 'triton_step', lambda h: True)
         for name in ('fm_step', 'fm_route_step'):
             step = getattr(fm_kernel, name)
-            patch.setattr(fm_kernel, name, lambda *args, step=step: steps.append(step) or step(*args))
+            patch.setattr(fm_kernel, name, lambda *args, step=step, **kw: steps.append(step) or step(*args, **kw))
         patch.setattr(gemv, 'decode_linear', lambda x, weight: torch.cat([gemv.linear(row[None], weight) for row in x]))
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
