@@ -1100,9 +1100,10 @@ if triton is not None:
             xbar = x.to(tl.float32)
         else:
             acc = tl.zeros([BD], dtype=tl.float32)
-            for j in tl.static_range(TAPS - 1):  # a column's inputs stay in one thread: load, then shift down
+            for j in tl.static_range(TAPS - 1):  # load u_j, then shift it down to j - 1
                 u = tl.load(window_ptr + offs_d * (TAPS - 1) + j, mask=ok, other=0.0)
                 acc += tl.load(w_ptr + offs_d * TAPS + j, mask=ok, other=0.0).to(tl.float32) * u.to(tl.float32)
+                tl.debug_barrier()  # threads may hold copies of a column: all have read u_j before any overwrite
                 if j > 0:
                     tl.store(window_ptr + offs_d * (TAPS - 1) + j - 1, u, mask=ok)
             u = x.to(w_ptr.dtype.element_ty)  # the window's dtype, the weight's (one tap: no window)

@@ -400,11 +400,11 @@ def block_step_inputs(B, D, taps, dtype=torch.float32):
 @pytest.mark.parametrize("K, M, D, one_pass, taps", [
     (1, 4, 16, True, 0), (3, 10, 40, True, 0), (8, 64, 100, True, 0), (10, 10, 40, True, 0),
     (5, 12, 3000, False, 0), (16, 16, 1100, False, 0), (3, 10, 40, True, 4), (16, 16, 1100, False, 4),
-    (3, 10, 40, True, 1)])
+    (3, 10, 40, True, 2), (3, 10, 40, True, 1)])
 def test_triton_route_step_matches_naive(K, M, D, one_pass, taps, poisoned_outputs):
     """The router in the step's kernel: the same rows (sparse and dense, K = M), weights and update as route_naive
     followed by fm_step_naive; every other row untouched. With FM's block (taps > 0), the convolution of xbar before
-    (its window moved on alike; one tap: no window) and the gate after, in one pass and in two."""
+    (its window moved on alike; two taps: a window of one; one tap: none) and the gate after, in one pass and in two."""
     assert fm_kernel._step_meta(K, D)["ONE_PASS"] == one_pass
     torch.manual_seed(K + M + D)
     B = 3

@@ -394,4 +394,5 @@ if __name__ == '__main__':
     try:
         main(sys.argv[1:])
     except (ConfigError, TrainError, CheckpointError) as e:
-        sys.exit(f'error: {e}')
+        sys.stderr.write(f'error: {e}\n')  # one write: the lines of DDP ranks sharing stderr do not interleave
+        sys.exit(1)
