@@ -1386,8 +1386,24 @@ def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
                          f"got {scores.dtype} {tuple(scores.shape)}")
     if not 1 <= top_k <= h.shape[1]:
         raise ValueError(f"top_k must be in [1, M = {h.shape[1]}], got {top_k}")
+    _check_block(h, xbar, z, conv)
     window, weight, bias = (None, None, None) if conv is None else conv
-    if conv is not None and not (all(t.is_contiguous() for t in conv) and window.dtype == weight.dtype):
-        raise ValueError("the convolution's window (B, D, W - 1), weight (D, W) and bias (D,) must be contiguous, "
-                         "the window in the weight's dtype")
     return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps), z, window, weight, bias)
+
+
+def _check_block(h, xbar, z, conv):
+    """fm_route_step's xbar (B, D), its gate z (B, D) in xbar's dtype and its convolution (window (B, D, W - 1) in
+    the weight's dtype, weight (D, W), bias (D,), contiguous): the kernel indexes them by these shapes."""
+    B, _, D = h.shape
+    if xbar.shape != (B, D) or (z is not None and (z.shape != (B, D) or z.dtype != xbar.dtype)):
+        raise ValueError(f"xbar and z must be (B, D) = {(B, D)} of one dtype, got xbar {xbar.dtype} "
+                         f"{tuple(xbar.shape)}" + ("" if z is None else f", z {z.dtype} {tuple(z.shape)}"))
+    if conv is not None:
+        window, weight, bias = conv
+        W = weight.shape[-1]
+        shapes = [tuple(t.shape) for t in conv]
+        if (shapes != [(B, D, W - 1), (D, W), (D,)] or not all(t.is_contiguous() for t in conv)
+                or window.dtype != weight.dtype):
+            raise ValueError(f"the convolution's window, weight and bias must be contiguous (B, D, W - 1), (D, W), "
+                             f"(D,) = {(B, D, W - 1)}, {(D, W)}, {(D,)}, the window in the weight's dtype; got "
+                             f"{shapes}, {window.dtype} and {weight.dtype}")

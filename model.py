@@ -153,13 +153,13 @@ class SwiGLU(nn.Module):
 def causal_conv(x, history, conv, lengths=None):
     """Causal depthwise convolution + SiLU over time: x (B, T, C) after history (B, C, W - 1), the inputs before it
     (None: zeros) -> (B, T, C), and the new history: the W - 1 inputs before each row's end (lengths (B,); None: T).
-    W shifted multiply-adds in x's layout, in float32 at least: one fused kernel each way when compiled (F.conv1d
-    wants (B, C, T): two transposes, and a slow depthwise backward)."""
+    W shifted multiply-adds in x's layout, in float32 at least: elementwise work that inductor fuses (F.conv1d wants
+    (B, C, T): two transposes, and cuDNN's depthwise kernels outside the fusions)."""
     T, width = x.shape[1], conv.kernel_size[0]
     before = x.new_zeros(len(x), width - 1, x.shape[-1]) if history is None else history.transpose(1, 2)
     inputs = torch.cat([before.to(x.dtype), x], dim=1)  # (B, W - 1 + T, C)
     weight = conv.weight[:, 0].to(compute_dtype(x.dtype))  # (C, W)
-    out = conv.bias.to(weight.dtype) + sum(inputs[:, i:i + T] * weight[:, i] for i in range(width))  # (B, T, C)
+    out = sum((inputs[:, i:i + T] * weight[:, i] for i in range(width)), conv.bias.to(weight.dtype))  # (B, T, C)
     ends = torch.full((len(x),), T, device=x.device) if lengths is None else lengths
     window = ends[:, None] + torch.arange(width - 1, device=x.device)  # (B, W - 1)
     history = inputs.gather(1, window[..., None].expand(-1, -1, inputs.shape[-1]))  # (B, W - 1, C)
