@@ -177,8 +177,9 @@ def _way_on(path):
             f'{path.parent}')
 
 
+# research settings removed on 2026-11-25, at the values of the paper's layer
 REMOVED_SETTINGS = {'router_init_std': None, 'eta_bias': 0.0, 'router_weight_decay': True, 'router_balance': 0.0,
-                    'router_center': False}  # research settings removed on 2026-11-25, at the values of the paper's layer
+                    'router_center': False}
 
 
 def model_config_of(ckpt, path):
