@@ -75,11 +75,12 @@ class Generator:
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
+        self.compiled_step, self.hidden = self._step, model.hidden
         if compile is not None:  # inductor, imported only then: seconds
             import torch._inductor
             options = {**torch._inductor.list_mode_options(compile), **STEP_COMPILE_OPTIONS}
-        self.compiled_step = self._step if compile is None else torch.compile(self._step, options=options)
-        self.hidden = model.hidden if compile is None else torch.compile(model.hidden, mode=compile)
+            self.compiled_step = torch.compile(self._step, options=options)
+            self.hidden = torch.compile(model.hidden, mode=compile)
         self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
         self.shape = self.graph = None
 
