@@ -1091,23 +1091,29 @@ def _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends):
 if triton is not None:
 
     @triton.jit
-    def _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD: tl.constexpr, TAPS: tl.constexpr):
+    def _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD: tl.constexpr, TAPS: tl.constexpr,
+                BW: tl.constexpr):
         """xbar's columns offs_d (BD,) in float32: x, or with TAPS > 0 conv_step_naive's silu(sum_j w_j u_j + bias)
-        over the window u of the TAPS - 1 inputs before x and x itself; the window (D, TAPS - 1) moves on by x."""
+        over the window u of the TAPS - 1 inputs before x and x itself; the window (D, TAPS - 1, padded to BW
+        columns here) moves on by x. Every load comes before one barrier, the stores after: one memory latency."""
         ok = offs_d < D
         x = tl.load(x_ptr + offs_d, mask=ok, other=0.0)  # (BD,)
         if TAPS == 0:
             xbar = x.to(tl.float32)
         else:
+            u = x.to(w_ptr.dtype.element_ty)  # the window's dtype, the weight's
             acc = tl.zeros([BD], dtype=tl.float32)
-            for j in tl.static_range(TAPS - 1):  # load u_j, then shift it down to j - 1
-                u = tl.load(window_ptr + offs_d * (TAPS - 1) + j, mask=ok, other=0.0)
-                acc += tl.load(w_ptr + offs_d * TAPS + j, mask=ok, other=0.0).to(tl.float32) * u.to(tl.float32)
-                tl.debug_barrier()  # threads may hold copies of a column: all have read u_j before any overwrite
-                if j > 0:
-                    tl.store(window_ptr + offs_d * (TAPS - 1) + j - 1, u, mask=ok)
-            u = x.to(w_ptr.dtype.element_ty)  # the window's dtype, the weight's (one tap: no window)
             if TAPS > 1:
+                offs_w = tl.arange(0, BW)
+                cols = ok[:, None] & (offs_w < TAPS - 1)[None, :]
+                at = offs_d[:, None] * (TAPS - 1) + offs_w[None, :]  # (BD, BW)
+                window = tl.load(window_ptr + at, mask=cols, other=0.0)
+                w = tl.load(w_ptr + offs_d[:, None] * TAPS + offs_w[None, :], mask=cols, other=0.0)
+                products = w.to(tl.float32) * window.to(tl.float32)  # (BD, BW)
+                for j in tl.static_range(TAPS - 1):  # in conv_step_naive's order; one product plus zeros: exact
+                    acc += tl.sum(tl.where(offs_w[None, :] == j, products, 0.0), axis=1)
+                tl.debug_barrier()  # threads may hold copies of a column: all have read the window before a store
+                tl.store(window_ptr + at - 1, window, mask=cols & (offs_w >= 1)[None, :])  # u_j -> column j - 1
                 tl.store(window_ptr + offs_d * (TAPS - 1) + TAPS - 2, u, mask=ok)
             acc += tl.load(w_ptr + offs_d * TAPS + TAPS - 1, mask=ok, other=0.0).to(tl.float32) * u.to(tl.float32)
             acc += tl.load(bias_ptr + offs_d, mask=ok, other=0.0).to(tl.float32)
@@ -1115,12 +1121,19 @@ if triton is not None:
         return xbar
 
     @triton.jit
-    def _gated(y, z_ptr, offs_d, D, GATE: tl.constexpr):
-        """y (BD,) float32, times silu(z) with GATE, rounded as fm_route_step_naive rounds (z's dtype is y's)."""
+    def _gate(z_ptr, offs_d, D, GATE: tl.constexpr):
+        """silu(z) at columns offs_d (BD,) in float32, rounded to z's dtype as fm_route_step_naive rounds (GATE)."""
+        gate = 1.0
         if GATE:
-            dtype = z_ptr.dtype.element_ty
             z = tl.load(z_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            y = y.to(dtype).to(tl.float32) * (z * tl.sigmoid(z)).to(dtype).to(tl.float32)
+            gate = (z * tl.sigmoid(z)).to(z_ptr.dtype.element_ty).to(tl.float32)
+        return gate
+
+    @triton.jit
+    def _gated(y, gate, z_ptr, GATE: tl.constexpr):
+        """y (BD,) float32, rounded to z's dtype, times the gate (_gate) with GATE."""
+        if GATE:
+            y = y.to(z_ptr.dtype.element_ty).to(tl.float32) * gate
         return y
 
     @triton.jit
@@ -1164,7 +1177,7 @@ if triton is not None:
     def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, z_ptr, window_ptr, w_ptr,
                      bias_ptr, eps, tau, D, M, K, S, X_STRIDE, Z_STRIDE,
                      BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, ROUTE: tl.constexpr,
-                     BM: tl.constexpr, DENSE: tl.constexpr, TAPS: tl.constexpr, GATE: tl.constexpr):
+                     BM: tl.constexpr, DENSE: tl.constexpr, TAPS: tl.constexpr, BW: tl.constexpr, GATE: tl.constexpr):
         """One decode step of sequence bi on its K rows: h_k <- (1 - theta_k) h_k + theta_k x, then
         y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route; rows
         S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
@@ -1176,6 +1189,10 @@ if triton is not None:
             z_ptr += bi * Z_STRIDE
         if TAPS > 1:
             window_ptr += bi * D * (TAPS - 1)
+        if ONE_PASS:  # the loads that do not wait on the router first: their latency overlaps the router's
+            offs_d = tl.arange(0, BD)
+            x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
+            gate = _gate(z_ptr, offs_d, D, GATE)
         offs_k = tl.arange(0, BK)
         k_ok = offs_k < K
         if ROUTE:
@@ -1187,27 +1204,25 @@ if triton is not None:
         write = write[:, None]  # (BK, 1)
         row_ptrs = h_ptr + bi * M * D + rows[:, None] * D  # (BK, 1)
         if ONE_PASS:
-            offs_d = tl.arange(0, BD)
-            x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS)  # (BD,)
             h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
             sq_norm = tl.sum(h * h, axis=1)
         else:
             sq_norm = tl.zeros([BK], dtype=tl.float32)
             for d0 in range(0, D, BD):
                 offs_d = d0 + tl.arange(0, BD)
-                x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS)  # (BD,)
+                x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
                 h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
                 sq_norm += tl.sum(h * h, axis=1)
             tl.debug_barrier()  # the second pass reads rows that other threads stored
         read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
         if ONE_PASS:
-            y = _gated(tl.sum(read[:, None] * h, axis=0), z_ptr, offs_d, D, GATE)
+            y = _gated(tl.sum(read[:, None] * h, axis=0), gate, z_ptr, GATE)
             tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
         else:
             for d0 in range(0, D, BD):
                 offs_d = d0 + tl.arange(0, BD)
                 h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-                y = _gated(tl.sum(read[:, None] * h, axis=0), z_ptr, offs_d, D, GATE)
+                y = _gated(tl.sum(read[:, None] * h, axis=0), _gate(z_ptr, offs_d, D, GATE), z_ptr, GATE)
                 tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
 
 
@@ -1329,7 +1344,7 @@ def _step(h: Tensor, xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, eps:
     y = xbar.new_empty(B, D)
     _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), None, y, None, None, None, None,
                        eps, 1.0, D, M, idx.shape[1], 0, x.stride(0), 0, ROUTE=False, BM=1, DENSE=False, TAPS=0,
-                       GATE=False, **_step_meta(idx.shape[1], D))
+                       BW=2, GATE=False, **_step_meta(idx.shape[1], D))
     return y
 
 
@@ -1349,7 +1364,8 @@ def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float,
     window = window if taps > 1 else None  # one tap: an empty window
     _step_kernel[(B,)](h, x, None, None, None, scores, y, z, window, weight, bias, eps, tau, D, M, top_k,
                        scores.stride(0), x.stride(0), 0 if z is None else z.stride(0), ROUTE=True,
-                       BM=max(2, triton.next_power_of_2(M)), DENSE=top_k == M, TAPS=taps, GATE=z is not None,
+                       BM=max(2, triton.next_power_of_2(M)), DENSE=top_k == M, TAPS=taps,
+                       BW=max(2, triton.next_power_of_2(taps - 1)), GATE=z is not None,
                        **_step_meta(top_k, D))
     return y
 
