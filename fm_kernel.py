@@ -1182,7 +1182,7 @@ if triton is not None:
         y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route; rows
         S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
         and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows.
-        FM's block: TAPS > 0 convolves x first (_values), GATE multiplies y by silu(z) (_gated)."""
+        FM's block: TAPS > 0 convolves x first (_values), GATE multiplies y by silu(z) (_gate, _gated)."""
         bi = tl.program_id(0)
         x_ptr += bi * X_STRIDE
         if GATE:
