@@ -1095,7 +1095,8 @@ if triton is not None:
                 BW: tl.constexpr):
         """xbar's columns offs_d (BD,) in float32: x, or with TAPS > 0 conv_step_naive's silu(sum_j w_j u_j + bias)
         over the window u of the TAPS - 1 inputs before x and x itself; the window (D, TAPS - 1, padded to BW
-        columns here) moves on by x. Every load comes before one barrier, the stores after: one memory latency."""
+        columns here) moves on by x. The window is read in one load before one barrier and stored after it (not a
+        load, a barrier and a store a tap)."""
         ok = offs_d < D
         x = tl.load(x_ptr + offs_d, mask=ok, other=0.0)  # (BD,)
         if TAPS == 0:
@@ -1189,7 +1190,7 @@ if triton is not None:
             z_ptr += bi * Z_STRIDE
         if TAPS > 1:
             window_ptr += bi * D * (TAPS - 1)
-        if ONE_PASS:  # the loads that do not wait on the router first: their latency overlaps the router's
+        if ONE_PASS:  # the window first: the loads after its barrier (z, the router's scores) are issued together
             offs_d = tl.arange(0, BD)
             x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
             gate = _gate(z_ptr, offs_d, D, GATE)

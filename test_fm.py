@@ -401,7 +401,7 @@ def block_step_inputs(B, D, taps, dtype=torch.float32):
     (1, 4, 16, True, 0, False), (3, 10, 40, True, 0, False), (8, 64, 100, True, 0, False),
     (10, 10, 40, True, 0, False), (5, 12, 3000, False, 0, False), (16, 16, 1100, False, 0, False),
     (3, 10, 40, True, 4, True), (16, 16, 1100, False, 4, True), (3, 10, 40, True, 2, True), (3, 10, 40, True, 1, True),
-    (3, 10, 40, True, 0, True), (16, 16, 1100, False, 4, False)])
+    (3, 10, 40, True, 0, True), (16, 16, 1100, False, 4, False), (16, 16, 1100, False, 3, True)])
 def test_triton_route_step_matches_naive(K, M, D, one_pass, taps, gate, poisoned_outputs):
     """The router in the step's kernel: the same rows (sparse and dense, K = M), weights and update as route_naive
     followed by fm_step_naive; every other row untouched. With FM's block, the convolution of xbar before (its window
