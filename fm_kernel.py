@@ -13,22 +13,29 @@ theta and phi are zero outside a token's top-k rows, so one code path serves den
 | fm_scan_torch  | chunked parallel algorithm in plain PyTorch (autograd); the CPU path     |
 | fm_scan        | the same algorithm in Triton, forward and backward                       |
 | fm_step_naive  | one decode step touching only the selected rows                          |
-| fm_step        | the same step in Triton                                                  |
 | route_naive    | the router's rows and weights from its scores (softmax, top-k, rates)    |
 | conv_step_naive | a causal depthwise convolution + SiLU for one token (FM's block)        |
 | fm_route_step_naive | route_naive, then fm_step_naive; with FM's block, conv_step_naive on   |
 |                | xbar before and the output gate y * silu(z) after                        |
-| fm_route_step  | the same in one Triton kernel (the model's decoding step)                |
+| fm_step        | fm_step_naive's step in Triton                                           |
+| fm_route_step  | fm_route_step_naive in one Triton kernel (the model's decoding step)     |
 
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
 Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D); with the
 router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu; FM's block (not in the paper): the gate's
 z (B,D), the convolution's window (B,D,W-1) updated in place, its weight (D,W) and bias (D,).
 
-The file in order: the references; the Triton device helpers; launch settings; the forward pass, the backward
-pass and the decode step, each kernel beside the function that launches it; the custom ops and the public API.
+The file in order, one operation complete before the next, as the table: the scan, then the decode step. The
+scan: its references (fm_scan_naive, then fm_scan_torch after its helpers _pad_time, _log_decay, _chunk_cumsum and
+_ChunkDecays); the Triton device helpers and launch settings; the forward pass, then the backward pass, each kernel
+beside the function that launches it; the custom ops fm::scan_forward and fm::scan_backward, _check_scan_args and
+fm_scan. The decode step: its references (fm_step_naive, route_naive, conv_step_naive, fm_route_step_naive); the
+device functions _values, _gate, _gated, _step_rows and _route, _step_kernel and _step_meta; _unit_stride, the
+custom ops fm::step and fm::route_step, the checks _check_step_state and _check_block, fm_step and fm_route_step.
+Each section's header line starts "# ---".
 The calls, in order (grid of each kernel; NC chunks of CHUNK tokens, columns of D split among programs):
 
+fm_scan_naive, fm_scan_torch (_ChunkDecays: the decays in a chunk and their gradient)
 fm_scan, forward (fm::scan_forward)
     _prepare       _decay_kernel           (chunk, batch)          decays a = 1 - theta, b, each chunk's keys K
     _chunk_states  _chunk_states_kernel    (batch, group, columns) chunk-start states H and hT (with several
@@ -48,6 +55,7 @@ fm_scan, backward (fm::scan_backward)
     _rate_grads    _decay_grads_kernel     (chunk, batch)          dk's chunk-end term, d loss / d b summed back
                    _rate_grads_kernel      (chunk, batch)          dtheta and dphi
     _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where theta = 1
+fm_step_naive; fm_route_step_naive (conv_step_naive, route_naive, fm_step_naive)
 fm_step (fm::step), fm_route_step (fm::route_step)
     _step          _step_kernel            (batch)                 the top-k of the scores (route_step), the
                                                                     convolution of xbar, the K rows' update,
@@ -87,7 +95,7 @@ MAX_ROWS = 128  # memory rows fm_scan takes: at m = 256 some kernels' tiles over
 STEP_TILE = 16384  # elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
 
 
-# ----------------------------------------------------------------------------- references
+# ----------------------------------------------------------------------------- scan: references
 
 
 def fm_scan_naive(xbar, theta, phi, h0=None, eps=1e-6):
@@ -103,53 +111,6 @@ def fm_scan_naive(xbar, theta, phi, h0=None, eps=1e-6):
         rms = torch.sqrt(h.pow(2).mean(-1) + eps)  # (B, M)
         ys.append(((phi[:, t].to(dtype) / rms)[..., None] * h).sum(1))  # (B, D)
     return torch.stack(ys, 1).to(xbar.dtype), h
-
-
-def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
-    """One decode step: reads and updates only rows idx of h (in place); returns y (B, D)."""
-    D = h.shape[-1]
-    rows_idx = idx[..., None].expand(-1, -1, D)  # (B, K, D)
-    write = theta[..., None].to(h.dtype)  # (B, K, 1)
-    rows = (1 - write) * h.gather(1, rows_idx) + write * xbar[:, None, :].to(h.dtype)  # (B, K, D)
-    h.scatter_(1, rows_idx, rows)
-    rms = torch.sqrt(rows.pow(2).mean(-1) + eps)  # (B, K)
-    return ((phi.to(h.dtype) / rms)[..., None] * rows).sum(1).to(xbar.dtype)
-
-
-def route_naive(scores, top_k, tau):
-    """The router from its scores (..., M + 2), float32 or float64: W_alpha x, then the logits of eta and mu
-    (biases included). -> idx (..., K), the top_k rows of the softmax of W_alpha x / tau (None when top_k = M),
-    alpha (..., K) their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
-    logits, rate_logits = scores[..., :-2], scores[..., -2:]
-    probs = torch.softmax(logits / tau, dim=-1)  # (..., M)
-    idx, alpha = None, probs
-    if top_k < probs.shape[-1]:
-        ranked, order = probs.sort(-1, descending=True)  # torch.compile generates a kernel for a sort of m values;
-        alpha, idx = ranked[..., :top_k], order[..., :top_k]  # topk is a library call
-        alpha = alpha / alpha.sum(-1, keepdim=True)
-    rates = torch.sigmoid(rate_logits)  # (..., 2)
-    return idx, alpha, rates[..., :1], rates[..., 1:]
-
-
-def conv_step_naive(x, window, weight, bias):
-    """Causal depthwise convolution + SiLU of one token x (B, C) after the window (B, C, W - 1) of the inputs
-    before it, which moves on in place; weight (C, W), bias (C,). Computed in at least float32 -> (B, C)."""
-    inputs = torch.cat([window, x[..., None].to(window.dtype)], dim=-1)  # (B, C, W)
-    window.copy_(inputs[..., 1:])
-    weight = weight.to(torch.promote_types(x.dtype, torch.float32))
-    return F.silu((inputs * weight).sum(-1) + bias.to(weight.dtype)).to(x.dtype)
-
-
-def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6, z=None, conv=None):
-    """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B, D). FM's block:
-    conv (window, weight, bias) turns xbar into conv_step_naive(xbar, *conv) first, z gates y: y * silu(z)."""
-    if conv is not None:
-        xbar = conv_step_naive(xbar, *conv)
-    idx, alpha, eta, mu = route_naive(scores, top_k, tau)
-    if idx is None:
-        idx = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)  # (B, M)
-    y = fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
-    return y if z is None else y * F.silu(z)
 
 
 def _pad_time(x, multiple):
@@ -237,7 +198,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     return y.reshape(B, NC * C, D)[:, :T].to(xbar.dtype), H
 
 
-# ----------------------------------------------------------------------------- Triton device helpers
+# ----------------------------------------------------------------------------- scan: Triton device helpers
 #
 # The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
 # chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at theta = 1; stored,
@@ -401,7 +362,7 @@ if triton is not None:
         tl.store(matrix_ptr + offs_c[:, None] * C + offs_c[None, :], reads)
 
 
-# ----------------------------------------------------------------------------- launch settings
+# ----------------------------------------------------------------------------- scan: launch settings
 
 
 def _precision(x):
@@ -468,7 +429,7 @@ def _scratch(theta, NC, *rows):
     return theta.new_empty(theta.shape[0], NC, *rows, CHUNK)
 
 
-# ----------------------------------------------------------------------------- forward: decays
+# ----------------------------------------------------------------------------- scan forward: decays
 
 
 if triton is not None:
@@ -519,7 +480,7 @@ def _prepare(theta, phi):
     return (theta_p, _padded(phi), *_decays(theta_p))
 
 
-# ----------------------------------------------------------------------------- forward: chunk-start states
+# ----------------------------------------------------------------------------- scan forward: chunk-start states
 
 
 if triton is not None:
@@ -597,6 +558,18 @@ def _state_columns(M):
     return 128 if _block_m(M) <= 64 else 64
 
 
+def _scan_states(added, carries, b, init, final, reverse):
+    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC, M, D), what
+    each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the
+    gradients at the chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in
+    place: in place, the loads ahead would wait on the stores before them (docs/kernel_log.md)."""
+    B, NC, M, D = added.shape
+    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs
+    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
+        added, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
+        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
+
+
 def _chunk_states(x, keys, b, h0):
     """Chunk-start states (B, NC, M, D) in _start_dtype(x) and the final state (B, M, D) float32."""
     B, Tp, M = b.shape
@@ -623,19 +596,7 @@ def _chunk_states(x, keys, b, h0):
     return states, final
 
 
-def _scan_states(added, carries, b, init, final, reverse):
-    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC, M, D), what
-    each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the
-    gradients at the chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in
-    place: in place, the loads ahead would wait on the stores before them (docs/kernel_log.md)."""
-    B, NC, M, D = added.shape
-    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs
-    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
-        added, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
-        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
-
-
-# ----------------------------------------------------------------------------- forward: output
+# ----------------------------------------------------------------------------- scan forward: output
 
 
 if triton is not None:
@@ -760,7 +721,7 @@ def _chunk_out(x, theta, phi, decay, b, states, eps):
     return y, rms, q, P, h_dot_x
 
 
-# ----------------------------------------------------------------------------- backward: per-token factors
+# ----------------------------------------------------------------------------- scan backward: per-token factors
 
 
 if triton is not None:
@@ -829,7 +790,7 @@ def _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x):
     return dq, c, omega, kappa, dk, p_w
 
 
-# ----------------------------------------------------------------------------- backward: state gradients
+# ----------------------------------------------------------------------------- scan backward: state gradients
 
 
 if triton is not None:
@@ -872,7 +833,7 @@ def _chunk_dstate(x, dy, q, b, states, omega, kappa):
     return dstates
 
 
-# ----------------------------------------------------------------------------- backward: dxbar
+# ----------------------------------------------------------------------------- scan backward: dxbar
 
 
 if triton is not None:
@@ -934,7 +895,7 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     return dx, dhx
 
 
-# ----------------------------------------------------------------------------- backward: dtheta and dphi
+# ----------------------------------------------------------------------------- scan backward: dtheta and dphi
 
 
 if triton is not None:
@@ -1085,7 +1046,158 @@ def _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends):
                                   **_meta(x, M, num_warps=4))
 
 
-# ----------------------------------------------------------------------------- decode step
+# ----------------------------------------------------------------------------- scan: custom ops and public API
+
+# The scan is a pair of torch.library custom ops and the step one, so torch.compile traces models through them
+# without a graph break (it runs the kernels as they are). The scan's forward returns what its backward reads
+# besides its inputs.
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("fm::scan_forward", mutates_args=())
+def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """y, hT, then the decays, b, the chunk-start states, the row rms, q, P and h_t . x_t (see _chunk_out)."""
+    x = xbar.contiguous()
+    theta_p, phi_p, decay, b, keys = _prepare(theta, phi)
+    states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
+    y, rms, q, P, h_dot_x = _chunk_out(x, theta_p, phi_p, decay, b, states, eps)
+    return y, hT, decay, b, states, rms, q, P, h_dot_x
+
+
+@_scan_forward.register_fake
+def _(xbar, theta, phi, h0, eps):
+    B, T, D = xbar.shape
+    M, Tp = theta.shape[-1], CHUNK * -(-T // CHUNK)
+    f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
+    starts = xbar.new_empty(B, Tp // CHUNK, M, D, dtype=_start_dtype(xbar))
+    return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), starts, f32(B, Tp, M),
+            f32(B, Tp, M), f32(B, Tp // CHUNK, CHUNK, CHUNK), f32(B, Tp // CHUNK, CHUNK, _block_m(M)))
+
+
+@torch.library.custom_op("fm::scan_backward", mutates_args=())
+def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, decay: Tensor,
+                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, h_dot_x: Tensor, eps: float
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
+    x, dy = xbar.contiguous(), dy.contiguous()
+    dhT = None if dhT is None else dhT.float().contiguous()
+    theta = _padded(theta)
+    T, D = x.shape[1:]
+    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x)
+    dstates = _chunk_dstate(x, dy, q, b, states, omega, kappa)  # (B, NC, M, D)
+    dh0 = torch.empty_like(hT)  # (B, M, D)
+    dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
+    _scan_states(dstates, dends, b, dhT, dh0, reverse=True)
+    del dstates
+    dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
+    end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
+    dtheta, dphi = _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps)
+    _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends)
+    return dx, dtheta, dphi, dh0
+
+
+@_scan_backward.register_fake
+def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps):
+    dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
+    return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
+
+
+def _scan_setup_context(ctx, inputs, output):
+    xbar, theta, phi, h0, eps = inputs
+    ctx.save_for_backward(xbar, theta, *output[1:])
+    ctx.eps, ctx.has_h0, ctx.phi_dtype = eps, h0 is not None, phi.dtype
+    ctx.set_materialize_grads(False)  # no zero gradients for the seven outputs only the backward reads
+
+
+def _scan_grads(ctx, dy, dhT, *unused):
+    xbar, theta, hT, *saved = ctx.saved_tensors
+    dy = torch.zeros_like(xbar) if dy is None else dy
+    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
+    return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None
+
+
+_scan_forward.register_autograd(_scan_grads, setup_context=_scan_setup_context)
+
+
+def _check_scan_args(xbar, theta, phi, h0, eps):
+    B, T, D = xbar.shape
+    M = theta.shape[-1]
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it keeps rms(h) away from 0), got {eps}")
+    if theta.shape != phi.shape or theta.shape[:2] != (B, T):
+        raise ValueError(f"theta {tuple(theta.shape)} and phi {tuple(phi.shape)} must both be (B, T, M) "
+                         f"with (B, T) = {(B, T)} from xbar")
+    if h0 is not None and h0.shape != (B, theta.shape[-1], D):
+        raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
+    if M > MAX_ROWS:
+        raise ValueError(f"fm_scan's kernels take at most {MAX_ROWS} memory rows, got M = {M}: use fm_scan_torch")
+    Tp = CHUNK * -(-T // CHUNK)
+    widest = max(D, CHUNK, _block_m(M) * -(-D // 64))  # per token: x and y, the (C, C) work, dH X^T shares
+    if B * Tp * widest >= 2**31 or B * (Tp // CHUNK) * M * D >= 2**31:
+        raise ValueError(f"fm_scan indexes with 32-bit offsets: B*T*D = {B * T * D:,} and the chunk states are too "
+                         f"large for one call; split the batch into calls of fewer tokens")
+
+
+def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
+    """Triton FM scan (forward and backward) -> y (B, T, D), hT (B, M, D) float32."""
+    _check_scan_args(xbar, theta, phi, h0, eps)
+    y, hT, *_ = _scan_forward(xbar, theta, phi, h0, float(eps))
+    return y, hT
+
+
+# ----------------------------------------------------------------------------- decode step: references
+
+
+def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
+    """One decode step: reads and updates only rows idx of h (in place); returns y (B, D)."""
+    D = h.shape[-1]
+    rows_idx = idx[..., None].expand(-1, -1, D)  # (B, K, D)
+    write = theta[..., None].to(h.dtype)  # (B, K, 1)
+    rows = (1 - write) * h.gather(1, rows_idx) + write * xbar[:, None, :].to(h.dtype)  # (B, K, D)
+    h.scatter_(1, rows_idx, rows)
+    rms = torch.sqrt(rows.pow(2).mean(-1) + eps)  # (B, K)
+    return ((phi.to(h.dtype) / rms)[..., None] * rows).sum(1).to(xbar.dtype)
+
+
+def route_naive(scores, top_k, tau):
+    """The router from its scores (..., M + 2), float32 or float64: W_alpha x, then the logits of eta and mu
+    (biases included). -> idx (..., K), the top_k rows of the softmax of W_alpha x / tau (None when top_k = M),
+    alpha (..., K) their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
+    logits, rate_logits = scores[..., :-2], scores[..., -2:]
+    probs = torch.softmax(logits / tau, dim=-1)  # (..., M)
+    idx, alpha = None, probs
+    if top_k < probs.shape[-1]:
+        ranked, order = probs.sort(-1, descending=True)  # torch.compile generates a kernel for a sort of m values;
+        alpha, idx = ranked[..., :top_k], order[..., :top_k]  # topk is a library call
+        alpha = alpha / alpha.sum(-1, keepdim=True)
+    rates = torch.sigmoid(rate_logits)  # (..., 2)
+    return idx, alpha, rates[..., :1], rates[..., 1:]
+
+
+def conv_step_naive(x, window, weight, bias):
+    """Causal depthwise convolution + SiLU of one token x (B, C) after the window (B, C, W - 1) of the inputs
+    before it, which moves on in place; weight (C, W), bias (C,). Computed in at least float32 -> (B, C)."""
+    inputs = torch.cat([window, x[..., None].to(window.dtype)], dim=-1)  # (B, C, W)
+    window.copy_(inputs[..., 1:])
+    weight = weight.to(torch.promote_types(x.dtype, torch.float32))
+    return F.silu((inputs * weight).sum(-1) + bias.to(weight.dtype)).to(x.dtype)
+
+
+def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6, z=None, conv=None):
+    """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B, D). FM's block:
+    conv (window, weight, bias) turns xbar into conv_step_naive(xbar, *conv) first, z gates y: y * silu(z)."""
+    if conv is not None:
+        xbar = conv_step_naive(xbar, *conv)
+    idx, alpha, eta, mu = route_naive(scores, top_k, tau)
+    if idx is None:
+        idx = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)  # (B, M)
+    y = fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
+    return y if z is None else y * F.silu(z)
+
+
+# ----------------------------------------------------------------------------- decode step: Triton kernel
 
 
 if triton is not None:
@@ -1236,105 +1348,12 @@ def _step_meta(K, D):
     return dict(BK=BK, BD=min(width, max(64, 8192 // BK)), ONE_PASS=False, num_warps=4)
 
 
-# ----------------------------------------------------------------------------- custom ops and public API
-
-# The scan is a pair of torch.library custom ops and the step one, so torch.compile traces models through them
-# without a graph break (it runs the kernels as they are). The scan's forward returns what its backward reads
-# besides its inputs.
-
-Tensor = torch.Tensor
+# ----------------------------------------------------------------------------- decode step: custom ops and public API
 
 
-@torch.library.custom_op("fm::scan_forward", mutates_args=())
-def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """y, hT, then the decays, b, the chunk-start states, the row rms, q, P and h_t . x_t (see _chunk_out)."""
-    x = xbar.contiguous()
-    theta_p, phi_p, decay, b, keys = _prepare(theta, phi)
-    states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
-    y, rms, q, P, h_dot_x = _chunk_out(x, theta_p, phi_p, decay, b, states, eps)
-    return y, hT, decay, b, states, rms, q, P, h_dot_x
-
-
-@_scan_forward.register_fake
-def _(xbar, theta, phi, h0, eps):
-    B, T, D = xbar.shape
-    M, Tp = theta.shape[-1], CHUNK * -(-T // CHUNK)
-    f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
-    starts = xbar.new_empty(B, Tp // CHUNK, M, D, dtype=_start_dtype(xbar))
-    return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), starts, f32(B, Tp, M),
-            f32(B, Tp, M), f32(B, Tp // CHUNK, CHUNK, CHUNK), f32(B, Tp // CHUNK, CHUNK, _block_m(M)))
-
-
-@torch.library.custom_op("fm::scan_backward", mutates_args=())
-def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, decay: Tensor,
-                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, h_dot_x: Tensor, eps: float
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
-    x, dy = xbar.contiguous(), dy.contiguous()
-    dhT = None if dhT is None else dhT.float().contiguous()
-    theta = _padded(theta)
-    T, D = x.shape[1:]
-    dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x)
-    dstates = _chunk_dstate(x, dy, q, b, states, omega, kappa)  # (B, NC, M, D)
-    dh0 = torch.empty_like(hT)  # (B, M, D)
-    dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
-    _scan_states(dstates, dends, b, dhT, dh0, reverse=True)
-    del dstates
-    dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
-    end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
-    dtheta, dphi = _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps)
-    _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends)
-    return dx, dtheta, dphi, dh0
-
-
-@_scan_backward.register_fake
-def _(dy, dhT, xbar, theta, hT, decay, b, states, rms, q, P, hx, eps):
-    dtheta = theta.new_empty(theta.shape, dtype=torch.float32)
-    return xbar.new_empty(xbar.shape), dtheta, torch.empty_like(dtheta), torch.empty_like(hT)
-
-
-def _scan_setup_context(ctx, inputs, output):
-    xbar, theta, phi, h0, eps = inputs
-    ctx.save_for_backward(xbar, theta, *output[1:])
-    ctx.eps, ctx.has_h0, ctx.phi_dtype = eps, h0 is not None, phi.dtype
-    ctx.set_materialize_grads(False)  # no zero gradients for the seven outputs only the backward reads
-
-
-def _scan_grads(ctx, dy, dhT, *unused):
-    xbar, theta, hT, *saved = ctx.saved_tensors
-    dy = torch.zeros_like(xbar) if dy is None else dy
-    dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
-    return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None
-
-
-_scan_forward.register_autograd(_scan_grads, setup_context=_scan_setup_context)
-
-
-def _check_scan_args(xbar, theta, phi, h0, eps):
-    B, T, D = xbar.shape
-    M = theta.shape[-1]
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0 (it keeps rms(h) away from 0), got {eps}")
-    if theta.shape != phi.shape or theta.shape[:2] != (B, T):
-        raise ValueError(f"theta {tuple(theta.shape)} and phi {tuple(phi.shape)} must both be (B, T, M) "
-                         f"with (B, T) = {(B, T)} from xbar")
-    if h0 is not None and h0.shape != (B, theta.shape[-1], D):
-        raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
-    if M > MAX_ROWS:
-        raise ValueError(f"fm_scan's kernels take at most {MAX_ROWS} memory rows, got M = {M}: use fm_scan_torch")
-    Tp = CHUNK * -(-T // CHUNK)
-    widest = max(D, CHUNK, _block_m(M) * -(-D // 64))  # per token: x and y, the (C, C) work, dH X^T shares
-    if B * Tp * widest >= 2**31 or B * (Tp // CHUNK) * M * D >= 2**31:
-        raise ValueError(f"fm_scan indexes with 32-bit offsets: B*T*D = {B * T * D:,} and the chunk states are too "
-                         f"large for one call; split the batch into calls of fewer tokens")
-
-
-def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
-    """Triton FM scan (forward and backward) -> y (B, T, D), hT (B, M, D) float32."""
-    _check_scan_args(xbar, theta, phi, h0, eps)
-    y, hT, *_ = _scan_forward(xbar, theta, phi, h0, float(eps))
-    return y, hT
+def _unit_stride(x):
+    """x, copied only where its last dimension is not contiguous (None stays None)."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
 @torch.library.custom_op("fm::step", mutates_args={"h"})
@@ -1376,14 +1395,27 @@ def _(h, xbar, scores, top_k, tau, eps, z, window, weight, bias):
     return xbar.new_empty(xbar.shape)
 
 
-def _unit_stride(x):
-    """x, copied only where its last dimension is not contiguous (None stays None)."""
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
-
-
 def _check_step_state(h):
     if h.dtype != torch.float32 or not h.is_contiguous():
         raise ValueError("the decode state h must be a contiguous float32 tensor (B, M, D)")
+
+
+def _check_block(h, xbar, z, conv):
+    """fm_route_step's xbar (B, D), its gate z (B, D) in xbar's dtype and its convolution (window (B, D, W - 1) in
+    the weight's dtype, weight (D, W), bias (D,), contiguous): the kernel indexes them by these shapes."""
+    B, _, D = h.shape
+    if xbar.shape != (B, D) or (z is not None and (z.shape != (B, D) or z.dtype != xbar.dtype)):
+        raise ValueError(f"xbar and z must be (B, D) = {(B, D)} of one dtype, got xbar {xbar.dtype} "
+                         f"{tuple(xbar.shape)}" + ("" if z is None else f", z {z.dtype} {tuple(z.shape)}"))
+    if conv is not None:
+        window, weight, bias = conv
+        W = weight.shape[-1]
+        shapes = [tuple(t.shape) for t in conv]
+        if (shapes != [(B, D, W - 1), (D, W), (D,)] or not all(t.is_contiguous() for t in conv)
+                or window.dtype != weight.dtype):
+            raise ValueError(f"the convolution's window, weight and bias must be contiguous (B, D, W - 1), (D, W), "
+                             f"(D,) = {(B, D, W - 1)}, {(D, W)}, {(D,)}, the window in the weight's dtype; got "
+                             f"{shapes}, {window.dtype} and {weight.dtype}")
 
 
 def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
@@ -1406,21 +1438,3 @@ def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
     _check_block(h, xbar, z, conv)
     window, weight, bias = (None, None, None) if conv is None else conv
     return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps), z, window, weight, bias)
-
-
-def _check_block(h, xbar, z, conv):
-    """fm_route_step's xbar (B, D), its gate z (B, D) in xbar's dtype and its convolution (window (B, D, W - 1) in
-    the weight's dtype, weight (D, W), bias (D,), contiguous): the kernel indexes them by these shapes."""
-    B, _, D = h.shape
-    if xbar.shape != (B, D) or (z is not None and (z.shape != (B, D) or z.dtype != xbar.dtype)):
-        raise ValueError(f"xbar and z must be (B, D) = {(B, D)} of one dtype, got xbar {xbar.dtype} "
-                         f"{tuple(xbar.shape)}" + ("" if z is None else f", z {z.dtype} {tuple(z.shape)}"))
-    if conv is not None:
-        window, weight, bias = conv
-        W = weight.shape[-1]
-        shapes = [tuple(t.shape) for t in conv]
-        if (shapes != [(B, D, W - 1), (D, W), (D,)] or not all(t.is_contiguous() for t in conv)
-                or window.dtype != weight.dtype):
-            raise ValueError(f"the convolution's window, weight and bias must be contiguous (B, D, W - 1), (D, W), "
-                             f"(D,) = {(B, D, W - 1)}, {(D, W)}, {(D,)}, the window in the weight's dtype; got "
-                             f"{shapes}, {window.dtype} and {weight.dtype}")
