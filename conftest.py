@@ -1,0 +1,153 @@
+"""Shared by test_fm.py and tests/ (pytest loads this file first): the TRITON_INTERPRET setup, markers, fixtures
+(data_dir, trained, default_bytes) and the helpers several test files use (`from conftest import ...`)."""
+
+import contextlib
+import os
+from dataclasses import fields
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton import
+
+import pytest
+
+import fm_kernel
+import train
+import checkpoint
+from configurator import load_config, optional_types
+import model as model_module
+from model import Model, ModelConfig
+from prepare_data import prepare
+
+
+CUDA = torch.cuda.is_available()
+
+
+def _interpret_bf16_as_on_gpu():
+    """Two bfloat16 bugs of Triton 3.9's interpreter (private API, checked against that version): tl.dot
+    multiplies the raw bits of bfloat16 operands (it stores bfloat16 as uint16), and float32 -> bfloat16 casts
+    truncate. Hand tl.dot float32 copies (exact for bfloat16 values) and round casts to nearest even, as a GPU
+    does, so CI runs the kernels' bfloat16 products."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def as_float(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle(
+            interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, as_float(a), as_float(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
+            return cast(self, src, dst_type)
+        bits = src.data.astype(np.float32).view(np.uint32)
+        nearest = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # carries into the exponent
+        return interpreter.TensorHandle(np.where(np.isnan(src.data), np.uint16(0x7FC0), nearest), tl.bfloat16)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+
+if fm_kernel.triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    _interpret_bf16_as_on_gpu()
+needs_triton = pytest.mark.skipif(fm_kernel.triton is None, reason="Triton is not installed (Linux only)")
+core = pytest.mark.core  # the checks a forker runs after every change: python test_fm.py -m core (under a minute)
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+REPO = os.path.dirname(os.path.abspath(__file__))  # the repository's root, where this file lies
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| in float64; NaN anywhere fails."""
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def tiny_config(**overrides):
+    """2 layers, d_model 32, vocab 64, chunk 16: T = 37 spans three chunks, the last one partial."""
+    config = dict(vocab_size=64, block_size=48, n_layer=2, d_model=32, n_memory=8, chunk_size=16,
+                  n_head=4, n_kv_head=2, d_state=8, mamba_head_dim=16)
+    config.update(overrides)
+    return ModelConfig(**config)
+
+
+@contextlib.contextmanager
+def using_scan(scan):
+    """Context in which the model's FM layers run `scan` (a function like fm_scan)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, chunk: scan(x, theta, phi, h0, eps))
+        yield
+
+
+def save_model_checkpoint(model, out_dir, tokenizer='bytes', **fields):
+    """A checkpoint of model as train.py writes one (without optimizer and random states) -> out_dir."""
+    from dataclasses import asdict
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt = {key: None for key in checkpoint.CKPT_KEYS}
+    ckpt.update(model=model.state_dict(), model_config=asdict(model.config), train_config={'max_iters': 0},
+                iter_num=0, best_val_loss=1.0, data_state={'tokens_seen': 0}, tokenizer=tokenizer)
+    ckpt.update(fields)
+    checkpoint.save_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
+    return str(out_dir)
+
+
+def defaults():
+    return train.default_config(), optional_types(ModelConfig)
+
+
+def build(path, meta=False):
+    config, types = defaults()
+    c = load_config(config, [path], types)
+    model_args = {f.name: c[f.name] for f in fields(ModelConfig) if f.name in c}
+    vocab = 100288 if c['tokenizer'] == 'cl100k_base' else 256  # cl100k_base's 100,277 padded to a multiple of 64
+    with torch.device('meta' if meta else 'cpu'):
+        return Model(ModelConfig(**model_args, vocab_size=vocab))
+
+
+TEXT = "To be, or not to be: that is the question.\n\tCafé — ‘naïve’ 🎭 ends <|endoftext|> here\n"
+
+# documents of the local corpora: ASCII, accents, emoji, CJK, blank lines, a literal special token
+DOCUMENTS = [f"Document {i}: {TEXT * (i % 5 + 1)}{'世界' * i}\n\n{'x' * (i * 37 % 101)}" for i in range(40)]
+
+
+def corrupt(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.fixture(scope='session')  # one for the suite, as when it was one module
+def data_dir(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp('data')
+    prepare(dataset='default', tokenizer='bytes', data_dir=str(data_dir))
+    return str(data_dir)
+
+
+def tiny(data_dir, out_dir, *extra):
+    """Arguments for a tiny FM model that trains in about 20 ms a step."""
+    return [f'--data_dir={data_dir}', f'--out_dir={out_dir}', '--n_layer=2', '--d_model=32', '--n_memory=8',
+            '--top_k=2', '--chunk_size=16', '--block_size=48', '--batch_size=4', '--eval_iters=2',
+            '--eval_interval=4', '--log_interval=1', '--warmup_iters=2', '--learning_rate=1e-2', '--min_lr=1e-3',
+            *extra]
+
+
+@pytest.fixture(scope='session')
+def trained(data_dir, tmp_path_factory):
+    """out_dir of a tiny model trained for 8 steps, and its history."""
+    out_dir = str(tmp_path_factory.mktemp('out'))
+    history = train.main(tiny(data_dir, out_dir, '--max_iters=8', '--lr_decay_iters=8'))
+    return out_dir, history
+
+
+@pytest.fixture(scope="module")
+def default_bytes(tmp_path_factory):
+    return prepare(data_dir=tmp_path_factory.mktemp("data"), num_proc=2)
