@@ -6,7 +6,7 @@
     python bench.py generate     # prefill and decode after long prompts: fm_1b (k = 8, dense), mamba2_1b,
                                  # the published mamba2-1.3b shape, transformer_1b; context sweep and plot
     python bench.py generate --profile   # one fm_1b decode step at batch 1 and 64 by kernel kind
-    python bench.py gemv         # one- and 64-row products of fm_1b's shapes (cuBLAS, inductor, gemv.py's
+    python bench.py gemv         # one- and 64-row products of fm_1b's shapes (cuBLAS, inductor, fm_kernel's
                                  # Triton product): GB/s against the copy bandwidth
 
 Kernel shapes: one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
@@ -225,7 +225,7 @@ def gemv_shapes():
     """(name, input width, output widths of the products taken together) of fm_1b's decoding step."""
     from model import ModelConfig
     d_model = config_value("config/fm_1b.py", "d_model")
-    ffn = ModelConfig(d_model=d_model).ffn_dim
+    ffn = ModelConfig(d_model=d_model).d_ff
     return [(f"{d_model}x{d_model} (in/out proj)", d_model, [d_model]),
             (f"{d_model}x{2 * ffn} (gate+up, one)", d_model, [2 * ffn]),
             (f"{d_model}x{ffn} x 2 (gate, up)", d_model, [ffn, ffn]),
@@ -245,9 +245,8 @@ def time_chain(products, x, weights):
 
 def bench_gemv():
     """Products of one and 64 rows at fm_1b's shapes, bf16: cuBLAS (F.linear), inductor's coordinate-descent
-    tuned product (a reduction for one row) and, for one row, gemv.linear (the decoding step's down product), as
+    tuned product (a reduction for one row) and, for one row, fm_kernel.decode_product (the decoding step's down product), as
     GB/s of weight and activations read and written, and as % of the copy bandwidth measured in the same run."""
-    import gemv
     bandwidth = measure_ceilings()[0]
     rows = []
     for name, d_in, d_outs in gemv_shapes():
@@ -261,7 +260,7 @@ def bench_gemv():
             row = {"product": name, "rows": batch}
             torch._dynamo.reset()  # a compile per shape (dynamo's recompile limit)
             compiled = torch.compile(F.linear, dynamic=False, options={"coordinate_descent_tuning": True})
-            ways = {"cuBLAS": F.linear, "inductor": compiled, **({"Triton": gemv.linear} if batch == 1 else {})}
+            ways = {"cuBLAS": F.linear, "inductor": compiled, **({"Triton": fm_kernel.decode_product} if batch == 1 else {})}
             for way, linear in ways.items():
                 us = time_chain(lambda x, ws: [linear(x, w) for w in ws], x, weights)
                 row.update({f"{way} us": us, f"{way} GB/s": moved / us / 1e3,
@@ -271,7 +270,7 @@ def bench_gemv():
         del weights
     print(f"\nproducts at fm_1b's decoding shapes, bf16, each weight read from memory (CUDA graph of a chain over "
           f"256 MB of weights); copy bandwidth {bandwidth / 1e12:.2f} TB/s measured now. inductor: coordinate-"
-          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: gemv.linear, one row")
+          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: fm_kernel.decode_product, one row")
     print_table(rows)
 
 
@@ -347,8 +346,7 @@ def model_from_config_file(path, vocab_size, **overrides):
     from model import Model, ModelConfig
     cfg = load_config(train.default_config(), [path], optional_types(ModelConfig))
     names = {f for f in ModelConfig.__dataclass_fields__}
-    model_cfg = ModelConfig(**{k: v for k, v in cfg.items() if k in names}, vocab_size=vocab_size)
-    return Model(ModelConfig(**{**model_cfg.__dict__, **overrides}))
+    return Model(ModelConfig(**{**{k: v for k, v in cfg.items() if k in names}, **overrides}, vocab_size=vocab_size))
 
 
 def train_step(model, optimizer, batch, autocast):
@@ -459,7 +457,7 @@ def step_state_bytes(model, context):
     for block in model.blocks:
         state = block.mixer.init_state(1, 1, "meta")
         if c.mixer == "fm":
-            total += 2 * c.k * c.memory_dim * state["h"].element_size()
+            total += 2 * c.top_k * c.d_memory * state["h"].element_size()
         elif c.mixer == "mamba2":
             total += 2 * sum(t.numel() * t.element_size() for t in state.values())
         else:
@@ -575,7 +573,7 @@ def bench_generate(args):
 DECODE_KINDS = (  # (kind, words of library kernel names, ops in inductor's kernel names), first match wins
     ("fm_step", ("_step_kernel",), ()),
     ("router/top-k", (), ("sort", "softmax", "topk", "cat")),  # cat: the router's and the rates' weights
-    ("GEMV", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "_linear_kernel"), ("mm", "addmm", "bmm")),
+    ("GEMV", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "_decode_product_kernel"), ("mm", "addmm", "bmm")),
     ("norms", (), ("rsqrt",)),
     ("sampling", (), ("argmax",)),
 )

@@ -80,6 +80,17 @@ def tiny_config(**overrides):
     return ModelConfig(**config)
 
 
+def randomized(model, seed=0):
+    """model with every parameter drawn at random (normal, std 0.3; norm gains about 1): no parameter at a neutral
+    initial value (a zero bias, a unit gain) can hide a path that leaves it out. Returns model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            p.copy_(noise + (1.0 if 'norm' in name else 0.0))
+    return model
+
+
 @contextlib.contextmanager
 def using_scan(scan):
     """Context in which the model's FM layers run `scan` (a function like fm_scan)."""

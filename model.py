@@ -14,6 +14,8 @@ around its scan): fm_conv, a short causal convolution + SiLU on the values, W_i 
 output gate, y = W_o (read-out * silu(W_z x)).
 """
 
+import hashlib
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -22,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fm_kernel
-import gemv
 
 try:  # optional fused Mamba-2 scan and decode step for CUDA tensors; the pure PyTorch ones below are the reference
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
@@ -36,13 +37,14 @@ PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per
 
 @dataclass
 class ModelConfig:
-    """Model hyper-parameters; None fields resolve through the properties below."""
+    """Model hyper-parameters, checked and resolved on construction (a None field takes the value its comment
+    names)."""
     vocab_size: int = 256  # tokens the embedding holds (train.py sets it from the tokenizer)
     block_size: int = 256  # training context in tokens; the model itself has no length limit
     n_layer: int = 4  # blocks
     d_model: int = 256  # width of the residual stream
     mixer: str = 'fm'  # the sequence mixer of every block: 'fm', 'attn' or 'mamba2'
-    d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block (ffn_dim); 0: no MLP
+    d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block; 0: no MLP
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head shares the embedding's weight
     init_std: float = 0.02  # std of the normal initialisation of every matrix
@@ -65,14 +67,20 @@ class ModelConfig:
     mamba_expand: int = 2  # d_inner = mamba_expand * d_model
     d_conv: int = 4  # taps of the causal depthwise convolution
 
-    # the values the None fields stand for; FM's block takes its weights (W_z, the conv's) from the MLP's
-    block_weights = property(lambda self: (self.mixer == 'fm') * self.memory_dim * (
-        self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1)))
-    ffn_dim = property(lambda self: self.d_ff if self.d_ff is not None else
-                       64 * math.ceil(8 * self.d_model / 3 / 64) - round(self.block_weights / (3 * self.d_model)))
-    memory_dim = property(lambda self: self.d_model if self.d_memory is None else self.d_memory)
-    k = property(lambda self: self.n_memory if self.top_k is None else self.top_k)
-    kv_heads = property(lambda self: self.n_head if self.n_kv_head is None else self.n_kv_head)
+    def __post_init__(self):
+        """Check the fields, then resolve the None ones: each setting has one name, and a checkpoint records the
+        values its model was built with."""
+        self.validate()
+        if self.mixer == 'fm':
+            self.top_k = self.n_memory if self.top_k is None else self.top_k
+            self.d_memory = self.d_model if self.d_memory is None else self.d_memory
+        if self.mixer == 'attn':
+            self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
+        if self.d_ff is None:  # 8/3 d_model in 64s; FM's block takes its weights (W_z, the convolution's) from it
+            block = 0 if self.mixer != 'fm' else self.d_memory * (
+                self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1))
+            self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64) - round(block / (3 * self.d_model))
+
     mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
     mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
 
@@ -96,9 +104,13 @@ class ModelConfig:
             positive('chunk_size')
             check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
         if self.mixer == 'fm':
-            positive('n_memory', 'tau', 'fm_eps')
+            positive('n_memory', 'fm_eps')
             positive('d_memory', optional=True)
-            check(isinstance(self.fm_conv, int) and self.fm_conv >= 0, 'fm_conv', 'must be >= 0 (0: no convolution)')
+            check(isinstance(self.tau, (int, float)) and self.tau >= 1e-3, 'tau',
+                  'must be at least 1e-3 (below it, W_alpha x / tau overflows float32; 1 is the paper\'s)')
+            check(isinstance(self.fm_conv, int) and 0 <= self.fm_conv <= 16, 'fm_conv',
+                  'must be 0 (no convolution) to 16 taps: a short convolution, whose window the decoding step '
+                  'holds in registers (4 is Mamba-2\'s)')
             check(self.top_k is None or 1 <= self.top_k <= self.n_memory, 'top_k',
                   f"must be between 1 and n_memory={self.n_memory} (None means dense, k = m)")
         if self.mixer == 'attn':
@@ -107,7 +119,7 @@ class ModelConfig:
             check(self.d_model % self.n_head == 0, 'd_model', f"must be divisible by n_head={self.n_head}")
             check((self.d_model // self.n_head) % 2 == 0, 'n_head',
                   f"d_model/n_head must be even for RoPE; change n_head or d_model={self.d_model}")
-            check(self.n_head % self.kv_heads == 0, 'n_kv_head', f"must divide n_head={self.n_head}")
+            check(self.n_head % (self.n_kv_head or self.n_head) == 0, 'n_kv_head', f"must divide n_head={self.n_head}")
         if self.mixer == 'mamba2':
             positive('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv')
             check(self.mamba_d_inner % self.mamba_head_dim == 0, 'mamba_head_dim',
@@ -137,38 +149,17 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)  # gate's rows, then up's
-        self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)  # gate's rows, then up's
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def step(self, x):  # x (B, d_model)
-        """One token: the down product as a decoding product (gemv.decode_linear: its input materialised once)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return gemv.decode_linear(F.silu(gate) * up, self.down_proj.weight)
 
-
-def causal_conv(x, history, conv, lengths=None):
-    """Causal depthwise convolution + SiLU over time: x (B, T, C) after history (B, C, W - 1), the inputs before it
-    (None: zeros) -> (B, T, C), and the new history: the W - 1 inputs before each row's end (lengths (B,); None: T).
-    W shifted multiply-adds in x's layout, in float32 at least: elementwise work that inductor fuses (F.conv1d wants
-    (B, C, T): two transposes, and cuDNN's depthwise kernels outside the fusions)."""
-    T, width = x.shape[1], conv.kernel_size[0]
-    before = x.new_zeros(len(x), width - 1, x.shape[-1]) if history is None else history.transpose(1, 2)
-    inputs = torch.cat([before.to(x.dtype), x], dim=1)  # (B, W - 1 + T, C)
-    weight = conv.weight[:, 0].to(compute_dtype(x.dtype))  # (C, W)
-    out = sum((inputs[:, i:i + T] * weight[:, i] for i in range(width)), conv.bias.to(weight.dtype))  # (B, T, C)
-    ends = torch.full((len(x),), T, device=x.device) if lengths is None else lengths
-    window = ends[:, None] + torch.arange(width - 1, device=x.device)  # (B, W - 1)
-    history = inputs.gather(1, window[..., None].expand(-1, -1, inputs.shape[-1]))  # (B, W - 1, C)
-    return F.silu(out).to(x.dtype), history.transpose(1, 2)
-
-
-def causal_conv_step(x, history, conv):
-    """causal_conv of one token x (B, C); the history (B, C, W - 1) moves on in place (fm_kernel.conv_step_naive)."""
-    return fm_kernel.conv_step_naive(x, history, conv.weight[:, 0], conv.bias)
+def real_positions(lengths, T):
+    """lengths (B,) of right-padded rows -> (B, T) bool, True at the real (non-padding) positions."""
+    return torch.arange(T, device=lengths.device) < lengths[:, None]
 
 
 # ----------------------------------------------------------------------------- Factorization Memory
@@ -186,17 +177,19 @@ def triton_step(h):
     return h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and h.shape[1] <= fm_kernel.MAX_ROWS
 
 
-def memory_step(h, xbar, idx, theta, phi, eps):
-    """One FM decode step on rows idx (B, K) of h, in place, with their weights theta, phi (B, K) -> y (B, D)."""
-    step = fm_kernel.fm_step if triton_step(h) else fm_kernel.fm_step_naive
-    return step(h, xbar, idx, theta, phi, eps)
+# The hash of the source of FactorizationMemory.route and .router_scores as fm_kernel.fm_route_step computes them
+# (route_naive of the scores, inside its kernel). A decoding step takes that kernel only while both read exactly so:
+# a router edited in place, overridden in a subclass or given new parameters decodes through route itself.
+FUSED_ROUTER = 'b893ea87774fdf73'
 
 
-def memory_route_step(h, xbar, scores, top_k, tau, eps, z=None, conv=None):
-    """memory_step with the standard router fused in, from its scores (B, M + 2), and FM's block (z, the gate; conv,
-    (window, weight, bias)): one kernel on CUDA."""
-    step = fm_kernel.fm_route_step if triton_step(h) else fm_kernel.fm_route_step_naive
-    return step(h, xbar, scores, top_k, tau, eps, z=z, conv=conv)
+def routes_as_the_kernel(module):
+    """Whether module routes as fm_route_step does: its class's route and router_scores hash to FUSED_ROUTER."""
+    try:
+        source = ''.join(inspect.getsource(getattr(type(module), name)) for name in ('route', 'router_scores'))
+    except (OSError, TypeError):  # no source to compare (e.g. a frozen build): route as written
+        return False
+    return hashlib.sha256(source.encode()).hexdigest()[:16] == FUSED_ROUTER
 
 
 class FactorizationMemory(nn.Module):
@@ -204,30 +197,28 @@ class FactorizationMemory(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_memory, self.top_k, self.memory_dim = config.n_memory, config.k, config.memory_dim
+        self.n_memory, self.top_k, self.d_memory = config.n_memory, config.top_k, config.d_memory
         self.tau, self.eps, self.chunk_size, self.gated = config.tau, config.fm_eps, config.chunk_size, config.fm_gate
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
-        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.memory_dim, bias=False)  # W_i (then W_z)
-        dim = self.memory_dim
+        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_i (then W_z)
+        dim = self.d_memory
         self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on the values
-        self.out_proj = nn.Linear(config.memory_dim, config.d_model, bias=False)  # W_o
+        self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
+        self.fused_router = routes_as_the_kernel(self)
 
     def router_scores(self, x):
-        """x (..., d_model) -> (..., M + 2): W_alpha x, then the logits of eta and mu with their biases, in at least
-        float32 (so that the top-k is exact); call with autocast off."""
+        """x (..., d_model) -> (..., M + 2): W_alpha x, then the logits of eta and mu, in at least float32 (so that
+        the top-k is exact); call with autocast off."""
         dtype = compute_dtype(x.dtype)
-        weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model): one product
-        bias = F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))  # (M + 2,): 0 for the router's rows
-        if x.dim() == 2 and torch.compiler.is_compiling():  # a compiled decoding step: one reduction kernel
-            return (x.to(dtype)[:, None, :] * weight).sum(-1) + bias  # (B, M + 2); the weight's cat is not stored
-        pad = -len(weight) % 4  # 16-byte rows: cuBLAS's aligned kernels
-        return F.linear(x.to(dtype), F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)))[..., :len(weight)]
+        x = x.to(dtype)
+        rates = F.linear(x, self.rates.weight.to(dtype), self.rates.bias.to(dtype))  # (..., 2)
+        return torch.cat([F.linear(x, self.router.weight.to(dtype)), rates], dim=-1)
 
     def route(self, x):
         """The router, in at least float32: x (..., d_model) -> idx (..., K) of the rows each token writes and reads
         (None when dense), alpha (..., K) summing to 1, eta and mu (..., 1). The one definition for training, prefill
-        and decoding: a decoding step runs it fused into the memory update unless a subclass overrides it."""
+        and decoding."""
         with torch.autocast(x.device.type, enabled=False):
             return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
 
@@ -244,41 +235,40 @@ class FactorizationMemory(nn.Module):
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, T, d_memory)
         new_state = {}
         if self.conv is not None:  # the values through the convolution, from the last inputs of the one before
-            xbar, new_state['conv'] = causal_conv(xbar, state.get('conv'), self.conv, lengths)
+            xbar, new_state['conv'] = fm_kernel.causal_conv(xbar, state.get('conv'), self.conv.weight[:, 0],
+                                                             self.conv.bias, lengths)
         y, new_state['h'] = memory_scan(xbar, theta, mu * alpha, state.get('h'), self.eps, self.chunk_size)
         return self.out_proj(y if z is None else y * F.silu(z)), new_state
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: updates the state's buffers in place -> y (B, d_model)."""
+        """One token: updates the state's buffers in place -> y (B, d_model). With the router as written here, one
+        kernel (fm_route_step) routes, convolves, updates the rows and gates; another router runs as written."""
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
-        if type(self).route is FactorizationMemory.route:  # the standard router: fused with the block's parts
+        conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
+        if self.fused_router:
             with torch.autocast(x.device.type, enabled=False):
                 scores = self.router_scores(x)  # (B, M + 2)
-            conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
-            return self.out_proj(memory_route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z, conv))
-        if self.conv is not None:
-            xbar = causal_conv_step(xbar, state['conv'], self.conv)
+            route_step = fm_kernel.fm_route_step if triton_step(state['h']) else fm_kernel.fm_route_step_naive
+            return self.out_proj(route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z=z, conv=conv))
+        if conv is not None:
+            xbar = fm_kernel.conv_step_naive(xbar, *conv)
         idx, alpha, eta, mu = self.route(x)
         if idx is None:  # dense: every row
             idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
-        y = memory_step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
+        step = fm_kernel.fm_step if triton_step(state['h']) else fm_kernel.fm_step_naive
+        y = step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
         return self.out_proj(y if z is None else y * F.silu(z))
 
     def init_state(self, batch_size, max_len, device):
         dtype, width = self.in_proj.weight.dtype, self.conv.kernel_size[0] if self.conv else 0
-        h = torch.zeros(batch_size, self.n_memory, self.memory_dim, dtype=compute_dtype(dtype), device=device)
+        h = torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)
         state = {'h': h}
         if width:  # the convolution's last inputs
-            state['conv'] = torch.zeros(batch_size, self.memory_dim, width - 1, dtype=dtype, device=device)
+            state['conv'] = torch.zeros(batch_size, self.d_memory, width - 1, dtype=dtype, device=device)
         return state
 
 
 # ----------------------------------------------------------------------------- attention
-
-def real_positions(lengths, T):
-    """lengths (B,) of right-padded rows -> (B, T) bool, True at the real (non-padding) positions."""
-    return torch.arange(T, device=lengths.device) < lengths[:, None]
-
 
 def rotate(x, positions, rope_theta):
     """RoPE, rotating the two halves of the head dim: x (B, H, T, hd), positions (B or 1, T) -> (B, H, T, hd).
@@ -298,7 +288,7 @@ class Attention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.d_model // config.n_head
         self.qkv_proj = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
         self.out_proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=False)
@@ -400,7 +390,7 @@ class Mamba2(nn.Module):
         self.head_dim, self.d_state, self.chunk_size = config.mamba_head_dim, config.d_state, config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
         self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # see causal_conv
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # fm_kernel.causal_conv
         dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform in [1e-3, 0.1]
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)
@@ -420,7 +410,8 @@ class Mamba2(nn.Module):
         """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token (lengths (b,); None: T)."""
         b, T, _ = u.shape
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
-        xBC, conv_state = causal_conv(xBC, None if state is None else state['conv'], self.conv, lengths)
+        xBC, conv_state = fm_kernel.causal_conv(xBC, None if state is None else state['conv'], self.conv.weight[:, 0],
+                                               self.conv.bias, lengths)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(b, T, self.n_heads, self.head_dim)
         dt = F.softplus(dt + self.dt_bias)  # (b, T, H)
@@ -434,7 +425,8 @@ class Mamba2(nn.Module):
     def step(self, u, state):  # u (b, d_model)
         """One token: updates state['conv'] and state['ssm'] in place -> y (b, d_model)."""
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
-        x, B, C = causal_conv_step(xBC, state['conv'], self.conv).split([self.d_inner, self.d_state, self.d_state], -1)
+        xBC = fm_kernel.conv_step_naive(xBC, state['conv'], self.conv.weight[:, 0], self.conv.bias)
+        x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(-1, self.n_heads, self.head_dim)  # (b, H, P)
         if selective_state_update is not None and u.is_cuda:
             y = self.fused_ssm_step(state['ssm'], x, dt, B, C)
@@ -481,7 +473,7 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = MIXER_CLASSES[config.mixer](config)
-        has_mlp = config.ffn_dim > 0
+        has_mlp = config.d_ff > 0
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if has_mlp else None
         self.mlp = SwiGLU(config) if has_mlp else None
 
@@ -494,7 +486,7 @@ class Block(nn.Module):
 
     def step(self, x, state):  # x (B, d_model)
         x = x + self.mixer.step(self.mixer_norm(x), state)
-        return x if self.mlp is None else x + self.mlp.step(self.mlp_norm(x))
+        return self.add_mlp(x)
 
 
 class Model(nn.Module):
@@ -598,9 +590,11 @@ class Model(nn.Module):
         if c.mixer == 'attn':
             mixer = 12 * seq_len * c.d_model
         elif c.mixer == 'fm':
-            mixer = 3 * c.k * (9 * c.memory_dim + 5)
-        else:
+            mixer = 3 * c.top_k * (9 * c.d_memory + 5)
+        elif c.mixer == 'mamba2':
             mixer = 3 * 5 * c.mamba_d_inner * c.d_state
+        else:
+            raise ValueError(f'no FLOPs count for mixer {c.mixer!r}: add its term to Model.flops_per_token')
         return float(6 * (self.num_params() + c.d_model * c.vocab_size) + c.n_layer * mixer)
 
     def estimate_mfu(self, tokens_per_sec, device_name=None):

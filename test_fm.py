@@ -10,18 +10,19 @@ prepare_data.py), test_eval.py (eval.py, research/), test_readme.py (the README'
 fixtures and helpers: conftest.py.
 """
 
+import importlib.util
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from conftest import (CUDA, DEVICE, core, needs_triton, rel_err, save_model_checkpoint,  # first: sets TRITON_INTERPRET
+from conftest import (CUDA, DEVICE, REPO, core, needs_triton, randomized, rel_err, save_model_checkpoint,  # first: sets TRITON_INTERPRET
                       tiny_config, using_scan)
 import pytest
 
 import fm_kernel
-import gemv
+import generate
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
 from generate import Generator, Sampling
@@ -426,24 +427,24 @@ def test_route_step_refuses_bad_scores_and_block():
 @needs_triton
 @pytest.mark.parametrize("N, K", [(8, 16), (40, 300), (33, 2100)])
 def test_triton_decode_product_matches_naive(N, K, poisoned_outputs):
-    """gemv.linear against F.linear in float64 (outputs and inner width not multiples of the tiles, K over several
+    """decode_product against F.linear in float64 (outputs and inner width not multiples of the tiles, K over several
     tiles), and in bfloat16 against the float64 product of the same numbers; opcheck on the custom op."""
     torch.manual_seed(N + K)
     x, weight = (torch.randn(*shape, device=DEVICE, dtype=torch.float64) for shape in ((1, K), (N, K)))
-    assert rel_err(gemv.linear(x, weight), gemv.linear_naive(x, weight)) < 1e-12
+    assert rel_err(fm_kernel.decode_product(x, weight), fm_kernel.decode_product_naive(x, weight)) < 1e-12
     x16, weight16 = x.bfloat16(), weight.bfloat16()
-    y16 = gemv.linear(x16, weight16)
-    assert y16.dtype == torch.bfloat16 and rel_err(y16, gemv.linear_naive(x16.double(), weight16.double())) < 1e-2
-    torch.library.opcheck(gemv._linear, (x16, weight16))
+    y16 = fm_kernel.decode_product(x16, weight16)
+    assert y16.dtype == torch.bfloat16 and rel_err(y16, fm_kernel.decode_product_naive(x16.double(), weight16.double())) < 1e-2
+    torch.library.opcheck(fm_kernel._decode_product, (x16, weight16))
 
 
 @needs_triton
 def test_decode_product_refuses_what_it_cannot_do():
     for x, weight in ((torch.zeros(1, 8), torch.zeros(4, 9)), (torch.zeros(2, 8), torch.zeros(4, 8))):
         with pytest.raises(ValueError, match="one row"):
-            gemv.linear(x.to(DEVICE), weight.to(DEVICE))
+            fm_kernel.decode_product(x.to(DEVICE), weight.to(DEVICE))
     with pytest.raises(ValueError, match="one dtype"):
-        gemv.linear(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE, dtype=torch.float64))
+        fm_kernel.decode_product(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE, dtype=torch.float64))
 
 
 @needs_triton
@@ -657,25 +658,18 @@ def test_router_weights_sum_to_one_over_k_rows(top_k):
     assert ((eta > 0) & (eta < 1) & (mu > 0) & (mu < 1)).all()
 
 
-def test_router_reduction_of_a_decoding_step_matches_the_product():
-    """A compiled decoding step computes the router's scores as one float32 reduction, elsewhere a product: both give
-    the same rows and weights (compilation stood in for by is_compiling)."""
-    torch.manual_seed(0)
-    layer = FactorizationMemory(tiny_config(top_k=3))
-    for p in layer.parameters():  # weights large enough that routing is far from uniform
-        torch.nn.init.normal_(p, std=0.3)
+def test_router_reduction_of_a_compiled_step_matches_the_product():
+    """generate.step_scores, the router's scores as one float32 reduction for a compiled decoding step, gives the rows
+    and weights of router_scores' products (and a parallel pass goes to the products)."""
+    layer = randomized(FactorizationMemory(tiny_config(top_k=3)))
     x = torch.randn(17, 32)
-    routes, products = [], []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(F, 'linear', lambda *args: products.append(len(routes)) or torch._C._nn.linear(*args))
-        for compiling in (False, True):  # the product, then the reduction
-            patch.setattr(torch.compiler, 'is_compiling', lambda: compiling)
-            routes.append(layer.route(x))
-    assert products == [0]
-    (idx, *weights), (idx_reduced, *weights_reduced) = routes
+    reduced = generate.step_scores(layer)
+    idx, *weights = fm_kernel.route_naive(layer.router_scores(x), 3, layer.tau)
+    idx_reduced, *weights_reduced = fm_kernel.route_naive(reduced(x), 3, layer.tau)
     assert torch.equal(idx, idx_reduced)
     for got, want in zip(weights, weights_reduced):
         assert got.dtype == torch.float32 and (got - want).abs().max() < 1e-6
+    assert torch.equal(reduced(x[None]), layer.router_scores(x[None]))
 
 
 # ----------------------------------------------------------------------------- every mixer
@@ -684,7 +678,7 @@ def test_router_reduction_of_a_decoding_step_matches_the_product():
 @pytest.mark.parametrize('name', MIXER_CASES)
 def test_step_and_prefill_match_forward(name):
     torch.manual_seed(0)
-    model = Model(tiny_config(init_std=0.1, **MIXER_CASES[name])).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
     idx = torch.randint(0, 64, (2, 37))
     logits, _ = model(idx)  # (B, T, V)
 
@@ -703,7 +697,7 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
     """Prompts of different lengths, right-padded in one pass: each row's logits and decoding state are what the
     row alone gives (no padding token enters a recurrent state or the KV cache that is read)."""
     torch.manual_seed(1)
-    model = Model(tiny_config(init_std=0.1, **MIXER_CASES[name])).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
     idx = torch.randint(0, 64, (3, 37))
     lengths = torch.tensor([37, 5, 20])
     logits, state = model.prefill(idx, lengths, max_len=45)
@@ -720,7 +714,7 @@ def test_chunked_pass_carries_the_state(name):
     """Recurrent mixers run a long text in chunks, each continuing from the last one's state: the same hidden
     states and final state as one pass (eval.py relies on this for bounded memory at any length)."""
     torch.manual_seed(2)
-    model = Model(tiny_config(init_std=0.1, **MIXER_CASES[name])).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
     idx = torch.randint(0, 64, (2, 50))
     whole, whole_state = model.hidden(idx)
     parts, state = [], None
@@ -743,7 +737,7 @@ def test_static_kv_cache_ignores_capacity_and_stale_entries():
     """The static cache attends only over its filled part: the same logits for any capacity, and with garbage
     written beyond each row's position."""
     torch.manual_seed(3)
-    model = Model(tiny_config(mixer='attn', init_std=0.1)).double().eval()
+    model = randomized(Model(tiny_config(mixer='attn', init_std=0.1))).double().eval()
     idx = torch.randint(0, 64, (2, 30))
     runs = []
     for max_len, garbage in ((30, False), (64, True)):
@@ -763,7 +757,7 @@ def test_greedy_generation_is_argmax_of_the_forward(name):
     over its own prompt and tokens so far, token by token; also when the prefill runs a row at a time and a
     recurrent model takes its prompt in pieces of 5 tokens."""
     torch.manual_seed(4)
-    model = Model(tiny_config(init_std=0.3, **MIXER_CASES[name])).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.3, **MIXER_CASES[name]))).double().eval()
     prompts = [torch.randint(0, 64, (n,)).tolist() for n in (9, 2, 17)]
     generated = Generator(model, Sampling(temperature=0)).generate(prompts, max_new_tokens=8)
     assert Generator(model, Sampling(temperature=0), prefill_tokens=5).generate(prompts, 8) == generated
@@ -784,28 +778,85 @@ class ContrarianFM(FactorizationMemory):
             return fm_kernel.route_naive(torch.cat([-scores[..., :-2], scores[..., -2:]], -1), self.top_k, self.tau)
 
 
+class TemperatureFM(FactorizationMemory):
+    """A forker's router with a parameter of its own: a learned temperature on the router's logits (neutral at 1)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+    def route(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            scores = self.router_scores(x)
+            logits = scores[..., :-2] / self.temperature.to(scores.dtype)
+            return fm_kernel.route_naive(torch.cat([logits, scores[..., -2:]], -1), self.top_k, self.tau)
+
+
+ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM}
+
+
 def fm_model(router='standard', **overrides):
-    """A tiny FM model whose layers are FactorizationMemory ('standard') or ContrarianFM ('override')."""
+    """A tiny FM model whose layers are one of ROUTERS."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(model_module.MIXER_CLASSES, 'fm', ContrarianFM if router == 'override' else FactorizationMemory)
+        patch.setitem(model_module.MIXER_CLASSES, 'fm', ROUTERS[router])
         return Model(tiny_config(mixer='fm', **overrides))
 
 
-@core
-@pytest.mark.parametrize('top_k', [3, None])
-def test_a_router_override_reaches_decoding(top_k):
-    """A layer whose route is overridden decodes through it (the plain step, not the fused kernel of the standard
-    router): forward = prefill + steps in float64, and its logits are not the standard router's."""
-    torch.manual_seed(0)
-    model = fm_model('override', top_k=top_k, init_std=0.3).double().eval()
-    standard = fm_model(top_k=top_k).double().eval()
-    standard.load_state_dict(model.state_dict())
-    idx = torch.randint(0, 64, (2, 20))
+def decodes_as_it_trains(model, idx, prompt):
+    """The relative gap between model's forward logits and prefill(prompt tokens) + one step a token after them."""
     logits, _ = model(idx)
-    assert rel_err(standard(idx)[0], logits) > 1e-2
-    last, state = model.prefill(idx[:, :9], max_len=20)
-    stepped = [last] + [model.step(idx[:, t], state) for t in range(9, 20)]
-    assert rel_err(torch.stack(stepped, 1), logits[:, 8:]) < 1e-12
+    last, state = model.prefill(idx[:, :prompt], max_len=idx.shape[1])
+    stepped = [last] + [model.step(idx[:, t], state) for t in range(prompt, idx.shape[1])]
+    return rel_err(torch.stack(stepped, 1), logits[:, prompt - 1:])
+
+
+@core
+@pytest.mark.parametrize('router', ['override', 'temperature'])
+@pytest.mark.parametrize('top_k', [3, None])
+def test_a_router_override_reaches_decoding(router, top_k):
+    """A layer whose route is overridden, with or without parameters of its own, decodes through it (the plain
+    step, not the fused kernel of the standard router): forward = prefill + steps in float64, every parameter
+    random, and its logits are not the standard router's."""
+    torch.manual_seed(0)
+    model = randomized(fm_model(router, top_k=top_k, fm_conv=4, fm_gate=True)).double().eval()
+    standard = fm_model(top_k=top_k, fm_conv=4, fm_gate=True).double().eval()
+    standard.load_state_dict(model.state_dict(), strict=False)
+    idx = torch.randint(0, 64, (2, 20))
+    assert not model.blocks[0].mixer.fused_router and standard.blocks[0].mixer.fused_router
+    assert rel_err(standard(idx)[0], model(idx)[0]) > 1e-2
+    assert decodes_as_it_trains(model, idx, 9) < 1e-12
+
+
+@core
+def test_a_router_edited_in_place_decodes_as_it_trains(tmp_path, monkeypatch):
+    """A forker edits route in model.py itself (here every token's rows move on by one): decoding follows the edit,
+    float64, every parameter random. (With the fused kernel taken regardless, the gap was 1.04.)"""
+    source = open(os.path.join(REPO, 'model.py')).read()
+    line = "            return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)\n"
+    assert source.count(line) == 1
+    edit = ("            idx, alpha, eta, mu = fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)\n"
+            "            return (idx + 1) % self.n_memory, alpha, eta, mu\n")
+    (tmp_path / 'model.py').write_text(source.replace(line, edit))
+    spec = importlib.util.spec_from_file_location('edited_model', tmp_path / 'model.py')
+    edited = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, 'edited_model', edited)
+    spec.loader.exec_module(edited)
+    torch.manual_seed(0)
+    model = randomized(edited.Model(tiny_config(top_k=3, fm_conv=4, fm_gate=True))).double().eval()
+    assert not model.blocks[0].mixer.fused_router
+    assert decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9) < 1e-12
+
+
+def test_the_fused_router_is_the_router_as_written():
+    """FUSED_ROUTER holds the hash of route and router_scores as written, so that the standard router decodes
+    through fm_route_step. An edit of either changes the hash: decoding then runs route as written (correct, not
+    fused); once fm_route_step computes the edit too (test_triton_route_step_matches_naive), set the new hash."""
+    import hashlib
+    import inspect
+    source = ''.join(inspect.getsource(getattr(FactorizationMemory, name)) for name in ('route', 'router_scores'))
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    assert model_module.FUSED_ROUTER == digest, f'route or router_scores changed: see this test; then set FUSED_ROUTER = {digest!r}'
+    assert FactorizationMemory(tiny_config()).fused_router
 
 
 @needs_triton
@@ -813,11 +864,13 @@ def test_a_router_override_reaches_decoding(top_k):
     (3, 1.0, 'standard', False), (None, 1.0, 'standard', False), (3, 0.5, 'standard', False),
     (3, 1.0, 'override', False), (None, 0.5, 'override', False), (3, 1.0, 'standard', True)])
 def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, block):
-    """The dispatch the model takes on CUDA (fm_scan; fm_route_step, or fm_step for an overridden router;
-    gemv.linear), here under the interpreter, in float32; with tau, which reaches the step's kernel apart from the
+    """The dispatch the model takes on CUDA (fm_scan; fm_route_step, or fm_step for an overridden router; with
+    generate.py's decoding tricks: the Triton down product, the router's reduction), here under the interpreter, in float32; with tau, which reaches the step's kernel apart from the
     forward's router."""
     torch.manual_seed(0)
-    model = fm_model(router, top_k=top_k, init_std=0.1, tau=tau, fm_conv=4 * block, fm_gate=block).to(DEVICE).eval()
+    model = fm_model(router, top_k=top_k, tau=tau, fm_conv=4 * block, fm_gate=block)
+    model = randomized(model).to(DEVICE).eval()
+    generate.speed_up_decoding(model, compiled=True)
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     steps = []
     with pytest.MonkeyPatch.context() as patch:
@@ -826,7 +879,8 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
         for name in ('fm_step', 'fm_route_step'):
             step = getattr(fm_kernel, name)
             patch.setattr(fm_kernel, name, lambda *args, step=step, **kw: steps.append(step) or step(*args, **kw))
-        patch.setattr(gemv, 'decode_linear', lambda x, weight: torch.cat([gemv.linear(row[None], weight) for row in x]))
+        patch.setattr(fm_kernel, 'decode_linear', lambda x, weight: F.linear(x, weight) if x.dim() != 2 else
+                      torch.cat([fm_kernel.decode_product(row[None], weight) for row in x]))  # every step's rows
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
         stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
@@ -850,19 +904,23 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
     (dict(mixer='attn', d_model=36), 'n_head'),
     (dict(mixer='mamba2', mamba_head_dim=24), 'mamba_head_dim'),
     (dict(mixer='mamba2', d_state=0), 'd_state'),
+    (dict(fm_conv=1000), 'fm_conv'),
+    (dict(tau=1e-30), 'tau'),
 ])
 def test_bad_config_raises_naming_the_field(overrides, field):
-    config = tiny_config(**overrides)
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
-        config.validate()
+        tiny_config(**overrides)
+    config = tiny_config(mixer=overrides['mixer'] if overrides.get('mixer') in model_module.MIXERS else 'fm')
+    for key, value in overrides.items():  # a good config changed afterwards: the model checks it again
+        setattr(config, key, value)
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
         Model(config)
 
 
 def test_defaults_resolve():
     config = ModelConfig()
-    config.validate()
-    assert (config.ffn_dim, config.memory_dim, config.k, config.kv_heads) == (704, 256, 64, 8)
+    assert (config.d_ff, config.d_memory, config.top_k, config.n_kv_head) == (704, 256, 64, None)
+    assert ModelConfig(mixer='attn').n_kv_head == 8 and ModelConfig(fm_conv=4, fm_gate=True).d_ff == 704 - 87
 
 
 @pytest.mark.parametrize('tie', [True, False])

@@ -483,9 +483,9 @@ def test_missing_and_corrupt_checkpoints(data_dir, tmp_path, trained):
 def old_format(state_dict, config):
     """A state dict as model.py wrote it before gate and up (and attention's q, k, v) became one product."""
     head_dim = config.d_model // config.n_head
-    parts = {'gate_up_proj': {'gate_proj': config.ffn_dim, 'up_proj': config.ffn_dim},
-             'qkv_proj': {'q_proj': config.n_head * head_dim, 'k_proj': config.kv_heads * head_dim,
-                          'v_proj': config.kv_heads * head_dim}}
+    parts = {'gate_up_proj': {'gate_proj': config.d_ff, 'up_proj': config.d_ff},
+             'qkv_proj': {'q_proj': config.n_head * head_dim, 'k_proj': config.n_kv_head * head_dim,
+                          'v_proj': config.n_kv_head * head_dim}}
     old = {}
     for name, weight in state_dict.items():
         module, fused = name.rsplit('.', 2)[0], name.split('.')[-2]
