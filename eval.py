@@ -700,7 +700,7 @@ def measure_routing(model, docs, cfg):
     """Run the documents through the model in chunks, carrying the state -> one RoutingStats a FM layer."""
     mixers = [block.mixer for block in model.blocks]
     c = model.config
-    stats = [RoutingStats(c.n_memory, c.k, c.d_model) for _ in mixers]
+    stats = [RoutingStats(c.n_memory, c.top_k or c.n_memory, c.d_model) for _ in mixers]
     hooks = [mixer.register_forward_hook(lambda mixer, args, out, s=s: s.add(mixer, args[0]))
              for mixer, s in zip(mixers, stats)]
     ctx = autocast(cfg['device'], cfg['dtype'])
