@@ -2805,6 +2805,23 @@ def test_resume_keeps_the_model_and_needs_steps_to_go(data_dir, tmp_path, traine
     assert all(ckpt['train_config'][k] == v for k, v in ckpt['model_config'].items() if k != 'vocab_size')
 
 
+def test_a_resume_on_other_data_starts_the_best_loss_over(tmp_path, trained, monkeypatch, capsys):
+    """A validation loss of another validation set does not compare with best.pt's: a resume on another dataset
+    starts the best loss over (a note says so), so its next evaluation writes best.pt."""
+    copy_run(trained, tmp_path / 'run')
+    corpus = tmp_path / 'texts'
+    corpus.mkdir()
+    for i, text in enumerate(DOCUMENTS):
+        (corpus / f'{i:02d}.txt').write_text(text, encoding='utf-8')
+    prepare(str(corpus), 'bytes', tmp_path / 'data', val_fraction=0.25, num_proc=1)
+    best = torch.load(tmp_path / 'run' / 'best.pt', weights_only=True)['best_val_loss']
+    monkeypatch.setattr(train, 'estimate_loss', lambda *args: best + 0.1)  # above the other set's best
+    train.main(tiny(tmp_path / 'data', tmp_path / 'run', f'--dataset={corpus}', '--max_iters=12', '--init_from=resume'))
+    assert "resume: the validation set is not the checkpoint's" in capsys.readouterr().out
+    saved = torch.load(tmp_path / 'run' / 'best.pt', weights_only=True)
+    assert saved['iter_num'] == 12 and saved['best_val_loss'] == best + 0.1
+
+
 def test_changed_token_file_is_refused(tmp_path):
     corpus = tmp_path / 'texts'
     corpus.mkdir()
@@ -2837,11 +2854,23 @@ def test_sample(trained, tmp_path):
 
 @pytest.mark.parametrize('arg, message', [('--top_k=-2', 'top_k=-2: must be >= 1'), ('--top_p=1.5', 'top_p=1.5'),
                                           ('--temperature=-1', 'temperature=-1'), ('--num_samples=0', 'num_samples'),
-                                          ('--device=nope', 'nope')]
+                                          ('--device=nope', 'nope'),
+                                          ('--top_k=300', r'--top_k=300 is more than the 256 tokens of bytes: give at '
+                                                          r'most 256, or None')]
                          + ([] if CUDA else [('--device=cuda', '--device=cuda, but .*: use --device=cpu')]))
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):
         sample.main([f'--out_dir={trained[0]}', arg])
+
+
+def test_sample_warns_of_a_prompt_past_an_attention_models_context(tmp_path, capsys):
+    torch.manual_seed(0)
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256, block_size=8, **MIXERS['attn'])), tmp_path)
+    sample.main([f'--out_dir={out_dir}', '--start=' + 'x' * 20, '--max_new_tokens=2', '--num_samples=2'])
+    assert ('warning: the prompt is 20 tokens, past the 8 this attention model was trained at (block_size): attention '
+            'does not extrapolate past block_size') in capsys.readouterr().err
+    sample.main([f'--out_dir={out_dir}', '--start=' + 'x' * 8, '--max_new_tokens=2', '--num_samples=2'])
+    assert 'warning' not in capsys.readouterr().err
 
 
 def test_stream_stops_at_end_of_text(capsys):
@@ -2971,6 +3000,27 @@ def test_damaged_checkpoints_are_refused(data_dir, tmp_path, trained, capsys):
     assert checkpoint.load_checkpoint(tmp_path / 'ckpt.pt')['iter_num'] == 8
     assert 'ckpt.pt carries no checksums' in capsys.readouterr().err
 
+
+
+def test_advice_points_at_what_helps(tmp_path, trained):
+    """A damaged best.pt beside a sound ckpt.pt is told to use ckpt.pt, not to start over; a --ckpt that names no
+    checkpoint of a run is not told to overwrite its folder; a corpus of one document is told to add documents, which
+    --val_fraction cannot replace."""
+    copy_run(trained, tmp_path)
+    flip_a_bit(tmp_path / 'best.pt', torch.load(tmp_path / 'best.pt', weights_only=True)['model']['embed.weight'])
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        sample.main([f'--out_dir={tmp_path}', '--ckpt=best.pt', '--max_new_tokens=2'])
+    assert f'{tmp_path / "ckpt.pt"} beside it loads (step 8): use it instead (--ckpt=ckpt.pt)' in str(error.value)
+    assert 'new run' not in str(error.value)
+    (tmp_path / 'notes.txt').write_text('not a checkpoint')
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        sample.main([f'--ckpt={tmp_path / "notes.txt"}'])
+    assert str(error.value).endswith('. Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)')
+    (tmp_path / 'one.jsonl').write_text(json.dumps({'text': 'a lone document'}) + '\n')
+    with pytest.raises(ValueError) as error:
+        prepare(str(tmp_path / 'one.jsonl'), 'bytes', tmp_path / 'data', val_fraction=0.5, num_proc=1)
+    assert 'add documents: train and val take whole documents, two at least' in str(error.value)
+    assert 'val_fraction' not in str(error.value)
 
 
 def test_a_checkpoint_with_any_byte_changed_is_refused(tmp_path):
@@ -3167,6 +3217,19 @@ def test_a_blow_up_is_a_divergence(data_dir, tmp_path, trained, monkeypatch):
     assert run_bytes(tmp_path) == before
     train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 12
+
+
+def test_a_validation_loss_near_the_untrained_models_is_no_blow_up(data_dir, tmp_path, monkeypatch):
+    """The issue's runs, whose validation loss is at or a little above the untrained model's (noise), train and save;
+    a blow-up is a rise of more than BLOW_UP (0.5 nats a token)."""
+    train.main(tiny(data_dir, tmp_path / 'a', '--max_iters=1', '--eval_interval=1'))
+    train.main(tiny(data_dir, tmp_path / 'b', '--block_size=1', '--max_iters=3', '--eval_interval=3'))
+    losses = iter([5.0, 5.0 + 0.49, 5.0 + 0.51])  # the untrained model's, a rise within the margin, one past it
+    monkeypatch.setattr(train, 'estimate_loss', lambda *args: next(losses))
+    with pytest.raises(train.TrainError, match=r"the validation loss 5.5100 is more than 0.5 above the untrained "
+                                               r"model's 5.0000 at step 2: training stopped without saving"):
+        train.main(tiny(data_dir, tmp_path / 'c', '--max_iters=4', '--eval_interval=1'))
+    assert torch.load(tmp_path / 'c' / 'ckpt.pt', weights_only=True)['iter_num'] == 1
 
 
 def test_bad_config_files_and_out_dirs_get_a_message(data_dir, tmp_path, capsys):
