@@ -1200,6 +1200,22 @@ def test_loss_by_position_end_to_end(tmp_path):
     assert rows[0].startswith('checkpoint,model,measure') and len(rows) == 1 + 2 + 7 + 7 + 5 + 6
 
 
+def test_seed_groups_hold_runs_that_differ_in_seed_alone():
+    """eval.py's spread over seeds groups the runs whose settings differ in the seed (and where they were written)
+    alone: two out_dirs of one seed at 500 and 600 steps are two models, not two seeds."""
+    def result(seed, steps=500, **changed):
+        return {'model_config': {'d_model': 32}, 'tokenizer': 'bytes', 'iter_num': steps, 'train_config': {
+            'seed': seed, 'out_dir': f'out-{seed}-{steps}', 'max_iters': steps, 'learning_rate': 1e-3, **changed}}
+    groups = evaluation.seed_groups([result(1), result(2), result(1, 600), result(3, learning_rate=2e-3)])
+    assert [[r['train_config']['out_dir'] for r in group] for group in groups] == [
+        ['out-1-500', 'out-2-500'], ['out-1-600'], ['out-3-500']]
+
+
+def test_eval_help_names_the_help_of_each_mode(capsys):
+    evaluation.main(['--help'])
+    assert 'python eval.py routing --help' in capsys.readouterr().out
+
+
 def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path):
     """A checkpoint of cl100k_base on the bytes of the default corpus's long.bin: refused before any work."""
     ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
@@ -2530,6 +2546,18 @@ def test_command_line_errors_are_clear():
     assert run.returncode == 1
     assert "error: unknown config key 'batch_sise'. Did you mean batch_size or" in run.stderr
     assert 'Traceback' not in run.stderr
+
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py'])
+def test_ctrl_c_while_starting_is_one_line(script, tmp_path):
+    """Ctrl-C before a script's own handling (here while torch loads): one line on stderr, exit code 130."""
+    import time
+    proc = subprocess.Popen([sys.executable, script, f'--out_dir={tmp_path}', f'--data_dir={tmp_path}'][:3 if script ==
+                            'train.py' else 2], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and err == 'interrupted\n', (proc.returncode, err)
 
 
 # ----------------------------------------------------------------------------- training
