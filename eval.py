@@ -39,10 +39,10 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from configurator import ConfigError, help_text, interrupted, load_config
+from configurator import ConfigError, help_text, load_config
 
-if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line, not a traceback
-    signal.signal(signal.SIGINT, interrupted)
+if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(print('interrupted', file=sys.stderr) or 130))
 
 import numpy as np
 import torch

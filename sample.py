@@ -13,14 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-from configurator import ConfigError, help_text, interrupted, load_config
+from configurator import ConfigError, help_text, load_config
 
-if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line, not a traceback
-    signal.signal(signal.SIGINT, interrupted)
+if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(print('interrupted', file=sys.stderr) or 130))
 
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
+from devices import check_device, check_generation_fits
 from generate import Generator, Sampling
 from prepare_data import read_utf8
 
@@ -37,36 +38,8 @@ seed = 1337  # seed of the sampling: the same seed gives the same samples
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, float32 elsewhere
 # -----------------------------------------------------------------------------
-_DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
-_DEFAULTS['top_k'] = None
-
-
-def check_device(name):
-    """ConfigError unless name is a device of this machine (train.py checks its --device here too)."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device={name} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
-    count = {'cpu': 1, 'cuda': torch.cuda.device_count(), 'mps': int(torch.backends.mps.is_available())}.get(device.type, 0)
-    if (device.index or 0) >= count:
-        raise ConfigError(f'--device={name}, but this machine has {count or "no"} {device.type} device{"s" * (count > 1)}: '
-                          f'use --device=' + (f'{device.type}:0 to {device.type}:{count - 1}' if count > 1 else
-                                              device.type if count else 'cpu'))
-
-
-def check_generation_fits(model, batch, prompt_len, max_new_tokens):
-    """ConfigError if the decoding buffers of batch rows (every layer's state: a KV cache grows with the length, FM's
-    and Mamba-2's memories do not; the new tokens; the logits) exceed the device's free memory."""
-    device = model.embed.weight.device
-    state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
-    need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
-    need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == 'cuda' else os.sysconf('SC_PAGE_SIZE') * os.sysconf(
-        'SC_AVPHYS_PAGES')
-    if need > free:
-        raise ConfigError(f'--num_samples={batch} x {prompt_len + max_new_tokens:,} tokens (prompt and '
-                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers, and {device} has '
-                          f'{free / 1e9:,.1f} GB free: lower --num_samples or --max_new_tokens')
+_DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))
+             or k == 'top_k'}
 
 
 def load(argv):

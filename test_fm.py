@@ -2347,7 +2347,7 @@ def test_overrides_parse_to_the_default_types():
     ('--max_iter=5', "unknown config key 'max_iter'. Did you mean max_iters"),
     ('--learningrate=0.1', "unknown config key 'learningrate'. Did you mean learning_rate?"),
     ('config/nothing_here.py', 'config file not found: config/nothing_here.py (see config/, e.g. config/fm_small.py)'),
-    ('config/fm_smal.py', 'config file not found: config/fm_smal.py: did you mean config/fm_small.py?'),
+    ('config/fm_smal.py', 'config file not found: config/fm_smal.py (see config/, e.g. config/fm_small.py)'),
     ('max_iters=5', 'max_iters=5 is not a config file: did you mean --max_iters=5?'),
     ('max_iterz=5', 'config file not found: max_iterz=5 (see config/'),  # not a key: no --
 ])

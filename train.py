@@ -12,7 +12,6 @@ replaces the earlier run once the new run's first checkpoint is whole (save, swa
 """
 import fcntl
 import importlib.util
-import json
 import math
 import os
 import random
@@ -25,10 +24,10 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from types import SimpleNamespace
 
-from configurator import ConfigError, help_text, interrupted, load_config, optional_types
+from configurator import ConfigError, help_text, load_config, optional_types
 
-if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line, not a traceback
-    signal.signal(signal.SIGINT, interrupted)
+if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(print('interrupted', file=sys.stderr) or 130))
 
 import numpy as np
 import torch
@@ -37,9 +36,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from devices import check_batch_fits, check_device
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
-from sample import check_device
 
 # -----------------------------------------------------------------------------
 # default settings: a small FM model on the default corpus, a few minutes on a 2-core CPU
@@ -91,10 +90,9 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:
 dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast; a GPU's); 'auto': bfloat16 on CUDA, else float32
 compile = False  # torch.compile the model
 seed = 1337  # seed of the initial weights and of the batches
-# -----------------------------------------------------------------------------
 _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
-AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, lr_decay_iters=0,
-                eval_interval=1, eval_iters=1, log_interval=1, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
+AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, eval_interval=1,
+                eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
                 seed=0)
 BLOW_UP = 0.5  # nats a token above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
 EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
@@ -108,8 +106,8 @@ class TrainError(RuntimeError):
 
 def default_config():
     """The settings above, and every other ModelConfig field at ModelConfig's default."""
-    config = {k: globals()[k] for k in _TRAIN_KEYS}
-    return config | {f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size' and f.name not in config}
+    return {k: globals()[k] for k in _TRAIN_KEYS} | {f.name: f.default for f in fields(ModelConfig)
+                                                    if f.name != 'vocab_size' and f.name not in _TRAIN_KEYS}
 
 
 def model_args(cfg):
@@ -122,14 +120,13 @@ def settings(argv):
         return print(__doc__ + '\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
                      + help_text(default_config(), __file__, model_file.__file__))
     cfg = SimpleNamespace(**load_config(default_config(), argv, optional_types(ModelConfig)))
-    for key, choices in {'init_from': ('scratch', 'resume'), 'dtype': ('auto', 'float32', 'bfloat16', 'float16')}.items():
-        if getattr(cfg, key) not in choices:
-            raise ConfigError(f"--{key}={getattr(cfg, key)!r}: use one of {', '.join(choices)}")
-    for key, low in AT_LEAST.items():
-        if not getattr(cfg, key) >= low:
-            raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     for refused, message in (
+            *[(getattr(cfg, key) not in choices, f"--{key}={getattr(cfg, key)!r}: use one of {', '.join(choices)}")
+              for key, choices in (('init_from', ('scratch', 'resume')), ('dtype', ('auto', 'float32', 'bfloat16',
+                                                                                     'float16')))],
+            *[(not getattr(cfg, key) >= low, f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
+              for key, low in AT_LEAST.items()],
             (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to (the default is out)'),
             (cfg.gradient_accumulation_steps % world_size, f'--gradient_accumulation_steps counts the micro-batches of '
              f'a step over all {world_size} processes: make it a multiple of {world_size}'),
@@ -151,48 +148,39 @@ def settings(argv):
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
     check_device(cfg.device)
-    device = torch.device(cfg.device)  # a micro-batch's memory, at least: tokens, logits and their gradient in float32
-    need = cfg.batch_size * cfg.block_size * (16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model)
-    have = torch.cuda.get_device_properties(device).total_memory if device.type == 'cuda' else os.sysconf(
-        'SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')  # and one float32 activation of every layer's input
-    if need > have:
-        raise ConfigError(f'--batch_size={cfg.batch_size} x --block_size={cfg.block_size} tokens a micro-batch need '
-                          f'more than {need / 1e9:,.1f} GB, and {device} has {have / 1e9:,.1f} GB: lower --batch_size '
-                          f'(raise --gradient_accumulation_steps to keep the step)')
-    if cfg.dtype == 'float16' and device.type == 'cpu':
+    check_batch_fits(cfg.batch_size, cfg.block_size, config, torch.device(cfg.device))
+    if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
         print("warning: --dtype=float16 on the CPU is slow (about 10 times float32's step): use --dtype=float32")
     return cfg
 
 
-# ----------------------------------------------------------------------------- the run's folder
-
 def claim(cfg, run):
     """Rank 0's hold on out_dir (a lock; a later run takes over that of a process that died) -> the earlier run's files
-    this run replaces at its first save. Finishes a swap that a kill cut short; refuses a scratch run into an earlier
-    run's folder without --overwrite=True, and a second run."""
+    this run replaces when it first saves. Finishes a swap that a kill cut short; refuses a second run, and a scratch
+    run into an earlier run's folder without --overwrite=True."""
     lock = run.folder / 'train.lock'
-    while run.lock is None:
+    while run.lock is None:  # until the file locked is the one at lock (a run ending removes it)
         try:
             run.folder.mkdir(parents=True, exist_ok=True)
             run.lock = open(lock, 'a+')
-        except OSError as e:
-            reason = 'it is a file' if run.folder.is_file() else e.strerror
-            raise TrainError(f'cannot write to --out_dir={run.folder} ({reason}): pass a folder you can write to') from None
-        try:
             fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder, run.lock = run.lock.seek(0) or run.lock.read().strip() or 'a process that is starting', None
             raise TrainError(f'{run.folder} is in use by another training run ({holder}): wait for it to end or stop '
                              f'it, or train in another --out_dir') from None
-        except OSError as e:  # a file system without locks, e.g. Lustre mounted without flock
+        except OSError as e:  # no folder, or (with the file open) a file system without locks, e.g. Lustre's
+            if run.lock is None:
+                reason = 'it is a file' if run.folder.is_file() else e.strerror
+                raise TrainError(f'cannot write to --out_dir={run.folder} ({reason}): pass a folder you can write '
+                                 f'to') from None
             print(f'warning: cannot lock {lock} ({e.strerror}): nothing stops a second run in {run.folder}')
         if not lock.exists() or lock.stat().st_ino != os.fstat(run.lock.fileno()).st_ino:
-            run.lock = run.lock.close()  # the run before removed the file as this one locked it: lock the new one
+            run.lock = run.lock.close()
     run.lock.truncate(0)
     run.lock.write(f'process {os.getpid()} on {os.uname().nodename}, started {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
     run.lock.flush()
     if (run.folder / 'replacing').exists():  # written once the new files were whole: finish the swap
-        swap_in(run.folder, json.loads((run.folder / 'replacing').read_text()))
+        swap_in(run.folder, (run.folder / 'replacing').read_text().split())
     for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a run that was killed
         (run.folder / f'{name}.tmp').unlink(missing_ok=True)
     earlier = [name for name in RUN_FILES if (run.folder / name).exists()]
@@ -204,11 +192,24 @@ def claim(cfg, run):
 
 
 def save(cfg, run, names):
-    """Write ckpt.pt and/or best.pt of this step, once every rank found its weights and optimizer state finite: each
-    file whole beside the old one, then renamed into place. An --overwrite run's first save also removes the earlier
-    run's other files, under a journal (out_dir/replacing) that the next claim finishes if a kill cuts it short."""
+    """Write ckpt.pt and/or best.pt of this step once every rank found its weights and optimizer state finite: each
+    whole beside the old one, then renamed in. An --overwrite run's first save also removes the earlier run's other
+    files, under a journal (out_dir/replacing) that the next claim finishes if a kill cuts the renames short."""
     check_finite(cfg, run)
-    ckpt = checkpoint_of(cfg, run)
+    batches, np_state, model_config = [run.batch_state], np.random.get_state(), asdict(run.raw_model.config)
+    if run.group is not None:  # every rank's batch generator
+        batches = [None] * run.world_size
+        dist.all_gather_object(batches, run.batch_state, group=run.group)
+    ckpt = {'model': run.raw_model.state_dict(), 'optimizer': run.optimizer.state_dict(),  # what a resume needs to go
+            'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,  # on as if
+            'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},  # uninterrupted
+            'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
+            'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
+                    'torch': torch.get_rng_state(), 'batch': batches,
+                    'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
+            'data_state': {'folder': str(run.data.folder), 'train_tokens': len(run.data.train), 'world_size':
+                           run.world_size, 'val_set': run.data.val_set, 'tokens_seen': run.iter_num *
+                           run.tokens_per_iter}}
     state = {**ckpt['model'], **{f"the optimizer's {key} of parameter {i}": value
                                  for i, values in ckpt['optimizer']['state'].items() for key, value in values.items()}}
     sums = {name: t.sum(dtype=torch.float32) for name, t in state.items() if t.is_floating_point()}  # one sync
@@ -217,65 +218,61 @@ def save(cfg, run, names):
         diverged(run, f'{broken[0]} is not finite (NaN or infinity) at step {run.iter_num}')
     then = 'continue with --init_from=resume' if 'ckpt.pt' in run.saved else 'start this run again' + (
         ' with --overwrite=True (the earlier run is untouched)' if run.earlier else '')
-    swap = {'new': names, 'gone': [name for name in run.earlier if name not in names]}
+    gone = [name for name in run.earlier if name not in names]
 
     def write():  # rank 0's part
         for name in names:
             save_checkpoint(ckpt, run.folder / name, then, rename=False)  # name.tmp, whole
         if run.earlier:
-            (run.folder / 'replacing.tmp').write_text(json.dumps(swap))
+            (run.folder / 'replacing.tmp').write_text('\n'.join(gone))
             os.replace(run.folder / 'replacing.tmp', run.folder / 'replacing')
-        swap_in(run.folder, swap)
+        swap_in(run.folder, gone)
     on_rank_0(write, run.group)
-    print(f"replaced the earlier run's {' and '.join(run.earlier)} in {run.folder}" * (run.master and bool(run.earlier)))
+    if run.earlier and run.master:
+        print(f"replaced the earlier run's {' and '.join(run.earlier)} in {run.folder}")
     run.earlier = []
     run.saved.update(dict.fromkeys(names, run.iter_num))
 
 
-def swap_in(folder, swap):
-    """Rename each new name.tmp over name, remove the earlier run's other files, then the journal (each step can be
-    done again: a claim finishes a swap that a kill cut short)."""
-    for name in swap['new']:
+def swap_in(folder, gone):
+    """Rename ckpt.pt.tmp and best.pt.tmp (whole) into place, remove the earlier run's files gone, then the journal:
+    each step can be done again, so that a claim finishes a swap that a kill cut short."""
+    for name in ('ckpt.pt', 'best.pt'):
         if (folder / f'{name}.tmp').exists():
             os.replace(folder / f'{name}.tmp', folder / name)
-    for name in swap['gone']:
+    for name in gone:
         (folder / name).unlink(missing_ok=True)
     (folder / 'replacing').unlink(missing_ok=True)
 
 
 def on_rank_0(step, group):
     """step() on rank 0 -> its result on every rank; its error raised on every rank, which would wait forever else."""
-    result = error = None
+    shared = [None, None]  # the result, the error
     if group is None or dist.get_rank() == 0:
         try:
-            result = step()
-        except (TrainError, CheckpointError) as e:
-            error = e
-        except Exception as e:  # e.g. a full disk while preparing the data
-            error = TrainError(str(e) if isinstance(e, (OSError, ValueError, RuntimeError)) else repr(e))
+            shared[0] = step()
+        except Exception as e:  # e.g. a full disk while preparing the data: its message
+            shared[1] = e if isinstance(e, (TrainError, CheckpointError)) else TrainError(
+                str(e) if isinstance(e, (OSError, ValueError, RuntimeError)) else repr(e))
     if group is not None:
-        shared = [result, error]
         dist.broadcast_object_list(shared, src=0, group=group)
-        result, error = shared
-    if error is not None:
-        raise error
-    return result
+    if shared[1] is not None:
+        raise shared[1]
+    return shared[0]
 
 
-# ----------------------------------------------------------------------------- setup
-
-def load_data(cfg, run):
-    """The tokenizer, folder, train and val tokens of data_dir/{dataset}_{tokenizer}, and the validation windows."""
-    tok = get_tokenizer(cfg.tokenizer)  # checked by settings
+def setup(cfg, run):
+    """The data (rank 0 prepares the default corpus), the model, its optimizer and loss scaler and the batch generator:
+    new, or as ckpt.pt left them."""
     folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
-    if cfg.dataset == 'default':  # written once, by rank 0
+    if cfg.dataset == 'default':  # written once
         on_rank_0(lambda: prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), run.group)
     if not (folder / 'train.bin').exists():
         raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py --dataset {cfg.dataset} '
                          f'--tokenizer {cfg.tokenizer}' + f' --data_dir {cfg.data_dir}' * bool(cfg.data_dir) +
                          f' --hf_config {cfg.hf_config}' * bool(cfg.hf_config))
-    verify = cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'  # one process a node checks them
-    try:
+    tok, verify = get_tokenizer(cfg.tokenizer), cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'  # a node's
+    try:  # first process checks the token files
         train, val = (load_tokens(folder / f'{split}.bin', cfg.tokenizer, tok.vocab_size, verify=verify).tokens
                       for split in ('train', 'val'))
     except (ValueError, FileNotFoundError) as e:
@@ -284,15 +281,11 @@ def load_data(cfg, run):
         if len(tokens) < cfg.block_size + 1:
             raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens, fewer than block_size + 1 = '
                              f'{cfg.block_size + 1}: use a smaller --block_size or more data')
-    windows = cfg.eval_iters * cfg.batch_size
-    val_starts = np.random.default_rng(EVAL_SEED).integers(0, len(val) - cfg.block_size, size=windows)
-    return SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_starts=val_starts,
-                           val_set=[str(folder), len(val), cfg.block_size, windows])  # what the val losses compare
-
-
-def setup(cfg, run):
-    """The data, the model, its optimizer and loss scaler and the batch generator: new, or as ckpt.pt left them."""
-    run.data, run.iter_num, run.best_val_loss, run.untrained_loss = load_data(cfg, run), 0, math.inf, None
+    windows = cfg.eval_iters * cfg.batch_size  # fixed validation windows; val_set: what their losses compare over
+    run.data = SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_set=[str(folder), len(val),
+                               cfg.block_size, windows], val_starts=np.random.default_rng(EVAL_SEED).integers(
+                                   0, len(val) - cfg.block_size, windows))
+    run.iter_num, run.best_val_loss, run.untrained_loss = 0, math.inf, None
     ckpt = load_checkpoint(run.folder / 'ckpt.pt') if cfg.init_from == 'resume' else None
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -300,7 +293,7 @@ def setup(cfg, run):
     vocab_size = run.data.tok.vocab_size  # a tokenizer of more than 256 ids: padded to a multiple of vocab_multiple
     vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple if vocab_size > 256 else vocab_size
     run.raw_model = Model(ModelConfig(**model_args(cfg), vocab_size=vocab_size)) if ckpt is None else \
-        model_from_checkpoint(check_resume(cfg, run, ckpt), run.folder / 'ckpt.pt')
+        model_from_checkpoint(ckpt, run.folder / 'ckpt.pt')
     run.raw_model.config.block_size = cfg.block_size  # a resume trains at this run's context (the model has no limit)
     run.raw_model.to(run.device)
     run.optimizer = run.raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
@@ -310,12 +303,12 @@ def setup(cfg, run):
     if ckpt is not None:
         resume(cfg, run, ckpt)
     run.bad = torch.full((2,), NEVER, device=run.device)  # the first step of a loss, a gradient norm not finite
+    run.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     if run.master:
-        name = torch.cuda.get_device_name(run.device) if run.device.type == 'cuda' else 'cpu'
-        print(f'device {run.device} ({name}), dtype {run.dtype}, world size {run.world_size}, tokens per step '
-              f'{cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size:,} ({cfg.gradient_accumulation_steps}'
-              f' x {cfg.batch_size} x {cfg.block_size})\nmodel: {run.raw_model.config}\nparameters: '
-              f'{run.raw_model.num_params(non_embedding=False):,} ({run.raw_model.num_params():,} without embeddings)')
+        print(f'device {run.device}, dtype {run.dtype}, world size {run.world_size}, tokens per step '
+              f'{run.tokens_per_iter:,} ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})\n'
+              f'model: {run.raw_model.config}\nparameters: {run.raw_model.num_params(non_embedding=False):,} '
+              f'({run.raw_model.num_params():,} without embeddings)')
     run.wandb = __import__('wandb') if cfg.wandb_log and run.master else None
     if run.wandb:
         run.wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))
@@ -324,8 +317,10 @@ def setup(cfg, run):
         run.model = DDP(run.model, device_ids=[run.device.index] if run.device.type == 'cuda' else None)
 
 
-def check_resume(cfg, run, ckpt):
-    """ckpt; TrainError for another tokenizer, other model settings (block_size aside) or no steps to go."""
+def resume(cfg, run, ckpt):
+    """The step, the losses, the optimizer's, the loss scaler's and every random state of ckpt: the run goes on as if
+    it had not stopped (the batches too, unless the world size or the training data changed). TrainError for another
+    tokenizer, other model settings (block_size aside: this run's) or no steps to go."""
     path, saved = run.folder / 'ckpt.pt', ckpt['model_config']
     if ckpt['tokenizer'] != cfg.tokenizer:
         raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses {cfg.tokenizer!r}: '
@@ -343,18 +338,14 @@ def check_resume(cfg, run, ckpt):
     for k, v in ckpt['train_config'].items():
         if run.master and (k == 'block_size' or k not in saved) and vars(cfg).get(k, v) != v:
             print(f"resume: {k}={vars(cfg)[k]!r} (the checkpoint's run had {v!r})")
-    return ckpt
-
-
-def resume(cfg, run, ckpt):
-    """The step, the losses, the optimizer's, the loss scaler's and every random state of ckpt: the run goes on as if
-    it had not stopped (the batches too, unless the world size or the training data changed)."""
-    run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['untrained_loss']
+    run.iter_num, run.best_val_loss, run.untrained_loss = (ckpt[k] for k in ('iter_num', 'best_val_loss',
+                                                                             'untrained_loss'))
     run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
     if ckpt['data_state']['val_set'] != run.data.val_set:  # another validation set: its losses do not compare
         run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
-        print("resume: the validation set is not the checkpoint's (another dataset, block_size, eval_iters or "
-              "batch_size): the best validation loss starts over, and the next evaluation writes best.pt" * run.master)
+        if run.master:
+            print("resume: the validation set is not the checkpoint's (another dataset, block_size, eval_iters or "
+                  "batch_size): the best validation loss starts over, and the next evaluation writes best.pt")
     run.optimizer.load_state_dict(ckpt['optimizer'])
     if ckpt['scaler'] and run.scaler.is_enabled():  # float16 runs only; empty for bfloat16 and float32
         run.scaler.load_state_dict(ckpt['scaler'])
@@ -368,28 +359,9 @@ def resume(cfg, run, ckpt):
         run.gen.bit_generator.state = rng['batch'][run.rank]
     else:
         run.gen = np.random.default_rng([cfg.seed, run.rank, ckpt['iter_num']])
-        print('resume: the world size or the training data changed: the batches differ from a straight run' * run.master)
+        if run.master:
+            print('resume: the world size or the training data changed: the batches differ from a straight run')
 
-
-def checkpoint_of(cfg, run):
-    """What a resume needs to go on as if uninterrupted (built on every rank; rank 0 writes it)."""
-    batches, np_state, model_config = [run.batch_state], np.random.get_state(), asdict(run.raw_model.config)
-    if run.group is not None:  # every rank's batch generator
-        batches = [None] * run.world_size
-        dist.all_gather_object(batches, run.batch_state, group=run.group)
-    return {'model': run.raw_model.state_dict(), 'optimizer': run.optimizer.state_dict(),
-            'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,
-            'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},  # the model's, resolved
-            'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
-            'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
-                    'torch': torch.get_rng_state(), 'batch': batches,
-                    'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
-            'data_state': {'folder': str(run.data.folder), 'train_tokens': len(run.data.train), 'world_size':
-                           run.world_size, 'val_set': run.data.val_set, 'tokens_seen': run.iter_num *
-                           cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size}}
-
-
-# ----------------------------------------------------------------------------- the training loop's parts
 
 def get_batch(tokens, starts, block_size, device):
     """Inputs x = tokens[s : s+block_size] and targets y = tokens[s+1 : s+block_size+1] for each start s."""
@@ -404,13 +376,11 @@ def estimate_loss(cfg, run):
     """Mean loss per token over the fixed validation windows (split over the ranks under DDP)."""
     model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync in evaluation
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    mine = run.data.val_starts[run.rank::run.world_size]
+    total, mine = torch.zeros(2, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
     for i in range(0, len(mine), cfg.batch_size):
         x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device)
         with run.ctx:
-            _, loss = model(x, y)
-        total += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
+            total += torch.tensor([model(x, y)[1].item() * len(x), len(x)], dtype=torch.float64)
     if run.group is not None:
         dist.all_reduce(total, group=run.group)
     model.train()
@@ -445,22 +415,12 @@ def diverged(run, what):
     kept = (f'{run.folder / name} (step {run.saved[name]}) is the last good checkpoint' if run.saved else
             f"the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if run.earlier else
             'no checkpoint was written')
-    raise TrainError(f'{what}: training stopped without saving; {kept}. Likely causes: a learning rate too high for '
-                     f'this model (--learning_rate, --warmup_iters, --grad_clip), bad values in the data, or a damaged '
-                     f'checkpoint this run resumed from')
+    raise TrainError(f'{what}: training stopped without saving; {kept}. Likely causes: a learning rate too high '
+                     f'(--learning_rate, --warmup_iters, --grad_clip), bad data, or a damaged checkpoint resumed')
 
-
-def request_stop(run, signum):
-    """Ctrl-C or SIGTERM in the loop: stop after this step, saving it; a second Ctrl-C quits at once."""
-    run.stop = True
-    signal.signal(signum, run.handlers[signum])
-    print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)' * run.master, flush=True)
-
-
-# ----------------------------------------------------------------------------- main
 
 def main(argv=()):
-    """python train.py [config files] [--key=value ...] -> the losses logged, {'train': [(step, loss)], 'val': [...]}."""
+    """python train.py [config files] [--key=value ...] -> the losses logged: {'train': [(step, loss)], 'val': ...}."""
     cfg = settings(list(argv))
     if cfg is None:
         return None
@@ -481,7 +441,8 @@ def main(argv=()):
         if run.device.type == 'cuda':
             run.dtype = 'float16' if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported() else run.dtype
             torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
-        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, getattr(torch, run.dtype))
+        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, getattr(torch,
+                                                                                                      run.dtype))
         run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
         setup(cfg, run)
         return train(cfg, run)
@@ -500,14 +461,17 @@ def main(argv=()):
 def train(cfg, run):
     """The training loop, from run.iter_num to max_iters -> the losses logged."""
     history, start, resumed = {'train': [], 'val': []}, run.iter_num, cfg.init_from == 'resume'
-    grad_accum = cfg.gradient_accumulation_steps // run.world_size
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    grad_accum, tokens_per_iter = cfg.gradient_accumulation_steps // run.world_size, run.tokens_per_iter
     run.batch_state = run.gen.bit_generator.state  # before drawing the pending batch: what a resume draws again
     X, Y = get_batch(run.data.train, run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size),
                      cfg.block_size, run.device)
     t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        run.handlers[sig] = signal.signal(sig, lambda signum, frame: request_stop(run, signum))
+
+    def request_stop(signum, frame):  # Ctrl-C or SIGTERM: stop after this step, saving it; a second Ctrl-C at once
+        run.stop = True
+        signal.signal(signum, run.handlers[signum])
+        print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
+    run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     while True:
         # evaluate, and save ckpt.pt (and best.pt when val improves); not again right after resuming
         if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (
@@ -538,14 +502,14 @@ def train(cfg, run):
         stop = torch.tensor([float(run.stop)])  # Ctrl-C or SIGTERM on any rank: every rank stops at this step
         if run.group is not None:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
-        if stop.item() and run.earlier:  # an --overwrite run that has not saved: the earlier run stays whole
-            print(f"stopped at step {run.iter_num}, before this run's first checkpoint: nothing of it was saved, and "
-                  f"the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" * run.master)
-            return history
-        if stop.item():
-            if run.saved.get('ckpt.pt') != run.iter_num:
+        if stop.item():  # an --overwrite run that has not saved keeps the earlier run whole
+            if not run.earlier and run.saved.get('ckpt.pt') != run.iter_num:
                 save(cfg, run, ['ckpt.pt'])
-            print(f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with --init_from=resume' * run.master)
+            if run.master:
+                print(f"stopped at step {run.iter_num}, before this run's first checkpoint: nothing of it was saved, "
+                      f"and the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if
+                      run.earlier else f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
+                                       f'--init_from=resume')
             return history
 
         # forward and backward over grad_accum micro-batches, clip, step
