@@ -33,14 +33,13 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
         tmp.unlink(missing_ok=True)
         cause, kept = e.__context__ or e, f'{path if os.path.exists(path) else "Nothing"} is unchanged'
-        if getattr(cause, 'errno', None) in (errno.ENOSPC, errno.EDQUOT):  # weights (tied: once), two AdamW moments
-            need = 3 * sum({t.untyped_storage().data_ptr(): t.nbytes for t in ckpt['model'].values()}.values())
-            free = shutil.disk_usage(tmp.parent).free
-            raise CheckpointError(f'could not write {path}: the disk is full ({cause.strerror}). A checkpoint needs '
-                                  f'about {need / 1e6:,.1f} MB; {tmp.parent} has {free / 1e6:,.1f} MB free. {kept}: '
-                                  f'free some space, then {then}') from None
-        raise CheckpointError(f'could not write {path} ({getattr(cause, "strerror", None) or e}). {kept}: make '
-                              f'{tmp.parent} writable, then {then}') from None
+        full = getattr(cause, 'errno', None) in (errno.ENOSPC, errno.EDQUOT)
+        need = 3 * sum({t.untyped_storage().data_ptr(): t.nbytes for t in ckpt.get('model', {}).values()}.values())
+        raise CheckpointError(f'could not write {path}' + (  # need: the weights (tied: once) and AdamW's 2 moments
+            f': the disk is full ({cause.strerror}). A checkpoint needs about {need / 1e6:,.1f} MB; {tmp.parent} has '
+            f'{shutil.disk_usage(tmp.parent).free / 1e6:,.1f} MB free. {kept}: free some space' if full else
+            f' ({getattr(cause, "strerror", None) or e}). {kept}: make {tmp.parent} writable') + f', then {then}'
+        ) from None
 
 
 def load_checkpoint(path, advise=True):
@@ -54,9 +53,8 @@ def load_checkpoint(path, advise=True):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
         with zipfile.ZipFile(path) as archive:  # a damaged file can unpickle to anything: checked before its contents
-            crc = any(record.CRC for record in archive.infolist() if record.file_size)
-            bad = archive.testzip() if crc else print(f'note: {path} carries no checksums: loaded unverified',
-                                                      file=sys.stderr)
+            bad = archive.testzip() if any(r.CRC for r in archive.infolist() if r.file_size) else print(
+                f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
         missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
         broken = [] if bad or missing else [name for name, t in ckpt['model'].items() if not t.isfinite().all()]
         problem = (f'is damaged: the bytes of its record {bad} do not match the checksum saved with them' if bad else
@@ -69,7 +67,7 @@ def load_checkpoint(path, advise=True):
     if problem is None:
         return ckpt
     partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # the other checkpoint of its run
-    way = ' Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)'  # not a file of a run: no advice on runs
+    way = ' Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)'  # a file of no run: no advice on runs
     if advise and path.name in ('ckpt.pt', 'best.pt'):
         try:
             way = f' {partner} beside it loads (step {load_checkpoint(partner, False)["iter_num"]}): use it instead ' \
@@ -90,8 +88,8 @@ def model_from_checkpoint(ckpt, path, device='cpu'):
     except (TypeError, ValueError, RuntimeError) as e:  # a setting model.py lacks; a weight of another shape
         problem = ' '.join(str(e).split())[:300]
     if problem:
-        raise CheckpointError(f'{path} holds a model this model.py cannot build or load ({problem}): use the version of '
-                              f'model.py that wrote it (git log), or train a new model in a new --out_dir')
+        raise CheckpointError(f'{path} holds a model this model.py cannot build or load ({problem}): use the version '
+                              f'of model.py that wrote it (git log), or train a new model in a new --out_dir')
     return model
 
 

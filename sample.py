@@ -2,7 +2,6 @@
 Sample from a model trained by train.py: one parallel pass over the prompt, then a constant-memory step a token
 (fm, mamba2) or a static KV cache (attn); on CUDA each step is one CUDA-graph replay. A single sample streams to
 the terminal as it is generated; several are generated as one batch.
-
     python sample.py                                   # out/ckpt.pt
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --max_new_tokens=300 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
@@ -38,17 +37,18 @@ seed = 1337  # seed of the sampling: the same seed gives the same samples
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, float32 elsewhere
 # -----------------------------------------------------------------------------
-_DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))
-             or k == 'top_k'}
+_DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
+_DEFAULTS['top_k'] = None
 
 
 def load(argv):
     """The settings of argv, checked, and the checkpoint's model (on the device, in the dtype, eval mode), tokenizer
     and prompt's ids; ConfigError or CheckpointError naming what to change."""
     cfg = load_config(_DEFAULTS, argv, types={'top_k': int}, config_files=False, program='sample.py')
-    if cfg['dtype'] not in ('auto', 'float32', 'bfloat16', 'float16') or min(cfg['num_samples'], cfg['max_new_tokens']) < 1:
+    if cfg['dtype'] not in ('auto', 'float32', 'bfloat16', 'float16') or min(cfg['num_samples'],
+                                                                             cfg['max_new_tokens']) < 1:
         raise ConfigError(f"--dtype={cfg['dtype']!r}, --num_samples={cfg['num_samples']}, --max_new_tokens="
-                          f"{cfg['max_new_tokens']}: use a dtype of auto, float32, bfloat16, float16 and counts of 1 or more")
+                          f"{cfg['max_new_tokens']}: use auto, float32, bfloat16 or float16, and counts of 1 or more")
     try:
         Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p']).validate()
     except ValueError as e:
@@ -58,26 +58,23 @@ def load(argv):
     checkpoint = load_checkpoint(path)  # onto the CPU first
     model, tok = model_from_checkpoint(checkpoint, path), tokenizer_of(checkpoint, path)
     if cfg['top_k'] is not None and cfg['top_k'] > tok.vocab_size:
-        raise ConfigError(f"--top_k={cfg['top_k']} is more than the {tok.vocab_size} tokens of {checkpoint['tokenizer']}:"
-                          f" give at most {tok.vocab_size}, or None for every token")
-    device = torch.device(cfg['device'])
-    dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else 'bfloat16' if device.type == 'cuda' else 'float32'
-    model = model.eval().to(device, getattr(torch, dtype))  # the memory states stay float32
+        raise ConfigError(f"--top_k={cfg['top_k']} is more than the {tok.vocab_size} tokens of "
+                          f"{checkpoint['tokenizer']}: give at most {tok.vocab_size}, or None for every token")
+    dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else 'bfloat16' if cfg['device'].startswith('cuda') else 'float32'
+    model = model.eval().to(cfg['device'], getattr(torch, dtype))  # the memory states stay float32
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
-        if not os.path.isfile(prompt[5:]):
-            raise ConfigError(f'--start=FILE:{prompt[5:]}: no such file')
         try:
             prompt = read_utf8(Path(prompt[5:]))
-        except ValueError as e:
-            raise ConfigError(f'--start=FILE:{e}') from None
+        except (OSError, ValueError) as e:  # no such file, not UTF-8
+            raise ConfigError(f'--start={prompt}: {getattr(e, "strerror", None) or e}') from None
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
     if max(ids) >= model.config.vocab_size:
         raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
                               f'is the checkpoint from another tokenizer?')
     if model.config.mixer == 'attn' and len(ids) > model.config.block_size:
-        print(f'warning: the prompt is {len(ids):,} tokens, past the {model.config.block_size} this attention model was '
-              f'trained at (block_size): attention does not extrapolate past block_size', file=sys.stderr)
+        print(f'warning: the prompt is {len(ids):,} tokens, past the {model.config.block_size} this attention model '
+              f'was trained at (block_size): attention does not extrapolate past block_size', file=sys.stderr)
     check_generation_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
     return cfg, model, tok, ids
 
@@ -85,8 +82,7 @@ def load(argv):
 def main(argv=()):
     """python sample.py --key=value ... -> the samples' texts, prompt included ([] for --help)."""
     if '-h' in argv or '--help' in argv:
-        print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS, __file__))
-        return []
+        return print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS, __file__)) or []
     cfg, model, tok, ids = load(list(argv))
     sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'], n_tokens=tok.vocab_size)  # no padding ids
     generator = Generator(model, sampling, eot=tok.eot)
@@ -102,9 +98,8 @@ def main(argv=()):
                   file=sys.stderr, flush=True)
     new = generator.generate([ids] * cfg['num_samples'], cfg['max_new_tokens'], on_tokens=stream,
                              on_progress=None if stream else progress)
-    seconds, samples = time.perf_counter() - begin, [tok.decode(ids + row) for row in new]
+    seconds, samples, n_tokens = time.perf_counter() - begin, [tok.decode(ids + row) for row in new], sum(map(len, new))
     print('\n---------------' if stream else '\n'.join(f'{text}\n---------------' for text in samples))
-    n_tokens = sum(len(row) for row in new)
     print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s (prompt of {len(ids)} tokens, '
           f'batch {cfg["num_samples"]}, {generator.device}, {"CUDA graph" if generator.cuda_graph else "eager"})',
           file=sys.stderr)
@@ -120,13 +115,12 @@ class Stream:
 
     def __call__(self, tokens):
         self.ended = self.ended or (self.tok.eot is not None and tokens[0] == self.tok.eot)
-        if self.ended:  # the row decodes on until the batch stops; its text ended here
-            return
-        self.ids.append(tokens[0])
-        text = self.tok.decode(self.ids)
-        if not text.endswith('\ufffd'):
-            print(text[len(self.shown):], end='', flush=True)
-            self.shown = text
+        if not self.ended:  # the row decodes on until the batch stops; its text ended there
+            self.ids.append(tokens[0])
+            text = self.tok.decode(self.ids)
+            if not text.endswith('\ufffd'):  # an incomplete UTF-8 character waits for its next bytes
+                print(text[len(self.shown):], end='', flush=True)
+                self.shown = text
 
 
 if __name__ == '__main__':

@@ -2884,7 +2884,8 @@ def test_sample(trained, tmp_path):
                                           ('--temperature=-1', 'temperature=-1'), ('--num_samples=0', 'num_samples'),
                                           ('--device=nope', 'nope'),
                                           ('--top_k=300', r'--top_k=300 is more than the 256 tokens of bytes: give at '
-                                                          r'most 256, or None')]
+                                                          r'most 256, or None'),
+                                          ('--num_samples=100000000', r'need about .* GB of decoding buffers')]
                          + ([] if CUDA else [('--device=cuda', '--device=cuda, but .*: use --device=cpu')]))
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):

@@ -18,6 +18,7 @@ import random
 import resource
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
@@ -94,6 +95,7 @@ _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isin
 AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, eval_interval=1,
                 eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
                 seed=0)
+CHOICES = dict(init_from=('scratch', 'resume'), dtype=('auto', 'float32', 'bfloat16', 'float16'))
 BLOW_UP = 0.5  # nats a token above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
 EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
 RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files in out_dir (eval.py writes routing)
@@ -123,8 +125,7 @@ def settings(argv):
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     for refused, message in (
             *[(getattr(cfg, key) not in choices, f"--{key}={getattr(cfg, key)!r}: use one of {', '.join(choices)}")
-              for key, choices in (('init_from', ('scratch', 'resume')), ('dtype', ('auto', 'float32', 'bfloat16',
-                                                                                     'float16')))],
+              for key, choices in CHOICES.items()],
             *[(not getattr(cfg, key) >= low, f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
               for key, low in AT_LEAST.items()],
             (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to (the default is out)'),
@@ -470,8 +471,10 @@ def train(cfg, run):
     def request_stop(signum, frame):  # Ctrl-C or SIGTERM: stop after this step, saving it; a second Ctrl-C at once
         run.stop = True
         signal.signal(signum, run.handlers[signum])
-        print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
-    run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if run.master:
+            print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
+    if threading.current_thread() is threading.main_thread():  # the only one that can take signals
+        run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     while True:
         # evaluate, and save ckpt.pt (and best.pt when val improves); not again right after resuming
         if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (
