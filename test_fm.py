@@ -1411,7 +1411,7 @@ def test_reproduce_frontier_dry_run(tmp_path):
     run in frontier.csv, at its best rate, with its training FLOPs and losses at 2x and 8x the context."""
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), JOBS='3', SIZES='1M',
                LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3', MODELS='transformer mamba2 fm-k16',
-               TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
+               TRAIN_ARGS='--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu')
     run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -1747,7 +1747,7 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
                              previous / 'frontier.csv')
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=str(previous), JOBS='2',
                SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3', MODELS='transformer mamba2 fm-k16',
-               TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
+               TRAIN_ARGS='--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu')
     run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
