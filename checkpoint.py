@@ -53,8 +53,10 @@ def load_checkpoint(path, advise=True):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
         with zipfile.ZipFile(path) as archive:  # a damaged file can unpickle to anything: checked before its contents
-            bad = archive.testzip() if any(r.CRC for r in archive.infolist() if r.file_size) else print(
-                f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
+            checked = any(record.CRC for record in archive.infolist() if record.file_size)  # torch.save wrote CRCs
+            bad = archive.testzip() if checked else None  # the first record whose bytes fail their CRC-32
+        if not checked:
+            print(f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
         missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
         broken = [] if bad or missing else [name for name, t in ckpt['model'].items() if not t.isfinite().all()]
         problem = (f'is damaged: the bytes of its record {bad} do not match the checksum saved with them' if bad else

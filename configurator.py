@@ -38,8 +38,8 @@ def load_config(config, argv, types=None, config_files=True, program=None):
             except Exception as e:  # named by its line in the file
                 line = e.lineno if isinstance(e, SyntaxError) else [
                     frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == arg][-1]
-                raise ConfigError(f'{arg}, line {line}: ' + (e.msg if isinstance(e, SyntaxError) else
-                                                            f'{type(e).__name__}: {e}') + ': fix the config file') from None
+                error = e.msg if isinstance(e, SyntaxError) else f'{type(e).__name__}: {e}'
+                raise ConfigError(f'{arg}, line {line}: {error}: fix the config file') from None
         for key, value in settings.items():
             if key.startswith('_') or callable(value) or isinstance(value, type(os)):
                 continue
@@ -48,9 +48,10 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 hint = f". Did you mean {' or '.join(close)}?" if close else ''
                 raise ConfigError(f"{where}unknown config key '{key}'{hint}")
             want = type(config[key]) if config[key] is not None else types.get(key)
-            with contextlib.suppress(ValueError, SyntaxError):  # --key=value's text: a string without quotes, or
-                value = value if where else value.strip('\'"') if want is str else ast.literal_eval(  # True/False in
-                    value.title() if value.lower() in ('true', 'false') else value)  # any case, or a Python literal
+            if not where:  # --key=value's text: a string without its quotes, True/False in any case, a Python literal
+                with contextlib.suppress(ValueError, SyntaxError):  # or else the text itself, refused below
+                    value = value.strip('\'"') if want is str else ast.literal_eval(
+                        value.title() if value.lower() in ('true', 'false') else value)
             if want is None or value is None and (config[key] is None or key in types):
                 config[key] = value
             elif want is float and type(value) is int or isinstance(value, want) and isinstance(value, bool) == (
@@ -64,12 +65,13 @@ def load_config(config, argv, types=None, config_files=True, program=None):
 
 def help_text(config, *sources):
     """`  --key=default  comment` a key: the comment on the line that sets it (`key = value  # ...`) in the first of
-    sources that has one, a line that sets the default first; [fm] for a key after a line `# fm`, before a blank line."""
+    sources that has one, a line setting the default first; [fm] for a key after a line `# fm`, before a blank line."""
     notes = {}  # key -> (whether its line sets the default, '[section] comment') of the line taken
     for source in sources:
         section = ''
         for line in open(source, encoding='utf-8'):
-            section = (re.fullmatch(r'\s*# ([a-z0-9]+)\s*', line) or [0, section if line.strip() else ''])[1]
+            header = re.fullmatch(r'\s*# ([a-z0-9]+)\s*', line)  # e.g. model.py's '# fm': a section to a blank line
+            section = header[1] if header else section if line.strip() else ''
             m = re.match(r'''\s*(\w+)\s*(?::[^=]*)?=\s*((?:'[^']*'|"[^"]*"|[^'"#])+?),?\s+#\s*(.*)''', line)
             default = m and m[2] == repr(config.get(m[1]))
             if m and m[1] in config and (m[1] not in notes or default and not notes[m[1]][0]):

@@ -14,7 +14,8 @@ def check_device(name):
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"--device={name} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
-    count = {'cpu': 1, 'cuda': torch.cuda.device_count(), 'mps': int(torch.backends.mps.is_available())}.get(device.type, 0)
+    count = {'cpu': 1, 'cuda': torch.cuda.device_count(), 'mps': int(torch.backends.mps.is_available())}.get(
+        device.type, 0)  # devices of its type here
     if (device.index or 0) >= count:
         use = f'{device.type}:0 to {device.type}:{count - 1}' if count > 1 else device.type if count else 'cpu'
         raise ConfigError(f'--device={name}, but this machine has {count or "no"} {device.type} device'

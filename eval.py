@@ -93,8 +93,8 @@ LOWEST = {  # numeric setting -> (the lowest value it takes, what it is), for th
     'limit': (1, 'examples of each task; None: every one'),
     'num_fewshot': (0, "examples in each prompt; None: each task's default"),
 }
-RUN_NAMING = ('seed', 'out_dir', 'init_from', 'overwrite', 'wandb_log', 'wandb_project', 'wandb_run_name', 'log_interval',
-              'data_dir', 'verify_data', 'compile', 'device')  # train.py settings that leave the model as it is
+RUN_NAMING = ('seed', 'out_dir', 'init_from', 'overwrite', 'wandb_log', 'wandb_project', 'wandb_run_name',  # train.py
+              'log_interval', 'data_dir', 'verify_data', 'compile', 'device')  # settings that leave the model as it is
 USAGE = 'eval.py [routing|harness] --key=value ...; sweep, frontier and scaling are in research/analysis.py'
 ETA_BINS = 20  # the histogram of eta over [0, 1]
 ROUTING_PLOT_MAX = 12  # checkpoints in the heat maps of --out.png

@@ -420,6 +420,17 @@ def diverged(run, what):
                      f'(--learning_rate, --warmup_iters, --grad_clip), bad data, or a damaged checkpoint resumed')
 
 
+def catch_signals(run):
+    """From now on (the loop) Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once."""
+    def request_stop(signum, frame):
+        run.stop = True
+        signal.signal(signum, run.handlers[signum])
+        if run.master:
+            print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
+    if threading.current_thread() is threading.main_thread():  # the only one that can take signals
+        run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 def main(argv=()):
     """python train.py [config files] [--key=value ...] -> the losses logged: {'train': [(step, loss)], 'val': ...}."""
     cfg = settings(list(argv))
@@ -446,6 +457,7 @@ def main(argv=()):
                                                                                                       run.dtype))
         run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
         setup(cfg, run)
+        catch_signals(run)
         return train(cfg, run)
     finally:
         for sig, handler in run.handlers.items():
@@ -467,14 +479,6 @@ def train(cfg, run):
     X, Y = get_batch(run.data.train, run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size),
                      cfg.block_size, run.device)
     t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
-
-    def request_stop(signum, frame):  # Ctrl-C or SIGTERM: stop after this step, saving it; a second Ctrl-C at once
-        run.stop = True
-        signal.signal(signum, run.handlers[signum])
-        if run.master:
-            print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
-    if threading.current_thread() is threading.main_thread():  # the only one that can take signals
-        run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     while True:
         # evaluate, and save ckpt.pt (and best.pt when val improves); not again right after resuming
         if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (
