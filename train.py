@@ -339,16 +339,16 @@ def resume(cfg, run, ckpt):
     for k, v in ckpt['train_config'].items():
         if run.master and (k == 'block_size' or k not in saved) and vars(cfg).get(k, v) != v:
             print(f"resume: {k}={vars(cfg)[k]!r} (the checkpoint's run had {v!r})")
-    run.iter_num, run.best_val_loss, run.untrained_loss = (ckpt[k] for k in ('iter_num', 'best_val_loss',
-                                                                             'untrained_loss'))
+    run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
+        'untrained_loss')
     run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
-    if ckpt['data_state']['val_set'] != run.data.val_set:  # another validation set: its losses do not compare
+    if ckpt['data_state'].get('val_set') != run.data.val_set:  # another validation set: its losses do not compare
         run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
         if run.master:
             print("resume: the validation set is not the checkpoint's (another dataset, block_size, eval_iters or "
                   "batch_size): the best validation loss starts over, and the next evaluation writes best.pt")
     run.optimizer.load_state_dict(ckpt['optimizer'])
-    if ckpt['scaler'] and run.scaler.is_enabled():  # float16 runs only; empty for bfloat16 and float32
+    if ckpt.get('scaler') and run.scaler.is_enabled():  # float16 runs only; empty for bfloat16 and float32
         run.scaler.load_state_dict(ckpt['scaler'])
     rng = ckpt['rng']
     random.setstate(rng['python'])
