@@ -147,7 +147,7 @@ def tiny(data_dir, out_dir, *extra):
     """Arguments for a tiny FM model that trains in about 20 ms a step."""
     return [f'--data_dir={data_dir}', f'--out_dir={out_dir}', '--n_layer=2', '--d_model=32', '--n_memory=8',
             '--top_k=2', '--chunk_size=16', '--block_size=48', '--batch_size=4', '--eval_iters=2',
-            '--eval_interval=4', '--log_interval=1', '--warmup_iters=2', '--learning_rate=1e-2', '--min_lr=1e-3',
+            '--eval_interval=4', '--log_interval=1', '--warmup_iters=1', '--learning_rate=1e-2', '--min_lr=1e-3',
             *extra]
 
 

@@ -24,6 +24,7 @@ Writes routing.json and routing.png (a heat map of row usage, layers x rows) in 
 and .png of all of them.
 
 The small-scale reproduction's analyses (learning-rate sweep, loss frontier, memory scaling): research/analysis.py.
+Each mode's settings: python eval.py --help, python eval.py harness --help, python eval.py routing --help.
 """
 import csv
 import difflib
@@ -31,11 +32,17 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+
+from configurator import ConfigError, help_text, load_config
+
+if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
 
 import numpy as np
 import torch
@@ -43,7 +50,6 @@ import torch.nn.functional as F
 
 import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
-from configurator import ConfigError, help_text, load_config
 from generate import Generator, Sampling
 from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8
 
@@ -87,6 +93,8 @@ LOWEST = {  # numeric setting -> (the lowest value it takes, what it is), for th
     'limit': (1, 'examples of each task; None: every one'),
     'num_fewshot': (0, "examples in each prompt; None: each task's default"),
 }
+RUN_NAMING = ('seed', 'out_dir', 'init_from', 'overwrite', 'wandb_log', 'wandb_project', 'wandb_run_name',  # train.py
+              'log_interval', 'data_dir', 'verify_data', 'compile', 'device')  # settings that leave the model as it is
 USAGE = 'eval.py [routing|harness] --key=value ...; sweep, frontier and scaling are in research/analysis.py'
 ETA_BINS = 20  # the histogram of eta over [0, 1]
 ROUTING_PLOT_MAX = 12  # checkpoints in the heat maps of --out.png
@@ -143,7 +151,8 @@ def summary(ckpt, path, model):
         label += '/' + os.path.basename(path)
     return {'label': label, 'checkpoint': path, 'model': describe(ckpt['model_config']),
             'model_config': ckpt['model_config'], 'tokenizer': ckpt['tokenizer'],
-            'parameters': model.num_params(non_embedding=False), 'iter_num': ckpt['iter_num'],
+            'train_config': ckpt['train_config'], 'parameters': model.num_params(non_embedding=False),
+            'iter_num': ckpt['iter_num'],
             'tokens_seen': ckpt['data_state'].get('tokens_seen'), 'val_loss': ckpt['best_val_loss'],
             'block_size': ckpt['model_config']['block_size']}
 
@@ -295,10 +304,12 @@ def evaluate_positions(ckpt, path, docs, cfg):
 
 
 def seed_groups(results):
-    """Checkpoints of the same model config and tokenizer (e.g. seeds of one model) -> list of lists."""
+    """Checkpoints of runs that differ in their seed alone (the settings that name, log or place a run aside), at the
+    same step -> list of lists."""
     groups = {}
     for result in results:
-        key = json.dumps([result['model_config'], result['tokenizer']], sort_keys=True)
+        settings = {k: v for k, v in result['train_config'].items() if k not in RUN_NAMING}
+        key = json.dumps([result['model_config'], result['tokenizer'], result['iter_num'], settings], sort_keys=True)
         groups.setdefault(key, []).append(result)
     return list(groups.values())
 
@@ -914,7 +925,10 @@ def main(argv=()):
 
 
 if __name__ == '__main__':
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C from here on: caught below
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt:
+        sys.exit(sys.stderr.write('interrupted\n') and 130)
     except (ConfigError, CheckpointError, EvalError) as e:
         sys.exit(f'error: {e}')

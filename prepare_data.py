@@ -343,9 +343,11 @@ def _write_splits(out, tokenizer, texts, splits_of, split_names, num_proc):
             progress.update(len(tokens))
         progress.print()
         empty = [split for split, writer in writers.items() if not writer.offsets]
-        if empty:
-            raise ValueError(f"no documents for {' and '.join(empty)} ({progress.docs} documents in all): "
-                             "add documents or adjust --val_fraction")
+        if empty:  # a split is drawn a document at a time: one document cannot fill both
+            raise ValueError(f"no documents for {' and '.join(empty)} ({progress.docs} documents in all): " + (
+                f"add documents: train and val take whole documents, two at least (a lone .txt file is cut into "
+                f"documents of {TXT_PIECE} lines)" if progress.docs < 2 else
+                "add documents or adjust --val_fraction"))
     return [writer.path for writer in writers.values()]
 
 

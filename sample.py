@@ -2,23 +2,27 @@
 Sample from a model trained by train.py: one parallel pass over the prompt, then a constant-memory step a token
 (fm, mamba2) or a static KV cache (attn); on CUDA each step is one CUDA-graph replay. A single sample streams to
 the terminal as it is generated; several are generated as one batch.
-
     python sample.py                                   # out/ckpt.pt
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --max_new_tokens=300 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
 """
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
+from configurator import ConfigError, help_text, load_config
+
+if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
+
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
-from configurator import ConfigError, help_text, load_config
+from devices import check_device, check_generation_fits
 from generate import Generator, Sampling
 from prepare_data import read_utf8
-from run_safety import check_device, check_generation_fits
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the training run's folder
@@ -37,62 +41,69 @@ _DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isi
 _DEFAULTS['top_k'] = None
 
 
-def settings(argv):
-    """The settings from argv (--key=value), checked: ConfigError names the first bad one."""
+def load(argv):
+    """The settings of argv, checked, and the checkpoint's model (on the device, in the dtype, eval mode), tokenizer
+    and prompt's ids; ConfigError or CheckpointError naming what to change."""
     cfg = load_config(_DEFAULTS, argv, types={'top_k': int}, config_files=False, program='sample.py')
-    if cfg['dtype'] not in ('auto', 'float32', 'bfloat16', 'float16'):
-        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {cfg['dtype']!r}")
-    if cfg['num_samples'] < 1 or cfg['max_new_tokens'] < 1:
-        raise ConfigError('num_samples and max_new_tokens must be at least 1')
+    if cfg['dtype'] not in ('auto', 'float32', 'bfloat16', 'float16') or min(cfg['num_samples'],
+                                                                             cfg['max_new_tokens']) < 1:
+        raise ConfigError(f"--dtype={cfg['dtype']!r}, --num_samples={cfg['num_samples']}, --max_new_tokens="
+                          f"{cfg['max_new_tokens']}: use auto, float32, bfloat16 or float16, and counts of 1 or more")
     try:
         Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p']).validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_device(cfg['device'])
-    return cfg
-
-
-def load(cfg):
-    """The checkpoint's model on the device in the chosen dtype, eval mode, and its tokenizer."""
     path = os.path.join(cfg['out_dir'], cfg['ckpt'])
     checkpoint = load_checkpoint(path)  # onto the CPU first
-    model = model_from_checkpoint(checkpoint, path)
-    tok = tokenizer_of(checkpoint, path)
-    device = torch.device(cfg['device'])
-    dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else ('bfloat16' if device.type == 'cuda' else 'float32')
-    return model.eval().to(device, getattr(torch, dtype)), tok  # the memory states stay float32
-
-
-def prompt_ids(cfg, tok, vocab_size):
-    """The prompt's token ids: --start, or the UTF-8 text of its FILE:path."""
+    model, tok = model_from_checkpoint(checkpoint, path), tokenizer_of(checkpoint, path)
+    if cfg['top_k'] is not None and cfg['top_k'] > tok.vocab_size:
+        raise ConfigError(f"--top_k={cfg['top_k']} is more than the {tok.vocab_size} tokens of "
+                          f"{checkpoint['tokenizer']}: give at most {tok.vocab_size}, or None for every token")
+    dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else 'bfloat16' if cfg['device'].startswith('cuda') else 'float32'
+    model = model.eval().to(cfg['device'], getattr(torch, dtype))  # the memory states stay float32
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
-        if not os.path.isfile(prompt[5:]):
-            raise ConfigError(f'--start=FILE:{prompt[5:]}: no such file')
         try:
             prompt = read_utf8(Path(prompt[5:]))
-        except ValueError as e:
-            raise ConfigError(f'--start=FILE:{e}') from None
+        except (OSError, ValueError) as e:  # no such file, not UTF-8
+            raise ConfigError(f'--start={prompt}: {getattr(e, "strerror", None) or e}') from None
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
-    if max(ids) >= vocab_size:
-        raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {vocab_size}: '
+    if max(ids) >= model.config.vocab_size:
+        raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
                               f'is the checkpoint from another tokenizer?')
-    return ids
+    if model.config.mixer == 'attn' and len(ids) > model.config.block_size:
+        print(f'warning: the prompt is {len(ids):,} tokens, past the {model.config.block_size} this attention model '
+              f'was trained at (block_size): attention does not extrapolate past block_size', file=sys.stderr)
+    check_generation_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
+    return cfg, model, tok, ids
 
 
-class Progress:
-    """Prints the tokens generated so far to stderr, every 5 seconds of a long generation."""
+def main(argv=()):
+    """python sample.py --key=value ... -> the samples' texts, prompt included ([] for --help)."""
+    if '-h' in argv or '--help' in argv:
+        return print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS, __file__)) or []
+    cfg, model, tok, ids = load(list(argv))
+    sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'], n_tokens=tok.vocab_size)  # no padding ids
+    generator = Generator(model, sampling, eot=tok.eot)
+    stream = Stream(tok, ids) if cfg['num_samples'] == 1 else None
+    torch.manual_seed(cfg['seed'])
+    begin = last = time.perf_counter()
 
-    def __init__(self, total):
-        self.total, self.begin = total, time.perf_counter()
-        self.last = self.begin
-
-    def __call__(self, n):
-        now = time.perf_counter()
-        if now - self.last >= 5:
-            self.last = now
-            print(f'{n:,} of {self.total:,} tokens a sample, {n / (now - self.begin):,.1f} steps/s', file=sys.stderr,
-                  flush=True)
+    def progress(n):  # to stderr, every 5 seconds of a long generation of several samples
+        nonlocal last
+        if time.perf_counter() - last >= 5:
+            last = time.perf_counter()
+            print(f'{n:,} of {cfg["max_new_tokens"]:,} tokens a sample, {n / (last - begin):,.1f} steps/s',
+                  file=sys.stderr, flush=True)
+    new = generator.generate([ids] * cfg['num_samples'], cfg['max_new_tokens'], on_tokens=stream,
+                             on_progress=None if stream else progress)
+    seconds, samples, n_tokens = time.perf_counter() - begin, [tok.decode(ids + row) for row in new], sum(map(len, new))
+    print('\n---------------' if stream else '\n'.join(f'{text}\n---------------' for text in samples))
+    print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s (prompt of {len(ids)} tokens, '
+          f'batch {cfg["num_samples"]}, {generator.device}, {"CUDA graph" if generator.cuda_graph else "eager"})',
+          file=sys.stderr)
+    return samples
 
 
 class Stream:
@@ -104,47 +115,19 @@ class Stream:
 
     def __call__(self, tokens):
         self.ended = self.ended or (self.tok.eot is not None and tokens[0] == self.tok.eot)
-        if self.ended:  # the row decodes on until the batch stops; its text ended here
-            return
-        self.ids.append(tokens[0])
-        text = self.tok.decode(self.ids)
-        if not text.endswith('\ufffd'):
-            print(text[len(self.shown):], end='', flush=True)
-            self.shown = text
-
-
-def main(argv=()):
-    argv = list(argv)
-    if '-h' in argv or '--help' in argv:
-        print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS, __file__))
-        return []
-    cfg = settings(argv)
-    model, tok = load(cfg)
-    ids = prompt_ids(cfg, tok, model.config.vocab_size)
-    check_generation_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
-    sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'], n_tokens=tok.vocab_size)  # no padding ids
-    generator = Generator(model, sampling, eot=tok.eot)
-    stream = Stream(tok, ids) if cfg['num_samples'] == 1 else None
-    torch.manual_seed(cfg['seed'])
-    begin = time.perf_counter()
-    progress = None if stream else Progress(cfg['max_new_tokens'])
-    new = generator.generate([ids] * cfg['num_samples'], cfg['max_new_tokens'], on_tokens=stream, on_progress=progress)
-    seconds = time.perf_counter() - begin
-    samples = [tok.decode(ids + row) for row in new]
-    for text in ([] if stream else samples):
-        print(text)
-        print('---------------')
-    if stream:
-        print('\n---------------')
-    n_tokens = sum(len(row) for row in new)
-    print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s '
-          f'(prompt of {len(ids)} tokens, batch {cfg["num_samples"]}, {generator.device}, '
-          f'{"CUDA graph" if generator.cuda_graph else "eager"})', file=sys.stderr)
-    return samples
+        if not self.ended:  # the row decodes on until the batch stops; its text ended there
+            self.ids.append(tokens[0])
+            text = self.tok.decode(self.ids)
+            if not text.endswith('\ufffd'):  # an incomplete UTF-8 character waits for its next bytes
+                print(text[len(self.shown):], end='', flush=True)
+                self.shown = text
 
 
 if __name__ == '__main__':
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C from here on: caught below
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt:
+        sys.exit(sys.stderr.write('interrupted\n') and 130)
     except (ConfigError, CheckpointError) as e:
         sys.exit(f'error: {e}')

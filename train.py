@@ -5,20 +5,30 @@ Train a language model whose mixer is Factorization Memory ('fm'), attention ('a
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
     torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py   # DDP (NCCL; gloo with --device=cpu)
     torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py ...  # nodes
-Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost (run_safety.py): Ctrl-C or SIGTERM finishes
-the step and saves (a second Ctrl-C quits at once); a run that diverges (a loss or gradient not finite, a validation
-loss above the untrained model's) stops without saving; --overwrite=True replaces an earlier run only when the new
-run first saves.
+Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run (claim); saves are
+atomic, with checksums (save); a value that is not finite or a blow-up stops the run without saving (check_finite, the
+loop); Ctrl-C or SIGTERM saves the step (a second Ctrl-C quits); a resume goes on bit for bit (resume); --overwrite=True
+replaces the earlier run once the new run's first checkpoint is whole (save, swap_in).
 """
+import fcntl
+import importlib.util
 import math
 import os
 import random
 import resource
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+from pathlib import Path
 from types import SimpleNamespace
+
+from configurator import ConfigError, help_text, load_config, optional_types
+
+if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
 
 import numpy as np
 import torch
@@ -26,11 +36,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import model as model_file
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, help_text, load_config, optional_types
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from devices import check_batch_fits, check_device
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
-from run_safety import RunFolder, TrainError, check_resume, check_settings, on_rank_0, resume_states, rng_states
 
 # -----------------------------------------------------------------------------
 # default settings: a small FM model on the default corpus, a few minutes on a 2-core CPU
@@ -41,7 +50,7 @@ eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10  # steps between log lines
 always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt is written whenever val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
-overwrite = False  # True: a scratch run replaces the earlier run's ckpt.pt and best.pt when it first saves
+overwrite = False  # True: a scratch run replaces the earlier run's files in out_dir when it first saves
 wandb_log = False  # log to Weights & Biases (pip install wandb)
 wandb_project = 'factorization-memory'  # its project
 wandb_run_name = 'fm'  # its run name
@@ -55,118 +64,304 @@ gradient_accumulation_steps = 1  # micro-batches per step over all processes (di
 batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
 vocab_multiple = 64  # pad the model's vocab up to a multiple of this when the tokenizer has more than 256 tokens
-# model: these and every other ModelConfig field (at ModelConfig's default) can be overridden
+# model: these, and every other ModelConfig field of model.py at its default, can be set
 mixer = 'fm'  # 'fm', 'attn' or 'mamba2'
 n_layer = 4  # blocks
 d_model = 128  # width of the residual stream
-n_memory = 32  # FM: m, memory rows
-top_k = 8  # FM: k rows read and written per token; None: dense
-tau = 1.0  # FM: router softmax temperature
+# fm
+n_memory = 32  # m, memory rows
+top_k = 8  # k rows read and written per token; None: dense
+tau = 1.0  # router softmax temperature
 fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on the values (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
-chunk_size = 16  # chunk length of the parallel scan: 16 is fastest for the PyTorch scan on a CPU
-# AdamW
+chunk_size = 16  # tokens a chunk of the parallel scans (Mamba-2's too): 16 is fastest for FM's PyTorch scan on a CPU
+
+# AdamW, and its learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
 learning_rate = 4e-3  # the peak learning rate, reached after warmup_iters
 max_iters = 500  # the step training ends at
 weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices and embeddings only
 beta1 = 0.9  # AdamW's beta1
 beta2 = 0.95  # AdamW's beta2
 grad_clip = 1.0  # clip the gradient norm at this value; 0.0: no clipping
-# learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
-warmup_iters = 50  # steps of linear warmup
+warmup_iters = 50  # steps of linear warmup (at most max_iters)
 lr_decay_iters = 0  # step where the cosine reaches min_lr; 0: max_iters
 min_lr = 4e-4  # the learning rate the cosine decays to
-# system
+# the machine
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps', ...
 dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast; a GPU's); 'auto': bfloat16 on CUDA, else float32
 compile = False  # torch.compile the model
 seed = 1337  # seed of the initial weights and of the batches
-# -----------------------------------------------------------------------------
 _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
-_EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
+AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, eval_interval=1,
+                eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
+                seed=0)
+CHOICES = dict(init_from=('scratch', 'resume'), dtype=('auto', 'float32', 'bfloat16', 'float16'))
+BLOW_UP = 0.5  # nats a token above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
+EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
+RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files in out_dir (eval.py writes routing)
+NEVER = 2 ** 62  # the step of a loss or gradient norm that is not finite, while there has been none
+
+
+class TrainError(RuntimeError):
+    """A problem the user can fix (data, checkpoint, settings, a diverged run); the message says how."""
 
 
 def default_config():
-    """The defaults above, plus every ModelConfig field not listed above, at ModelConfig's default."""
-    config = {k: globals()[k] for k in _TRAIN_KEYS}
-    config.update({f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size' and f.name not in config})
-    return config
+    """The settings above, and every other ModelConfig field at ModelConfig's default."""
+    return {k: globals()[k] for k in _TRAIN_KEYS} | {f.name: f.default for f in fields(ModelConfig)
+                                                    if f.name != 'vocab_size' and f.name not in _TRAIN_KEYS}
 
 
-def model_args(config):
-    return {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
+def model_args(cfg):
+    return {f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != 'vocab_size'}
 
 
-def setup_ddp(device):
-    """Under torchrun (RANK is set) join the process group: NCCL on CUDA, gloo on CPU -> (rank, world size, device,
-    a CPU process group for small messages (no GPU syncs), None alone)."""
-    if 'RANK' not in os.environ:
-        return 0, 1, device, None
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
-    if device.startswith('cuda'):
-        device = f'cuda:{local_rank}'
-        torch.cuda.set_device(device)
-        dist.init_process_group('nccl', device_id=torch.device(device))
-    else:
-        dist.init_process_group('gloo')
-    return rank, world_size, device, dist.new_group(backend='gloo')
+def settings(argv):
+    """The run's settings from argv -> a namespace (None for --help); ConfigError for one out of range."""
+    if '-h' in argv or '--help' in argv:
+        return print(__doc__ + '\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
+                     + help_text(default_config(), __file__, model_file.__file__))
+    cfg = SimpleNamespace(**load_config(default_config(), argv, optional_types(ModelConfig)))
+    world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
+    for refused, message in (
+            *[(getattr(cfg, key) not in choices, f"--{key}={getattr(cfg, key)!r}: use one of {', '.join(choices)}")
+              for key, choices in CHOICES.items()],
+            *[(not getattr(cfg, key) >= low, f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
+              for key, low in AT_LEAST.items()],
+            (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to (the default is out)'),
+            (cfg.gradient_accumulation_steps % world_size, f'--gradient_accumulation_steps counts the micro-batches of '
+             f'a step over all {world_size} processes: make it a multiple of {world_size}'),
+            (not cfg.learning_rate > 0, f'--learning_rate={cfg.learning_rate} is out of range: set it above 0'),
+            (cfg.min_lr > cfg.learning_rate, f'--min_lr={cfg.min_lr} is above --learning_rate={cfg.learning_rate}: '
+             f'the cosine decays from learning_rate to min_lr; set min_lr lower (e.g. learning_rate / 10)'),
+            (cfg.warmup_iters > cfg.max_iters, f'--warmup_iters={cfg.warmup_iters} is beyond --max_iters='
+             f'{cfg.max_iters}: the run would end before its learning rate peaks; set at most {cfg.max_iters}'),
+            *[(not 0 <= getattr(cfg, key) < 1, f"--{key}={getattr(cfg, key)} is out of range: AdamW's {key} must be "
+               f"at least 0 and below 1 (the default is {globals()[key]})") for key in ('beta1', 'beta2')],
+            (os.path.isfile(cfg.data_dir), f'--data_dir={cfg.data_dir} is a file: give the folder of prepare_data.py'),
+            (cfg.wandb_log and not importlib.util.find_spec('wandb'), '--wandb_log=True needs wandb: pip install '
+                                                                      'wandb, or leave --wandb_log off')):
+        if refused:
+            raise ConfigError(message)
+    try:
+        config = ModelConfig(**model_args(cfg), vocab_size=get_tokenizer(cfg.tokenizer).vocab_size)
+        config.validate()
+    except (ValueError, ImportError, RuntimeError) as e:
+        raise ConfigError(str(e)) from None
+    check_device(cfg.device)
+    check_batch_fits(cfg.batch_size, cfg.block_size, config, torch.device(cfg.device))
+    if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
+        print("warning: --dtype=float16 on the CPU is slow (about 10 times float32's step): use --dtype=float32")
+    return cfg
 
 
-def resolve_dtype(dtype, device_type):
-    """The training dtype: 'auto' is bfloat16 on CUDA (float16 where it lacks bfloat16), else float32."""
-    if dtype == 'auto':
-        dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
-    if device_type == 'cuda' and dtype == 'bfloat16' and not torch.cuda.is_bf16_supported():
-        dtype = 'float16'
-    if device_type == 'cuda':
-        torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
-    return dtype
+def claim(cfg, run):
+    """Rank 0's hold on out_dir (a lock; a later run takes over that of a process that died) -> the earlier run's files
+    this run replaces when it first saves. Finishes a swap that a kill cut short; refuses a second run, and a scratch
+    run into an earlier run's folder without --overwrite=True."""
+    lock = run.folder / 'train.lock'
+    while run.lock is None:  # until the file locked is the one at lock (a run ending removes it)
+        try:
+            run.folder.mkdir(parents=True, exist_ok=True)
+            run.lock = open(lock, 'a+')
+            fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder, run.lock = run.lock.seek(0) or run.lock.read().strip() or 'a process that is starting', None
+            raise TrainError(f'{run.folder} is in use by another training run ({holder}): wait for it to end or stop '
+                             f'it, or train in another --out_dir') from None
+        except OSError as e:  # no folder, or (with the file open) a file system without locks, e.g. Lustre's
+            if run.lock is None:
+                reason = 'it is a file' if run.folder.is_file() else e.strerror
+                raise TrainError(f'cannot write to --out_dir={run.folder} ({reason}): pass a folder you can write '
+                                 f'to') from None
+            print(f'warning: cannot lock {lock} ({e.strerror}): nothing stops a second run in {run.folder}')
+        if not lock.exists() or lock.stat().st_ino != os.fstat(run.lock.fileno()).st_ino:
+            run.lock = run.lock.close()
+    run.lock.truncate(0)
+    run.lock.write(f'process {os.getpid()} on {os.uname().nodename}, started {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+    run.lock.flush()
+    if (run.folder / 'replacing').exists():  # written once the new files were whole: finish the swap
+        swap_in(run.folder, (run.folder / 'replacing').read_text().split())
+    for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a run that was killed
+        (run.folder / f'{name}.tmp').unlink(missing_ok=True)
+    earlier = [name for name in RUN_FILES if (run.folder / name).exists()]
+    if cfg.init_from == 'scratch' and {'ckpt.pt', 'best.pt'} & set(earlier) and not cfg.overwrite:
+        raise TrainError(f'{run.folder} holds {" and ".join(n for n in earlier if n.endswith(".pt"))} of an earlier '
+                         f'run, which this new run would replace: continue that run with --init_from=resume, start '
+                         f'this one in a new --out_dir, or pass --overwrite=True to replace it')
+    return earlier if cfg.init_from == 'scratch' else []
 
 
-def load_data(cfg, group):
-    """The tokenizer, folder, train and val tokens of data_dir/{dataset}_{tokenizer} and the validation windows' starts;
-    rank 0 prepares the default corpus if needed."""
-    tok = get_tokenizer(cfg.tokenizer)  # checked by check_settings
+def save(cfg, run, names):
+    """Write ckpt.pt and/or best.pt of this step once every rank found its weights and optimizer state finite: each
+    whole beside the old one, then renamed in. An --overwrite run's first save also removes the earlier run's other
+    files, under a journal (out_dir/replacing) that the next claim finishes if a kill cuts the renames short."""
+    check_finite(cfg, run)
+    batches, np_state, model_config = [run.batch_state], np.random.get_state(), asdict(run.raw_model.config)
+    if run.group is not None:  # every rank's batch generator
+        batches = [None] * run.world_size
+        dist.all_gather_object(batches, run.batch_state, group=run.group)
+    ckpt = {'model': run.raw_model.state_dict(), 'optimizer': run.optimizer.state_dict(),  # what a resume needs to go
+            'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,  # on as if
+            'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},  # uninterrupted
+            'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
+            'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
+                    'torch': torch.get_rng_state(), 'batch': batches,
+                    'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
+            'data_state': {'folder': str(run.data.folder), 'train_tokens': len(run.data.train), 'world_size':
+                           run.world_size, 'val_set': run.data.val_set, 'tokens_seen': run.iter_num *
+                           run.tokens_per_iter}}
+    state = {**ckpt['model'], **{f"the optimizer's {key} of parameter {i}": value
+                                 for i, values in ckpt['optimizer']['state'].items() for key, value in values.items()}}
+    sums = {name: t.sum(dtype=torch.float32) for name, t in state.items() if t.is_floating_point()}  # one sync
+    broken = [name for name, s in sums.items() if not math.isfinite(s) and not state[name].isfinite().all()]
+    if broken:
+        diverged(run, f'{broken[0]} is not finite (NaN or infinity) at step {run.iter_num}')
+    then = 'continue with --init_from=resume' if 'ckpt.pt' in run.saved else 'start this run again' + (
+        ' with --overwrite=True (the earlier run is untouched)' if run.earlier else '')
+    gone = [name for name in run.earlier if name not in names]
+
+    def write():  # rank 0's part
+        for name in names:
+            save_checkpoint(ckpt, run.folder / name, then, rename=False)  # name.tmp, whole
+        if run.earlier:
+            (run.folder / 'replacing.tmp').write_text('\n'.join(gone))
+            os.replace(run.folder / 'replacing.tmp', run.folder / 'replacing')
+        swap_in(run.folder, gone)
+    on_rank_0(write, run.group)
+    if run.earlier and run.master:
+        print(f"replaced the earlier run's {' and '.join(run.earlier)} in {run.folder}")
+    run.earlier = []
+    run.saved.update(dict.fromkeys(names, run.iter_num))
+
+
+def swap_in(folder, gone):
+    """Rename ckpt.pt.tmp and best.pt.tmp (whole) into place, remove the earlier run's files gone, then the journal:
+    each step can be done again, so that a claim finishes a swap that a kill cut short."""
+    for name in ('ckpt.pt', 'best.pt'):
+        if (folder / f'{name}.tmp').exists():
+            os.replace(folder / f'{name}.tmp', folder / name)
+    for name in gone:
+        (folder / name).unlink(missing_ok=True)
+    (folder / 'replacing').unlink(missing_ok=True)
+
+
+def on_rank_0(step, group):
+    """step() on rank 0 -> its result on every rank; its error raised on every rank, which would wait forever else."""
+    shared = [None, None]  # the result, the error
+    if group is None or dist.get_rank() == 0:
+        try:
+            shared[0] = step()
+        except Exception as e:  # e.g. a full disk while preparing the data: its message
+            shared[1] = e if isinstance(e, (TrainError, CheckpointError)) else TrainError(
+                str(e) if isinstance(e, (OSError, ValueError, RuntimeError)) else repr(e))
+    if group is not None:
+        dist.broadcast_object_list(shared, src=0, group=group)
+    if shared[1] is not None:
+        raise shared[1]
+    return shared[0]
+
+
+def setup(cfg, run):
+    """The data (rank 0 prepares the default corpus), the model, its optimizer and loss scaler and the batch generator:
+    new, or as ckpt.pt left them."""
     folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
     if cfg.dataset == 'default':  # written once
-        on_rank_0(lambda: prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), group)
+        on_rank_0(lambda: prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), run.group)
     if not (folder / 'train.bin').exists():
-        hf_config = f' --hf_config {cfg.hf_config}' if cfg.hf_config else ''
-        data_dir = f' --data_dir {cfg.data_dir}' if cfg.data_dir else ''
-        raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py '
-                         f'--dataset {cfg.dataset} --tokenizer {cfg.tokenizer}{data_dir}{hf_config}')
-    verify = cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'  # one process a node checks them
-    try:
-        train, val = (load_tokens(folder / f'{split}.bin', cfg.tokenizer, tok.vocab_size, verify=verify)
+        raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py --dataset {cfg.dataset} '
+                         f'--tokenizer {cfg.tokenizer}' + f' --data_dir {cfg.data_dir}' * bool(cfg.data_dir) +
+                         f' --hf_config {cfg.hf_config}' * bool(cfg.hf_config))
+    tok, verify = get_tokenizer(cfg.tokenizer), cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'  # a node's
+    try:  # first process checks the token files
+        train, val = (load_tokens(folder / f'{split}.bin', cfg.tokenizer, tok.vocab_size, verify=verify).tokens
                       for split in ('train', 'val'))
     except (ValueError, FileNotFoundError) as e:
         raise TrainError(str(e)) from None
-    for name, data in (('train', train), ('val', val)):
-        if len(data.tokens) < cfg.block_size + 1:
-            raise TrainError(f'{name}.bin in {folder} holds {len(data.tokens)} tokens, fewer than '
-                             f'block_size + 1 = {cfg.block_size + 1}: use a smaller --block_size or more data')
-    val_starts = np.random.default_rng(_EVAL_SEED).integers(0, len(val.tokens) - cfg.block_size,
-                                                            size=cfg.eval_iters * cfg.batch_size)
-    return SimpleNamespace(tok=tok, folder=folder, train=train.tokens, val=val.tokens, val_starts=val_starts)
+    for name, tokens in (('train', train), ('val', val)):
+        if len(tokens) < cfg.block_size + 1:
+            raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens, fewer than block_size + 1 = '
+                             f'{cfg.block_size + 1}: use a smaller --block_size or more data')
+    windows = cfg.eval_iters * cfg.batch_size  # fixed validation windows; val_set: what their losses compare over
+    run.data = SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_set=[str(folder), len(val),
+                               cfg.block_size, windows], val_starts=np.random.default_rng(EVAL_SEED).integers(
+                                   0, len(val) - cfg.block_size, windows))
+    run.iter_num, run.best_val_loss, run.untrained_loss = 0, math.inf, None
+    ckpt = load_checkpoint(run.folder / 'ckpt.pt') if cfg.init_from == 'resume' else None
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    vocab_size = run.data.tok.vocab_size  # a tokenizer of more than 256 ids: padded to a multiple of vocab_multiple
+    vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple if vocab_size > 256 else vocab_size
+    run.raw_model = Model(ModelConfig(**model_args(cfg), vocab_size=vocab_size)) if ckpt is None else \
+        model_from_checkpoint(ckpt, run.folder / 'ckpt.pt')
+    run.raw_model.config.block_size = cfg.block_size  # a resume trains at this run's context (the model has no limit)
+    run.raw_model.to(run.device)
+    run.optimizer = run.raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                                       run.device.type)
+    run.scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == 'float16')
+    run.gen = np.random.default_rng([cfg.seed, run.rank])  # this rank's batches
+    if ckpt is not None:
+        resume(cfg, run, ckpt)
+    run.bad = torch.full((2,), NEVER, device=run.device)  # the first step of a loss, a gradient norm not finite
+    run.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    if run.master:
+        print(f'device {run.device}, dtype {run.dtype}, world size {run.world_size}, tokens per step '
+              f'{run.tokens_per_iter:,} ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})\n'
+              f'model: {run.raw_model.config}\nparameters: {run.raw_model.num_params(non_embedding=False):,} '
+              f'({run.raw_model.num_params():,} without embeddings)')
+    run.wandb = __import__('wandb') if cfg.wandb_log and run.master else None
+    if run.wandb:
+        run.wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))
+    run.model = torch.compile(run.raw_model) if cfg.compile else run.raw_model
+    if run.group is not None:
+        run.model = DDP(run.model, device_ids=[run.device.index] if run.device.type == 'cuda' else None)
 
 
-def new_model(cfg, config, vocab_size):
-    """A fresh Model from the run's settings; a tokenizer of more than 256 ids pads to vocab_multiple."""
-    if vocab_size > 256:
-        vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
-    return Model(ModelConfig(**model_args(config), vocab_size=vocab_size))
-
-
-def resumed_model(ckpt, path, cfg, config):
-    """The checkpoint's model (check_resume refuses other model settings); the training settings, block_size too,
-    are this run's."""
-    check_resume(ckpt, path, cfg, config)
+def resume(cfg, run, ckpt):
+    """The step, the losses, the optimizer's, the loss scaler's and every random state of ckpt: the run goes on as if
+    it had not stopped (the batches too, unless the world size or the training data changed). TrainError for another
+    tokenizer, other model settings (block_size aside: this run's) or no steps to go."""
+    path, saved = run.folder / 'ckpt.pt', ckpt['model_config']
+    if ckpt['tokenizer'] != cfg.tokenizer:
+        raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses {cfg.tokenizer!r}: '
+                         f'pass --tokenizer={ckpt["tokenizer"]}')
+    asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size']))
+    changed = [k for k, v in saved.items() if k != 'block_size' and asked.get(k) != v]
+    if changed:
+        raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
+                         f'for {", ".join(f"{k}={vars(cfg).get(k)!r}" for k in changed)}. A run resumes with the '
+                         f'model it trained: drop those settings (or give the config file it started with), or '
+                         f'train the new model in a new --out_dir')
+    if ckpt['iter_num'] >= cfg.max_iters:
+        raise TrainError(f'{path} is at step {ckpt["iter_num"]}, which --max_iters={cfg.max_iters} does not pass: set '
+                         f'--max_iters above {ckpt["iter_num"]} to train on')
     for k, v in ckpt['train_config'].items():
-        if k in config and (k == 'block_size' or k not in ckpt['model_config']) and config[k] != v and cfg.master:
-            print(f'resume: {k}={config[k]!r} (the checkpoint\'s run had {v!r})')
-    model = model_from_checkpoint(ckpt, path)
-    model.config.block_size = cfg.block_size  # the context trained from now on (the model has no limit)
-    return model
+        if run.master and (k == 'block_size' or k not in saved) and vars(cfg).get(k, v) != v:
+            print(f"resume: {k}={vars(cfg)[k]!r} (the checkpoint's run had {v!r})")
+    run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
+        'untrained_loss')
+    run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
+    if ckpt['data_state'].get('val_set') != run.data.val_set:  # another validation set: its losses do not compare
+        run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
+        if run.master:
+            print("resume: the validation set is not the checkpoint's (another dataset, block_size, eval_iters or "
+                  "batch_size): the best validation loss starts over, and the next evaluation writes best.pt")
+    run.optimizer.load_state_dict(ckpt['optimizer'])
+    if ckpt.get('scaler') and run.scaler.is_enabled():  # float16 runs only; empty for bfloat16 and float32
+        run.scaler.load_state_dict(ckpt['scaler'])
+    rng = ckpt['rng']
+    random.setstate(rng['python'])
+    np.random.set_state((rng['numpy'][0], np.array(rng['numpy'][1], dtype=np.uint32), *rng['numpy'][2:]))
+    torch.set_rng_state(rng['torch'])
+    if rng['cuda'] is not None and torch.cuda.is_available() and len(rng['cuda']) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng['cuda'])
+    if (ckpt['data_state']['world_size'], ckpt['data_state']['train_tokens']) == (run.world_size, len(run.data.train)):
+        run.gen.bit_generator.state = rng['batch'][run.rank]
+    else:
+        run.gen = np.random.default_rng([cfg.seed, run.rank, ckpt['iter_num']])
+        if run.master:
+            print('resume: the world size or the training data changed: the batches differ from a straight run')
 
 
 def get_batch(tokens, starts, block_size, device):
@@ -174,29 +369,21 @@ def get_batch(tokens, starts, block_size, device):
     xy = torch.from_numpy(np.stack([tokens[s:s + block_size + 1] for s in starts]).astype(np.int64))
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
-    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
-
-
-def random_batch(gen, tokens, cfg, device):
-    return get_batch(tokens, gen.integers(0, len(tokens) - cfg.block_size, size=cfg.batch_size), cfg.block_size,
-                     device)
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each
 
 
 @torch.no_grad()
-def estimate_loss(model, data, cfg, device, ctx, group):
+def estimate_loss(cfg, run):
     """Mean loss per token over the fixed validation windows (split over the ranks under DDP)."""
-    model = model.module if isinstance(model, DDP) else model  # no gradient sync in evaluation
+    model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync in evaluation
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
-    mine = data.val_starts[rank::world_size]
+    total, mine = torch.zeros(2, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
     for i in range(0, len(mine), cfg.batch_size):
-        x, y = get_batch(data.val, mine[i:i + cfg.batch_size], cfg.block_size, device)
-        with ctx:
-            _, loss = model(x, y)
-        total += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
-    if group is not None:
-        dist.all_reduce(total, group=group)
+        x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device)
+        with run.ctx:
+            total += torch.tensor([model(x, y)[1].item() * len(x), len(x)], dtype=torch.float64)
+    if run.group is not None:
+        dist.all_reduce(total, group=run.group)
     model.train()
     return (total[0] / total[1]).item()
 
@@ -212,187 +399,182 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def settings(argv):
-    """The run's settings from argv, checked before anything is written -> (cfg, config dict); None for --help."""
-    if '-h' in argv or '--help' in argv:
-        print(__doc__ + '\nsettings (--key=value):\n' + help_text(default_config(), __file__, model_file.__file__))
-        return None, None
-    config = load_config(default_config(), argv, optional_types(ModelConfig))
-    cfg = SimpleNamespace(**config)
-    check_settings(cfg, default_config(), model_args(config))
-    return cfg, config
+def check_finite(cfg, run):
+    """Stop the run if a step so far had a loss or gradient norm that is not finite, on any rank (one sync)."""
+    bad = run.bad.cpu()
+    if run.group is not None:
+        dist.all_reduce(bad, op=dist.ReduceOp.MIN, group=run.group)
+    if bad.min() < NEVER:
+        step = int(bad.min())
+        diverged(run, f'the {"loss" if bad[0] <= bad[1] else "gradient norm"} is not finite (NaN or infinity) at step '
+                      f'{step} (learning rate {get_lr(step - 1, cfg):.2e})')
+
+
+def diverged(run, what):
+    """Raise the TrainError of a run that diverged: nothing is saved after it."""
+    name = 'ckpt.pt' if 'ckpt.pt' in run.saved else 'best.pt'
+    kept = (f'{run.folder / name} (step {run.saved[name]}) is the last good checkpoint' if run.saved else
+            f"the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if run.earlier else
+            'no checkpoint was written')
+    raise TrainError(f'{what}: training stopped without saving; {kept}. Likely causes: a learning rate too high '
+                     f'(--learning_rate, --warmup_iters, --grad_clip), bad data, or a damaged checkpoint resumed')
+
+
+def catch_signals(run):
+    """From now on (the loop) Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once."""
+    def request_stop(signum, frame):
+        run.stop = True
+        signal.signal(signum, run.handlers[signum])
+        if run.master:
+            print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
+    if threading.current_thread() is threading.main_thread():  # the only one that can take signals
+        run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def main(argv=()):
-    cfg, config = settings(list(argv))
+    """python train.py [config files] [--key=value ...] -> the losses logged: {'train': [(step, loss)], 'val': ...}."""
+    cfg = settings(list(argv))
     if cfg is None:
         return None
-    rank, world_size, cfg.device, group = setup_ddp(cfg.device)
-    cfg.master, cfg.dtype = rank == 0, resolve_dtype(cfg.dtype, torch.device(cfg.device).type)
+    run = SimpleNamespace(folder=Path(cfg.out_dir), created=not os.path.exists(cfg.out_dir), lock=None, handlers={},
+                          saved={}, earlier=[], stop=False, rank=0, world_size=1, group=None, device=cfg.device)
     try:
-        with RunFolder(cfg, group) as run:
-            data = load_data(cfg, group)
-            return train(cfg, config, run, data, *setup(cfg, config, run, data, rank, world_size, group))
+        if 'RANK' in os.environ:  # torchrun's: NCCL on CUDA, gloo on the CPU; run.group: gloo for small messages
+            run.rank, local_rank, run.world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
+            if cfg.device.startswith('cuda'):
+                run.device = f'cuda:{local_rank}'
+                torch.cuda.set_device(run.device)
+                dist.init_process_group('nccl', device_id=torch.device(run.device))
+            else:
+                dist.init_process_group('gloo')
+            run.group = dist.new_group(backend='gloo')
+        run.device, run.master = torch.device(run.device), run.rank == 0
+        run.dtype = cfg.dtype if cfg.dtype != 'auto' else 'bfloat16' if run.device.type == 'cuda' else 'float32'
+        if run.device.type == 'cuda':
+            run.dtype = 'float16' if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported() else run.dtype
+            torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
+        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, getattr(torch,
+                                                                                                      run.dtype))
+        run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
+        setup(cfg, run)
+        catch_signals(run)
+        return train(cfg, run)
     finally:
+        for sig, handler in run.handlers.items():
+            signal.signal(sig, handler)
+        if run.lock is not None:
+            (run.folder / 'train.lock').unlink(missing_ok=True)  # while held: a run that locked this file retries
+            run.lock.close()
+        if run.created and run.rank == 0 and run.folder.is_dir() and not any(run.folder.iterdir()):
+            run.folder.rmdir()  # a refused run leaves no folder behind
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def setup(cfg, config, run, data, rank, world_size, group):
-    """The model, its optimizer and loss scaler, and the batch generator: new, or as ckpt.pt left them -> also the
-    step, the best validation loss and the untrained model's (None before a scratch run's first evaluation)."""
-    device = torch.device(cfg.device)
-    iter_num, best_val_loss, untrained_loss, ckpt = 0, math.inf, None, None
-    if cfg.init_from == 'resume':
-        path = os.path.join(cfg.out_dir, 'ckpt.pt')
-        ckpt = load_checkpoint(path)
-        iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-        untrained_loss = ckpt.get('untrained_loss', math.log(data.tok.vocab_size))  # older files: a uniform guess
-        if iter_num >= cfg.max_iters:
-            raise TrainError(f'{path} is at step {iter_num}, which --max_iters={cfg.max_iters} does not pass: set '
-                             f'--max_iters above {iter_num} to train on')
-        run.saved['ckpt.pt'] = iter_num  # the last good checkpoint until this run saves
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    raw_model = resumed_model(ckpt, path, cfg, config) if ckpt else new_model(cfg, config, data.tok.vocab_size)
-    raw_model.to(device)
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                               device.type)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == 'float16')
-    gen = np.random.default_rng([cfg.seed, rank])  # this rank's batches
-    if ckpt is not None:  # and every random state as ckpt.pt left them: the run goes on as if uninterrupted
-        gen = resume_states(ckpt, optimizer, scaler, gen, cfg, rank, world_size, len(data.train))
-    if cfg.master:
-        tokens = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-        print(f'device {device} ({torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}), dtype '
-              f'{cfg.dtype}, world size {world_size}, tokens per step {tokens:,} ({cfg.gradient_accumulation_steps} x '
-              f'{cfg.batch_size} x {cfg.block_size})\nmodel: {raw_model.config}\nparameters: '
-              f'{raw_model.num_params(non_embedding=False):,} ({raw_model.num_params():,} without embeddings)')
-    if cfg.wandb_log and cfg.master:
-        import wandb
-        wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=config)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if group is not None:
-        model = DDP(model, device_ids=[device.index] if device.type == 'cuda' else None)
-    return raw_model, model, optimizer, scaler, gen, iter_num, best_val_loss, untrained_loss
-
-
-def train(cfg, config, run, data, raw_model, model, optimizer, scaler, gen, iter_num, best_val_loss, untrained_loss):
-    """The training loop, from iter_num to max_iters -> the losses logged, {'train': [(step, loss)], 'val': ...}."""
-    device = torch.device(cfg.device)
-    ctx = nullcontext() if cfg.dtype == 'float32' else torch.autocast(device.type, dtype=getattr(torch, cfg.dtype))
-    group, world_size = run.group, dist.get_world_size() if dist.is_initialized() else 1
-    grad_accum = cfg.gradient_accumulation_steps // world_size
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-
-    def checkpoint():  # what a resume needs to go on as if uninterrupted (built on every rank; rank 0 writes it)
-        return {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
-                'model_config': asdict(raw_model.config), 'train_config': config, 'tokenizer': cfg.tokenizer,
-                'iter_num': iter_num, 'best_val_loss': best_val_loss, 'untrained_loss': untrained_loss,
-                'rng': rng_states(batch_state, group), 'data_state': {
-                    'folder': str(data.folder), 'train_tokens': len(data.train), 'world_size': world_size,
-                    'tokens_seen': iter_num * tokens_per_iter}}
-
-    history, start_iter, resumed, stop = {'train': [], 'val': []}, iter_num, cfg.init_from == 'resume', False
-    batch_state = gen.bit_generator.state  # before drawing the pending batch: what a resume draws again
-    X, Y = random_batch(gen, data.train, cfg, device)
-    t_log, iters_since_log, loss_sum = time.time(), 0, torch.zeros((), device=device)
-    run.catch_signals()
+def train(cfg, run):
+    """The training loop, from run.iter_num to max_iters -> the losses logged."""
+    history, start, resumed = {'train': [], 'val': []}, run.iter_num, cfg.init_from == 'resume'
+    grad_accum, tokens_per_iter = cfg.gradient_accumulation_steps // run.world_size, run.tokens_per_iter
+    run.batch_state = run.gen.bit_generator.state  # before drawing the pending batch: what a resume draws again
+    X, Y = get_batch(run.data.train, run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size),
+                     cfg.block_size, run.device)
+    t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
     while True:
         # evaluate, and save ckpt.pt (and best.pt when val improves); not again right after resuming
-        if (iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters) and (iter_num > start_iter or not resumed):
-            run.check_finite(iter_num)
-            val_loss = estimate_loss(model, data, cfg, device, ctx, group)
-            untrained_loss = val_loss if untrained_loss is None else untrained_loss  # a scratch run's first
-            run.check_val_loss(val_loss, untrained_loss, iter_num)
-            history['val'].append((iter_num, val_loss))
-            new_best = iter_num > start_iter and val_loss < best_val_loss
-            best_val_loss = val_loss if new_best else best_val_loss
-            if cfg.master:
+        if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (
+                run.iter_num > start or not resumed):
+            check_finite(cfg, run)
+            val_loss = estimate_loss(cfg, run)
+            run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss  # a scratch run's first
+            if not math.isfinite(val_loss):
+                diverged(run, f'the validation loss is {val_loss} at step {run.iter_num}')
+            if val_loss > run.untrained_loss + BLOW_UP:  # a clear rise: noise stays within a tenth of a nat
+                diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained model's "
+                              f"{run.untrained_loss:.4f} at step {run.iter_num}")
+            history['val'].append((run.iter_num, val_loss))
+            new_best = run.iter_num > start and val_loss < run.best_val_loss
+            run.best_val_loss = val_loss if new_best else run.best_val_loss
+            if run.master:
                 bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
-                log(cfg, f'step {iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}',
-                    {'iter': iter_num, 'val/loss': val_loss, 'lr': get_lr(iter_num, cfg)})
-            save_last = cfg.always_save_checkpoint or iter_num >= cfg.max_iters
+                print(f'step {run.iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}', flush=True)
+            if run.wandb:
+                run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
+            save_last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
             names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
-            if iter_num > start_iter and names:
-                run.save(checkpoint(), names, iter_num)
+            if run.iter_num > start and names:
+                save(cfg, run, names)
             t_log = time.time()  # leave evaluation out of the timings
-        if iter_num >= cfg.max_iters:
+        if run.iter_num >= cfg.max_iters:
             break
-        if stop:  # Ctrl-C or SIGTERM during the last step
-            run.save_on_stop(checkpoint(), iter_num)
+        stop = torch.tensor([float(run.stop)])  # Ctrl-C or SIGTERM on any rank: every rank stops at this step
+        if run.group is not None:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
+        if stop.item():  # an --overwrite run that has not saved keeps the earlier run whole
+            if not run.earlier and run.saved.get('ckpt.pt') != run.iter_num:
+                save(cfg, run, ['ckpt.pt'])
+            if run.master:
+                print(f"stopped at step {run.iter_num}, before this run's first checkpoint: nothing of it was saved, "
+                      f"and the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if
+                      run.earlier else f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
+                                       f'--init_from=resume')
             return history
 
         # forward and backward over grad_accum micro-batches, clip, step
-        lr = get_lr(iter_num, cfg)
-        for param_group in optimizer.param_groups:
+        lr = get_lr(run.iter_num, cfg)
+        for param_group in run.optimizer.param_groups:
             param_group['lr'] = lr
-        step_loss = torch.zeros((), device=device)
+        step_loss = torch.zeros((), device=run.device)
         for micro_step in range(grad_accum):
-            last = micro_step == grad_accum - 1
-            with model.no_sync() if group is not None and not last else nullcontext(), ctx:
-                _, loss = model(X, Y)
-            batch_state = gen.bit_generator.state
-            X, Y = random_batch(gen, data.train, cfg, device)  # the next batch, while the accelerator works
-            scaler.scale(loss / grad_accum).backward()
+            sync = run.group is None or micro_step == grad_accum - 1  # DDP: all-reduce the gradients once a step
+            with nullcontext() if sync else run.model.no_sync(), run.ctx:
+                _, loss = run.model(X, Y)
+            run.batch_state = run.gen.bit_generator.state
+            starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
+            X, Y = get_batch(run.data.train, starts, cfg.block_size, run.device)  # while the accelerator works
+            run.scaler.scale(loss / grad_accum).backward()
             step_loss += loss.detach() / grad_accum
-        scaler.unscale_(optimizer)  # float16: the true gradients, to clip and check; otherwise nothing
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        run.watch(step_loss, None if scaler.is_enabled() else grad_norm, iter_num + 1, lr)  # checked at log, save
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        iter_num, iters_since_log, loss_sum = iter_num + 1, iters_since_log + 1, loss_sum + step_loss
+        run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check; otherwise nothing
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+        # the first step of a loss or gradient norm that is not finite, noted without a sync (a float16 scaler skips
+        # the steps of non-finite gradients itself); check_finite stops the run at the next log line or save
+        finite = torch.stack([step_loss.isfinite(), grad_norm.isfinite() | run.scaler.is_enabled()])
+        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.iter_num, steps_since_log, loss_sum = run.iter_num + 1, steps_since_log + 1, loss_sum + step_loss
 
         # log: this rank's loss, averaged over the steps since the last log line
-        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-            run.check_finite(iter_num)
-            lossf = loss_sum.item() / iters_since_log  # .item() waits for the GPU, so the timing is right
-            dt = (time.time() - t_log) / iters_since_log
-            history['train'].append((iter_num, lossf))
-            if cfg.master:
-                log_step(cfg, raw_model, iter_num, lossf, lr, tokens_per_iter / dt, dt, device, world_size)
-            t_log, iters_since_log, loss_sum = time.time(), 0, torch.zeros((), device=device)
-        stop = run.stop_requested()
-    if cfg.master:
-        finish(cfg, run, iter_num, best_val_loss)
+        if run.iter_num % cfg.log_interval == 0 or run.iter_num == cfg.max_iters:
+            check_finite(cfg, run)
+            lossf = loss_sum.item() / steps_since_log  # .item() waits for the GPU, so the timing is right
+            dt = (time.time() - t_log) / steps_since_log
+            history['train'].append((run.iter_num, lossf))
+            if run.master:
+                mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)  # 0.0 off CUDA
+                memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
+                print(f'iter {run.iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s'
+                      f'{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, mem {memory:.2f}GB, '
+                      f'{1000 * dt:.1f}ms/iter', flush=True)
+            if run.wandb:
+                run.wandb.log({'iter': run.iter_num, 'train/loss': lossf, 'lr': lr, 'tok_s': tokens_per_iter / dt})
+            t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
+    if run.master:
+        best = f' and best.pt (val loss {run.best_val_loss:.4f})' if (run.folder / 'best.pt').exists() else ''
+        print(f'saved {run.folder / "ckpt.pt"} (step {run.iter_num}){best}; sample it with: python sample.py '
+              f'--out_dir={cfg.out_dir}')
+    if run.wandb:
+        run.wandb.finish()
     return history
 
 
-def finish(cfg, run, iter_num, best_val_loss):
-    """The end of a run: where it saved, and how to sample it."""
-    best = f' and best.pt (val loss {best_val_loss:.4f})' if (run.folder / 'best.pt').exists() else ''
-    print(f'saved {run.folder / "ckpt.pt"} (step {iter_num}){best}; sample it with: python sample.py '
-          f'--out_dir={cfg.out_dir}')
-    if cfg.wandb_log:
-        import wandb
-        wandb.finish()
-
-
-def log(cfg, line, values):
-    """Print a log line (rank 0), and log its values to wandb when --wandb_log."""
-    print(line, flush=True)
-    if cfg.wandb_log:
-        import wandb
-        wandb.log(values)
-
-
-def log_step(cfg, raw_model, iter_num, lossf, lr, tok_s, dt, device, world_size):
-    """One log line: loss, learning rate, speed, model FLOPs utilisation (CUDA), peak memory."""
-    mfu = raw_model.estimate_mfu(tok_s / world_size)  # 0.0 off CUDA
-    mfu_text = f', mfu {100 * mfu:.1f}%' if device.type == 'cuda' else ''
-    if device.type == 'cuda':
-        memory = torch.cuda.max_memory_allocated(device) / 2**30
-    else:
-        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
-    log(cfg, f'iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s{mfu_text}, mem {memory:.2f}GB, '
-             f'{1000 * dt:.1f}ms/iter', {'iter': iter_num, 'train/loss': lossf, 'lr': lr, 'mfu': mfu, 'tok_s': tok_s})
-
-
 if __name__ == '__main__':
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C from here on: caught below
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt:
+        sys.exit(sys.stderr.write('interrupted\n') and 130)
     except (ConfigError, TrainError, CheckpointError) as e:
         sys.stderr.write(f'error: {e}\n')  # one write: the lines of DDP ranks sharing stderr do not interleave
         sys.exit(1)

@@ -29,16 +29,18 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: eval.py, model.py
 
 import numpy as np
-import torch
 
-from checkpoint import CheckpointError, load_checkpoint, model_config_of
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config
 from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
                   load_documents, loss_at, open_checkpoint, pyplot, save_figure, take_all, take_subcommand)
-from model import Model
 
-SCALING_SETTINGS = dict(out='results/scaling')  # writes out.csv and out.png
-SWEEP_SETTINGS = dict(out='results/sweep')  # writes out.csv and out_best.txt
+SCALING_SETTINGS = dict(
+    out='results/scaling',  # writes out.csv and out.png
+)
+SWEEP_SETTINGS = dict(
+    out='results/sweep',  # writes out.csv and out_best.txt
+)
 FRONTIER_SETTINGS = dict(  # the loss beyond the context: as eval.py's loss by position
     data='',  # '': the default corpus's long.bin; or a token file (.bin), a .txt file or a folder of .txt files
     data_dir='',  # the folder prepare_data.py writes the default corpus into; '': the repository's data/
@@ -207,8 +209,7 @@ def run_record(folder):
     (flops_per_token counts forward + backward as 3 x forward, attention's quadratic term included)."""
     ckpt = load_checkpoint(folder / 'ckpt.pt')
     config, train = ckpt['model_config'], ckpt['train_config']
-    with torch.device('meta'):  # shapes only: no weights are made
-        model = Model(model_config_of(ckpt, folder / 'ckpt.pt'))
+    model = model_from_checkpoint(ckpt, folder / 'ckpt.pt', device='meta')  # shapes only: no weights are made
     tokens = ckpt['data_state']['tokens_seen']
     return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)",
             'architecture': describe(config).split(' ', 1)[1], 'parameters': model.num_params(non_embedding=False),

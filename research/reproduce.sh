@@ -41,7 +41,7 @@
 #   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv
 #                           and scaling.csv list are not trained again; the tables and plots include them
 #   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its
-#                           own): TRAIN_ARGS="--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu"
+#                           own): TRAIN_ARGS="--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -93,6 +93,22 @@ def test_loss_by_position_end_to_end(tmp_path):
     assert rows[0].startswith('checkpoint,model,measure') and len(rows) == 1 + 2 + 7 + 7 + 5 + 6
 
 
+def test_seed_groups_hold_runs_that_differ_in_seed_alone():
+    """eval.py's spread over seeds groups the runs whose settings differ in the seed (and where they were written)
+    alone: two out_dirs of one seed at 500 and 600 steps are two models, not two seeds."""
+    def result(seed, steps=500, **changed):
+        return {'model_config': {'d_model': 32}, 'tokenizer': 'bytes', 'iter_num': steps, 'train_config': {
+            'seed': seed, 'out_dir': f'out-{seed}-{steps}', 'max_iters': steps, 'learning_rate': 1e-3, **changed}}
+    groups = evaluation.seed_groups([result(1), result(2), result(1, 600), result(3, learning_rate=2e-3)])
+    assert [[r['train_config']['out_dir'] for r in group] for group in groups] == [
+        ['out-1-500', 'out-2-500'], ['out-1-600'], ['out-3-500']]
+
+
+def test_eval_help_names_the_help_of_each_mode(capsys):
+    evaluation.main(['--help'])
+    assert 'python eval.py routing --help' in capsys.readouterr().out
+
+
 def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path):
     """A checkpoint of cl100k_base on the bytes of the default corpus's long.bin: refused before any work."""
     ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
@@ -288,7 +304,7 @@ def test_reproduce_frontier_dry_run(tmp_path):
     run in frontier.csv, at its best rate, with its training FLOPs and losses at 2x and 8x the context."""
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), JOBS='3', SIZES='1M',
                LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3', MODELS='transformer mamba2 fm-k16',
-               TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
+               TRAIN_ARGS='--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu')
     run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -583,7 +599,7 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
                              previous / 'frontier.csv')
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=str(previous), JOBS='2',
                SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='2e-3', LRS_FM='1e-3', MODELS='transformer mamba2 fm-k16',
-               TRAIN_ARGS='--max_iters=2 --batch_size=2 --eval_iters=1 --device=cpu')
+               TRAIN_ARGS='--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu')
     run = subprocess.run(['bash', 'research/reproduce.sh', 'frontier'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -13,7 +13,7 @@ import generate
 import model as model_module
 import sample
 from configurator import ConfigError
-from conftest import CUDA, REPO, rel_err, tiny_config
+from conftest import CUDA, REPO, rel_err, save_model_checkpoint, tiny_config
 from generate import Generator, Sampling, sample_next
 from model import Model
 from test_fm import MIXER_CASES
@@ -157,11 +157,24 @@ def test_sample(trained, tmp_path):
 
 @pytest.mark.parametrize('arg, message', [('--top_k=-2', 'top_k=-2: must be >= 1'), ('--top_p=1.5', 'top_p=1.5'),
                                           ('--temperature=-1', 'temperature=-1'), ('--num_samples=0', 'num_samples'),
-                                          ('--device=nope', 'nope')]
+                                          ('--device=nope', 'nope'),
+                                          ('--top_k=300', r'--top_k=300 is more than the 256 tokens of bytes: give at '
+                                                          r'most 256, or None'),
+                                          ('--num_samples=100000000', r'need about .* GB of decoding buffers')]
                          + ([] if CUDA else [('--device=cuda', '--device=cuda, but .*: use --device=cpu')]))
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):
         sample.main([f'--out_dir={trained[0]}', arg])
+
+
+def test_sample_warns_of_a_prompt_past_an_attention_models_context(tmp_path, capsys):
+    torch.manual_seed(0)
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256, block_size=8, **MIXER_CASES['attn'])), tmp_path)
+    sample.main([f'--out_dir={out_dir}', '--start=' + 'x' * 20, '--max_new_tokens=2', '--num_samples=2'])
+    assert ('warning: the prompt is 20 tokens, past the 8 this attention model was trained at (block_size): attention '
+            'does not extrapolate past block_size') in capsys.readouterr().err
+    sample.main([f'--out_dir={out_dir}', '--start=' + 'x' * 8, '--max_new_tokens=2', '--num_samples=2'])
+    assert 'warning' not in capsys.readouterr().err
 
 
 def test_stream_stops_at_end_of_text(capsys):

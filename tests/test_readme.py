@@ -35,8 +35,9 @@ def toy(command):
     script, args = command[0], command[1:]
     if script == 'train.py':
         steps = [a.split('=')[0] + f"={int(a.split('=')[1]) // 100}" if a.startswith(('--max_iters=',
-                 '--lr_decay_iters=')) else a for a in args]
-        default_steps = [] if any(a.startswith('--max_iters=') for a in args) else ['--max_iters=5']
+                 '--lr_decay_iters=', '--warmup_iters=')) else a for a in args]
+        default_steps = ([] if any(a.startswith('--max_iters=') for a in args) else ['--max_iters=5']) + (
+            [] if any(a.startswith('--warmup_iters=') for a in args) else ['--warmup_iters=0'])
         return steps + default_steps + ['--n_layer=1', '--d_model=32', '--n_memory=8', '--top_k=2', '--batch_size=2',
                                         '--block_size=32', '--eval_iters=1', '--log_interval=1']
     if script == 'sample.py':

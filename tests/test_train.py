@@ -3,6 +3,7 @@ resume, checkpoints, refusals, divergence, --overwrite, DDP; the configurator, -
 
 import glob
 import importlib.util
+import json
 import math
 import os
 import re
@@ -11,7 +12,6 @@ import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -20,7 +20,6 @@ import pytest
 
 import checkpoint
 import eval as evaluation
-import run_safety
 import sample
 import train
 from configurator import ConfigError, help_text, load_config
@@ -184,7 +183,7 @@ def test_overrides_parse_to_the_default_types():
     ('--max_iter=5', "unknown config key 'max_iter'. Did you mean max_iters"),
     ('--learningrate=0.1', "unknown config key 'learningrate'. Did you mean learning_rate?"),
     ('config/nothing_here.py', 'config file not found: config/nothing_here.py (see config/, e.g. config/fm_small.py)'),
-    ('config/fm_smal.py', 'config file not found: config/fm_smal.py: did you mean config/fm_small.py?'),
+    ('config/fm_smal.py', 'config file not found: config/fm_smal.py (see config/, e.g. config/fm_small.py)'),
     ('max_iters=5', 'max_iters=5 is not a config file: did you mean --max_iters=5?'),
     ('max_iterz=5', 'config file not found: max_iterz=5 (see config/'),  # not a key: no --
 ])
@@ -226,7 +225,7 @@ def test_help_explains_the_settings(capsys):
     evaluation.main(['harness', '--help'])
     out = capsys.readouterr().out
     for setting, explanation in (('--eval_iters=16', 'the validation set is eval_iters * batch_size fixed windows'),
-                                 ('--fm_eps=1e-06', "epsilon of the memory rows' RMS norm"),  # from model.py
+                                 ('--fm_eps=1e-06', "[fm] epsilon of the memory rows' RMS norm"),  # model.py's
                                  ('--num_samples=3', 'generated together, as one batch'),
                                  ("--tasks=''", 'lm-eval task names, comma-separated')):
         assert re.search(rf'^  {re.escape(setting)} +{re.escape(explanation)}$', out, re.M), setting
@@ -248,15 +247,18 @@ def test_every_setting_has_a_help_line(settings, sources):
 
 def test_help_text_reads_each_key_from_its_comment(tmp_path):
     """The comment of the line that sets the key (a '#' in a string is none), in the first file that has one; of
-    several groups setting a key in a file, the one that sets it to the default; explanations in one column."""
+    several lines setting a key, one that sets it to the default first; a key set under a line `# word` (before a blank
+    line) is tagged [word]; explanations in one column."""
     first, second = tmp_path / 'first.py', tmp_path / 'second.py'
-    first.write_text("a = '# no comment'\nbb = 2  # bb's\nc = 3  # c, first\nX = dict(c=4,  # c of X\n    a='x')\n")
-    second.write_text("class C:\n    a: str = 'y'  # a's, second\n    c: int = 3  # c, second\n")
+    first.write_text("a = '# no comment'\nbb = 2  # bb's\nc = 3  # c, first\nX = dict(\n    c=4,  # c of X\n    a='x')\n")
+    second.write_text("class C:\n    a: str = 'y'  # a's, second\n    # fm\n    c: int = 3  # c, second\n\n"
+                      "    bb: int = 2  # untagged\n")
     assert help_text({'a': '# no comment', 'bb': 2, 'c': 3}, first, second).splitlines() == [
         "  --a='# no comment'  a's, second",
         "  --bb=2              bb's",
         "  --c=3               c, first"]
     assert help_text({'c': 4, 'a': 'x'}, first).splitlines() == ["  --c=4    c of X", "  --a='x'"]
+    assert help_text({'c': 3, 'bb': 2}, second).splitlines() == ["  --c=3   [fm] c, second", "  --bb=2  untagged"]
 
 
 def test_config_files(tmp_path):
@@ -300,19 +302,21 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize('arg, message', [
-    ('--batch_size=0', '--batch_size=0 is out of range: set it to at least 1 (sequences in a micro-batch'),
+    ('--batch_size=0', '--batch_size=0 is out of range: set it to at least 1'),
     ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps=0 is out of range: set it to at least 1'),
-    ('--max_iters=-5', '--max_iters=-5 is out of range: set it to at least 1 (the step training ends at)'),
+    ('--max_iters=-5', '--max_iters=-5 is out of range: set it to at least 1'),
     ('--device=cuda:99', '--device=cuda:99, but '),  # no CUDA here, or fewer GPUs
     ('--device=gpu', "--device=gpu is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
-    ('--learning_rate=0', '--learning_rate=0.0 is out of range: set it above 0 (the peak learning rate'),
+    ('--device=cpu:5', '--device=cpu:5, but this machine has 1 cpu device: use --device=cpu'),
+    ('--warmup_iters=600', '--warmup_iters=600 is beyond --max_iters=500: the run would end before its learning rate '
+                           'peaks; set at most 500'),
+    ('--learning_rate=0', '--learning_rate=0.0 is out of range: set it above 0'),
     ('--learning_rate=-1', '--learning_rate=-1.0 is out of range: set it above 0'),
     ('--beta1=1.5', "--beta1=1.5 is out of range: AdamW's beta1 must be at least 0 and below 1 (the default is 0.9)"),
     ('--beta2=1', "--beta2=1.0 is out of range: AdamW's beta2 must be at least 0 and below 1"),
-    ('--min_lr=-1', '--min_lr=-1.0 is out of range: set it to at least 0 (the learning rate the cosine decays to)'),
+    ('--min_lr=-1', '--min_lr=-1.0 is out of range: set it to at least 0'),
     ('--weight_decay=-1', '--weight_decay=-1.0 is out of range: set it to at least 0'),
-    ('--grad_clip=-1', '--grad_clip=-1.0 is out of range: set it to at least 0 (the gradient norm clipped to; 0: no '
-                       'clipping)'),
+    ('--grad_clip=-1', '--grad_clip=-1.0 is out of range: set it to at least 0'),
     ('--out_dir=', '--out_dir is empty: name the folder the checkpoints go to'),
     ('--seed=-1', '--seed=-1 is out of range: set it to at least 0'),
     ('--min_lr=1.0', '--min_lr=1.0 is above --learning_rate=0.01: the cosine decays from learning_rate to min_lr'),
@@ -320,10 +324,11 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
     ('--chunk_size=7', 'ModelConfig.chunk_size=7: must be a power of 2'),
     ('--mixer=foo', "ModelConfig.mixer='foo': unknown mixer; use one of fm, attn, mamba2"),
     ('--n_layer=0', 'ModelConfig.n_layer=0: must be positive'),
-    ('--fm_conv=-1', 'ModelConfig.fm_conv=-1: must be >= 0'),
-    ('--batch_size=100000000', '--batch_size=100000000 x --block_size=48 = 4,800,000,000 tokens a micro-batch need '
-                               'more than'),
-    ('--data_dir=FILE', 'is a file: give the folder prepare_data.py writes to'),
+    ('--fm_conv=-1', 'ModelConfig.fm_conv=-1: must be 0 (no convolution) to 16 taps'),
+    ('--fm_conv=1000', 'ModelConfig.fm_conv=1000: must be 0 (no convolution) to 16 taps'),
+    ('--tau=1e-30', 'ModelConfig.tau=1e-30: must be at least 1e-3'),
+    ('--batch_size=100000000', '--batch_size=100000000 x --block_size=48 tokens a micro-batch need more than'),
+    ('--data_dir=FILE', 'is a file: give the folder of prepare_data.py'),
     *([] if importlib.util.find_spec('wandb') else [('--wandb_log=True', '--wandb_log=True needs wandb: pip install')]),
 ])
 def test_bad_settings_are_refused(data_dir, tmp_path, arg, message):
@@ -370,6 +375,18 @@ def test_command_line_errors_are_clear():
     assert run.returncode == 1
     assert "error: unknown config key 'batch_sise'. Did you mean batch_size or" in run.stderr
     assert 'Traceback' not in run.stderr
+
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py'])
+def test_ctrl_c_while_starting_is_one_line(script, tmp_path):
+    """Ctrl-C before a script's own handling (here while torch loads): one line on stderr, exit code 130."""
+    import time
+    proc = subprocess.Popen([sys.executable, script, f'--out_dir={tmp_path}', f'--data_dir={tmp_path}'][:3 if script ==
+                            'train.py' else 2], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and err == 'interrupted\n', (proc.returncode, err)
 
 
 # ----------------------------------------------------------------------------- training
@@ -460,20 +477,20 @@ def test_missing_and_corrupt_checkpoints(data_dir, tmp_path, trained):
     with pytest.raises(checkpoint.CheckpointError, match='no checkpoint at .*ckpt.pt: train one first'):
         train.main(args)
     good = open(os.path.join(trained[0], 'ckpt.pt'), 'rb').read()
-    for damaged, cause in ((b'', 'it is empty'), (b'not a checkpoint', 'it is not a file written by torch.save'),
-                           (good[:len(good) // 2], 'it is cut short'), (good[:-10], 'it is cut short')):
+    cause = 'is not a readable checkpoint: it is empty, cut short, damaged or not written by torch.save ('
+    for damaged in (b'', b'not a checkpoint', good[:len(good) // 2], good[:-10]):
         (tmp_path / 'ckpt.pt').write_bytes(damaged)
         with pytest.raises(checkpoint.CheckpointError) as error:
             train.main(args)
-        assert f'ckpt.pt is not a readable checkpoint: {cause}' in str(error.value)
-        assert 'best.pt' not in str(error.value) and 'new run with --init_from=scratch' in str(error.value)
-        with pytest.raises(checkpoint.CheckpointError, match=f'is not a readable checkpoint: {cause}'):
+        assert f'ckpt.pt {cause}' in str(error.value)
+        assert 'best.pt' not in str(error.value) and 'Start a new run' in str(error.value)
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(cause)):
             sample.main([f'--out_dir={tmp_path}'])
     (tmp_path / 'best.pt').write_bytes(good)
-    with pytest.raises(checkpoint.CheckpointError, match=r'cut short .*best.pt beside it loads \(step 8\): use it'):
+    with pytest.raises(checkpoint.CheckpointError, match=r'cut short, .*best.pt beside it loads \(step 8\): use it'):
         train.main(args)
     (tmp_path / 'best.pt').write_bytes(good[:-10])  # damaged too: not suggested
-    with pytest.raises(checkpoint.CheckpointError, match=r'cut short .*\. Start a new run'):
+    with pytest.raises(checkpoint.CheckpointError, match=r'cut short, .*\. Start a new run'):
         train.main(args)
     torch.save({'model': {}}, tmp_path / 'ckpt.pt')
     with pytest.raises(checkpoint.CheckpointError, match='missing optimizer, model_config'):
@@ -505,16 +522,16 @@ def test_an_old_checkpoint_layout_is_refused_in_one_line():
     with pytest.raises(checkpoint.CheckpointError) as error:
         checkpoint.model_from_checkpoint({'model_config': vars(config), 'model': old}, 'old.pt')
     message = str(error.value)
-    assert '\n' not in message and message.startswith('the weights in old.pt do not fit the model they describe')
+    assert '\n' not in message and message.startswith('old.pt holds a model this model.py cannot build or load (')
     assert 'missing blocks.0.mixer.qkv_proj.weight' in message and 'unexpected blocks.0.mixer.q_proj.weight' in message
-    assert 'another version of model.py' in message
+    assert 'the version of model.py that wrote it' in message
 
 
 def test_incompatible_checkpoints(trained, tmp_path):
     ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
-    cases = [({'model_config': {**ckpt['model_config'], 'd_model': 48}}, 'do not fit the model'),
-             ({'model_config': {**ckpt['model_config'], 'n_experts': 2}}, 'cannot build'),
-             ({'model': {k: v for k, v in ckpt['model'].items() if 'router' not in k}}, 'do not fit the model'),
+    cases = [({'model_config': {**ckpt['model_config'], 'd_model': 48}}, 'cannot build or load .*size mismatch'),
+             ({'model_config': {**ckpt['model_config'], 'n_experts': 2}}, "cannot build or load .*'n_experts'"),
+             ({'model': {k: v for k, v in ckpt['model'].items() if 'router' not in k}}, 'cannot build or load .missing'),
              ({'tokenizer': 'no_such_tokenizer'}, "tokenizer 'no_such_tokenizer', which cannot be loaded")]
     for change, message in cases:
         torch.save({**ckpt, **change}, tmp_path / 'ckpt.pt')
@@ -522,23 +539,18 @@ def test_incompatible_checkpoints(trained, tmp_path):
             sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
 
 
-def test_a_checkpoint_of_before_the_research_settings_went_loads(data_dir, trained, tmp_path):
-    """A checkpoint of 2026-11-24 names the five research settings removed since, and has no untrained_loss: at
-    their defaults it samples and resumes (the uniform guess ln 256 as the untrained loss); otherwise it is refused,
-    naming the setting."""
-    ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
-    old = {**ckpt, 'model_config': {**ckpt['model_config'], **checkpoint.REMOVED_SETTINGS}}
-    del old['untrained_loss']
-    torch.save(old, tmp_path / 'ckpt.pt')
-    assert sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2', '--temperature=0'])
-    history = train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume'))
-    assert [i for i, _ in history['train']] == [9]
-    torch.save({**old, 'model_config': {**old['model_config'], 'router_balance': 0.01}}, tmp_path / 'ckpt.pt')
-    with pytest.raises(checkpoint.CheckpointError, match=r"router_balance=0.01: research settings that model.py no "):
-        sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2'])
+def ctrl_c_in_first_step(monkeypatch):
+    """As if Ctrl-C came during a run's first step: a SIGINT from its first gradient clipping."""
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def clip_and_interrupt(*args, **kw):
+        if not calls:
+            calls.append(os.kill(os.getpid(), signal.SIGINT))
+        return clip(*args, **kw)
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', clip_and_interrupt)
 
 
-def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
+def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained, monkeypatch):
     copy_run(trained, tmp_path)
     before = {name: (tmp_path / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
     with pytest.raises(train.TrainError) as error:
@@ -549,8 +561,10 @@ def test_a_new_run_keeps_a_trained_out_dir(data_dir, tmp_path, trained):
     (tmp_path / 'ckpt.pt').unlink()
     with pytest.raises(train.TrainError, match='holds best.pt of an earlier run'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
-    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='scratch', overwrite=True)) as run:
-        assert run.earlier == ['best.pt'] and (tmp_path / 'best.pt').exists()  # replaced when the new run first saves
+    with monkeypatch.context() as patch:  # replaced when the new run first saves, not before
+        ctrl_c_in_first_step(patch)
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--overwrite=True'))
+    assert os.listdir(tmp_path) == ['best.pt'] and (tmp_path / 'best.pt').read_bytes() == before['best.pt']
     train.main(tiny(data_dir, tmp_path, '--max_iters=1', '--overwrite=True'))
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 1
 
@@ -569,6 +583,7 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
         with pytest.raises(train.TrainError) as error:
             train.main(tiny(data_dir, tmp_path, '--max_iters=100000', '--init_from=resume'))
         assert f'is in use by another training run (process {proc.pid} on ' in str(error.value)
+        assert (tmp_path / 'train.lock').read_text().startswith(f'process {proc.pid} on ')  # the holder
     finally:
         proc.kill()
         proc.wait()
@@ -576,13 +591,11 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
     history = train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 1}', '--init_from=resume'))
     assert [i for i, _ in history['train']] == [step + 1]
     assert not (tmp_path / 'train.lock').exists()  # released
-    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='resume', overwrite=False)):
-        assert (tmp_path / 'train.lock').read_text().startswith(f'process {os.getpid()} on ')
 
     def no_locks(file, operation):  # e.g. Lustre mounted without flock
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(run_safety.fcntl, 'flock', no_locks)
+    monkeypatch.setattr(train.fcntl, 'flock', no_locks)
     train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 2}', '--init_from=resume'))
     assert 'warning: cannot lock' in capsys.readouterr().out
 
@@ -647,6 +660,23 @@ def test_resume_keeps_the_model_and_needs_steps_to_go(data_dir, tmp_path, traine
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 9 and ckpt['train_config']['learning_rate'] == 5e-3
     assert all(ckpt['train_config'][k] == v for k, v in ckpt['model_config'].items() if k != 'vocab_size')
+
+
+def test_a_resume_on_other_data_starts_the_best_loss_over(tmp_path, trained, monkeypatch, capsys):
+    """A validation loss of another validation set does not compare with best.pt's: a resume on another dataset
+    starts the best loss over (a note says so), so its next evaluation writes best.pt."""
+    copy_run(trained, tmp_path / 'run')
+    corpus = tmp_path / 'texts'
+    corpus.mkdir()
+    for i, text in enumerate(DOCUMENTS):
+        (corpus / f'{i:02d}.txt').write_text(text, encoding='utf-8')
+    prepare(str(corpus), 'bytes', tmp_path / 'data', val_fraction=0.25, num_proc=1)
+    best = torch.load(tmp_path / 'run' / 'best.pt', weights_only=True)['best_val_loss']
+    monkeypatch.setattr(train, 'estimate_loss', lambda *args: best + 0.1)  # above the other set's best
+    train.main(tiny(tmp_path / 'data', tmp_path / 'run', f'--dataset={corpus}', '--max_iters=12', '--init_from=resume'))
+    assert "resume: the validation set is not the checkpoint's" in capsys.readouterr().out
+    saved = torch.load(tmp_path / 'run' / 'best.pt', weights_only=True)
+    assert saved['iter_num'] == 12 and saved['best_val_loss'] == best + 0.1
 
 
 def test_changed_token_file_is_refused(tmp_path):
@@ -763,6 +793,27 @@ def test_damaged_checkpoints_are_refused(data_dir, tmp_path, trained, capsys):
 
 
 
+def test_advice_points_at_what_helps(tmp_path, trained):
+    """A damaged best.pt beside a sound ckpt.pt is told to use ckpt.pt, not to start over; a --ckpt that names no
+    checkpoint of a run is not told to overwrite its folder; a corpus of one document is told to add documents, which
+    --val_fraction cannot replace."""
+    copy_run(trained, tmp_path)
+    flip_a_bit(tmp_path / 'best.pt', torch.load(tmp_path / 'best.pt', weights_only=True)['model']['embed.weight'])
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        sample.main([f'--out_dir={tmp_path}', '--ckpt=best.pt', '--max_new_tokens=2'])
+    assert f'{tmp_path / "ckpt.pt"} beside it loads (step 8): use it instead (--ckpt=ckpt.pt)' in str(error.value)
+    assert 'new run' not in str(error.value)
+    (tmp_path / 'notes.txt').write_text('not a checkpoint')
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        sample.main([f'--ckpt={tmp_path / "notes.txt"}'])
+    assert str(error.value).endswith('. Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)')
+    (tmp_path / 'one.jsonl').write_text(json.dumps({'text': 'a lone document'}) + '\n')
+    with pytest.raises(ValueError) as error:
+        prepare(str(tmp_path / 'one.jsonl'), 'bytes', tmp_path / 'data', val_fraction=0.5, num_proc=1)
+    assert 'add documents: train and val take whole documents, two at least' in str(error.value)
+    assert 'val_fraction' not in str(error.value)
+
+
 def test_a_checkpoint_with_any_byte_changed_is_refused(tmp_path):
     """A byte changed anywhere (the zip index at the end included) gets the damaged or not-readable message, never a
     traceback; or, where no reader looks (the records' local headers repeat the index; alignment padding), the file
@@ -792,11 +843,6 @@ def run_bytes(out_dir):
     return {name: (out_dir / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
 
 
-def stop_at_once(run):
-    """In place of RunFolder.stop_requested: as if Ctrl-C came during the first step."""
-    return True
-
-
 def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monkeypatch):
     """A NaN loss or gradient norm, a NaN validation loss, and NaN weights about to be saved each stop the run with
     the step and the likely causes; ckpt.pt and best.pt stay as they were."""
@@ -814,8 +860,8 @@ def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monke
     before = run_bytes(tmp_path)
     with pytest.raises(train.TrainError, match='the validation loss is nan at step 9'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume'))
-    monkeypatch.setattr(run_safety.RunFolder, 'stop_requested', stop_at_once)
-    with pytest.raises(train.TrainError, match=r'is not finite \(NaN or infinity\) at step 9 .*ckpt.pt \(step 8\) is '):
+    ctrl_c_in_first_step(monkeypatch)
+    with pytest.raises(train.TrainError, match=r'is not finite \(NaN or infinity\) at step 9: .*ckpt.pt \(step 8\) is '):
         train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--init_from=resume'))
     assert run_bytes(tmp_path) == before
 
@@ -852,7 +898,7 @@ def test_overwrite_replaces_the_earlier_run_when_it_first_saves(data_dir, tmp_pa
                         '--overwrite=True'))
     assert run_bytes(tmp_path) == before
     with monkeypatch.context() as patch:
-        patch.setattr(run_safety.RunFolder, 'stop_requested', stop_at_once)
+        ctrl_c_in_first_step(patch)
         train.main(tiny(data_dir, tmp_path, '--max_iters=20', '--overwrite=True'))
     assert ("stopped at step 1, before this run's first checkpoint: nothing of it was saved, and the earlier run's "
             f"ckpt.pt and best.pt in {tmp_path} stay as they were") in capsys.readouterr().out
@@ -868,77 +914,77 @@ def test_overwrite_replaces_the_earlier_run_when_it_first_saves(data_dir, tmp_pa
     assert torch.load(tmp_path / 'best.pt', weights_only=True)['iter_num'] == 2
 
 
-@pytest.mark.parametrize('killed', ['moving the earlier run aside', 'writing the first checkpoint'])
-def test_an_interrupted_replacement_is_undone(data_dir, tmp_path, trained, monkeypatch, capsys, killed):
-    """A kill while an --overwrite run replaces the earlier run (here: an exception that nothing catches, where a kill
-    -9 would stop the process) leaves no file of the earlier run beside one of the new run in out_dir; the next run
-    there puts the earlier run back as it was, and says so."""
+def test_overwrite_replaces_the_earlier_runs_outputs(data_dir, tmp_path, trained):
+    """An --overwrite run's first save replaces all of the earlier run's files in out_dir: eval.py routing's too."""
     copy_run(trained, tmp_path)
-    before = run_bytes(tmp_path)
+    (tmp_path / 'routing.json').write_text('{"label": "the earlier run"}')
+    (tmp_path / 'routing.png').write_bytes(b'a heat map')
+    train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
+    assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+    assert {torch.load(path, weights_only=True)['iter_num'] for path in tmp_path.glob('*.pt')} == {2}
+
+
+class Killed(BaseException):
+    """A kill -9 where it is raised: nothing of the process runs after it that would not run after a kill."""
+
+
+def dies_on_call(n, real):
+    """real, but the n-th call is killed (before it does anything)."""
     calls = []
+    return lambda *args, **kw: real(*args, **kw) if calls.append(1) or len(calls) != n else (_ for _ in ()).throw(
+        Killed())
 
-    class Killed(BaseException):
-        pass
 
-    def dies_on_the_second_call(real):
-        return lambda *args, **kw: (calls.append(1), real(*args, **kw))[1] if not calls else (_ for _ in ()).throw(
-            Killed())
-
-    if killed == 'moving the earlier run aside':
-        monkeypatch.setattr(run_safety.os, 'replace', dies_on_the_second_call(os.replace))
-    else:
-        monkeypatch.setattr(run_safety, 'save_checkpoint', dies_on_the_second_call(checkpoint.save_checkpoint))
-        monkeypatch.setattr(run_safety.RunFolder, '_restore_earlier', lambda *args, **kw: None)  # a kill runs nothing
+def test_a_kill_during_an_overwrite_leaves_the_earlier_run_to_every_reader(data_dir, tmp_path, trained, monkeypatch):
+    """A kill while an --overwrite run writes its first checkpoint (here: after ckpt.pt, during best.pt) leaves the
+    earlier run in place, as it was: sample.py, eval.py and the next train.py find it, not 'no checkpoint'."""
+    copy_run(trained, tmp_path)
+    (tmp_path / 'routing.json').write_text('{}')
+    before = run_bytes(tmp_path)
+    monkeypatch.setattr(train, 'save_checkpoint', dies_on_call(2, checkpoint.save_checkpoint))
     with pytest.raises(Killed):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
     monkeypatch.undo()
-    steps = {torch.load(path, weights_only=True)['iter_num'] for path in tmp_path.glob('*.pt')}
-    assert len(steps) <= 1, steps  # one run's files in out_dir: the earlier run's (step 8) or the new run's (step 2)
+    assert run_bytes(tmp_path) == before and (tmp_path / 'routing.json').exists()
+    assert sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2', '--num_samples=2'])
+    assert evaluation.open_checkpoint(tmp_path, 'ckpt.pt')[0]['iter_num'] == 8
     with pytest.raises(train.TrainError, match='holds ckpt.pt and best.pt of an earlier run'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2'))
-    assert "the earlier run's checkpoints (ckpt.pt and best.pt) are back in place" in capsys.readouterr().out
-    assert run_bytes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+    assert run_bytes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'routing.json']
 
 
-def test_a_kill_while_undoing_a_replacement_loses_nothing(data_dir, tmp_path, trained, monkeypatch):
-    """A replacement killed while writing, then the run that undoes it killed between its moves: the next run still
-    finds the earlier run whole (nothing of it is taken for the new run's)."""
+def test_a_kill_during_the_swap_is_finished_by_the_next_run(data_dir, tmp_path, trained, monkeypatch):
+    """A kill between the renames that swap an --overwrite run's whole files in (after ckpt.pt, before best.pt), and
+    again while the next run finishes that swap: the run after finds the new run's files alone."""
     copy_run(trained, tmp_path)
-    before = run_bytes(tmp_path)
-    (tmp_path / run_safety.ASIDE).mkdir()
-    for name in ('ckpt.pt', 'best.pt'):
-        os.replace(tmp_path / name, tmp_path / run_safety.ASIDE / name)
-    (tmp_path / run_safety.ASIDE / 'moved').touch()
-    (tmp_path / 'ckpt.pt').write_bytes(b'the new run')  # its first checkpoint, half of its first save
-    replace, calls = os.replace, []
-
-    def dies_on_the_second_move(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        replace(*args)
-
-    monkeypatch.setattr(run_safety.os, 'replace', dies_on_the_second_move)
-    with pytest.raises(KeyboardInterrupt):
-        run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='resume', overwrite=False)).__enter__()
+    (tmp_path / 'routing.json').write_text('{}')
+    replace = os.replace
+    monkeypatch.setattr(os, 'replace', dies_on_call(3, replace))  # the journal, ckpt.pt, then best.pt
+    with pytest.raises(Killed):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
+    monkeypatch.setattr(os, 'replace', dies_on_call(1, replace))  # the next claim's first rename
+    with pytest.raises(Killed):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=3', '--init_from=resume'))
     monkeypatch.undo()
-    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path), init_from='resume', overwrite=False)):
-        assert run_bytes(tmp_path) == before
+    assert (tmp_path / 'replacing').exists()  # the journal: the swap is not done yet
+    with pytest.raises(train.TrainError, match='is at step 2, which --max_iters=2 does not pass'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--init_from=resume'))
+    assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+    assert {torch.load(path, weights_only=True)['iter_num'] for path in tmp_path.glob('*.pt')} == {2}
 
 
-def test_a_failed_first_save_of_an_overwrite_puts_the_earlier_run_back(data_dir, tmp_path, trained, monkeypatch):
-    """A disk that fills up during an --overwrite run's first save: the earlier run is put back at once, and the
-    message says to start the new run again (a resume would continue the earlier one)."""
+def test_a_failed_first_save_of_an_overwrite_leaves_the_earlier_run(data_dir, tmp_path, trained, monkeypatch):
+    """A disk that fills up during an --overwrite run's first save: the earlier run is untouched, and the message says
+    to start the new run again (a resume would continue the earlier one)."""
     import errno
     copy_run(trained, tmp_path)
     before = run_bytes(tmp_path)
 
-    def full_disk(ckpt, path, then='continue with --init_from=resume'):
-        raise checkpoint.CheckpointError(checkpoint._write_error(ckpt, path, OSError(errno.ENOSPC, 'No space'), then))
-
-    monkeypatch.setattr(run_safety, 'save_checkpoint', full_disk)
+    def full_disk(path, mode):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(checkpoint, 'open', full_disk, raising=False)
     with pytest.raises(checkpoint.CheckpointError, match=r'the disk is full .* then start this run again with '
-                                                         r'--overwrite=True \(the earlier run is back in place\)'):
+                                                         r'--overwrite=True \(the earlier run is untouched\)'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
     assert run_bytes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
 
@@ -956,12 +1002,25 @@ def test_a_blow_up_is_a_divergence(data_dir, tmp_path, trained, monkeypatch):
     assert 'training stopped without saving' in str(error.value) and run_bytes(tmp_path) == before
     with monkeypatch.context() as patch:
         patch.setattr(train, 'estimate_loss', lambda *args: untrained + 1.0)
-        with pytest.raises(train.TrainError, match=rf"the validation loss {untrained + 1:.4f} is above the untrained "
-                                                   rf"model's {untrained:.4f} at step 12 .*: training stopped without"):
+        with pytest.raises(train.TrainError, match=rf"the validation loss {untrained + 1:.4f} is more than 0.5 above "
+                                                   rf"the untrained model's {untrained:.4f} at step 12: training stopped"):
             train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
     assert run_bytes(tmp_path) == before
     train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 12
+
+
+def test_a_validation_loss_near_the_untrained_models_is_no_blow_up(data_dir, tmp_path, monkeypatch):
+    """The issue's runs, whose validation loss is at or a little above the untrained model's (noise), train and save;
+    a blow-up is a rise of more than BLOW_UP (0.5 nats a token)."""
+    train.main(tiny(data_dir, tmp_path / 'a', '--max_iters=1', '--eval_interval=1'))
+    train.main(tiny(data_dir, tmp_path / 'b', '--block_size=1', '--max_iters=3', '--eval_interval=3'))
+    losses = iter([5.0, 5.0 + 0.49, 5.0 + 0.51])  # the untrained model's, a rise within the margin, one past it
+    monkeypatch.setattr(train, 'estimate_loss', lambda *args: next(losses))
+    with pytest.raises(train.TrainError, match=r"the validation loss 5.5100 is more than 0.5 above the untrained "
+                                               r"model's 5.0000 at step 2: training stopped without saving"):
+        train.main(tiny(data_dir, tmp_path / 'c', '--max_iters=4', '--eval_interval=1'))
+    assert torch.load(tmp_path / 'c' / 'ckpt.pt', weights_only=True)['iter_num'] == 1
 
 
 def test_bad_config_files_and_out_dirs_get_a_message(data_dir, tmp_path, capsys):
@@ -1004,5 +1063,6 @@ def test_leftovers_are_removed(tmp_path):
     assert sorted(os.listdir(folder)) == ['meta.json', 'train.bin', 'val.bin', running.name]
     (tmp_path / 'out').mkdir()
     (tmp_path / 'out' / 'ckpt.pt.tmp').write_bytes(b'partial')
-    with run_safety.RunFolder(SimpleNamespace(out_dir=str(tmp_path / 'out'), init_from='scratch', overwrite=False)):
-        assert os.listdir(tmp_path / 'out') == ['train.lock']
+    with pytest.raises(train.TrainError, match='no dataset at'):  # refused after it claimed out_dir
+        train.main(tiny(tmp_path / 'data', tmp_path / 'out', f'--dataset={tmp_path / "none"}'))
+    assert os.listdir(tmp_path / 'out') == []

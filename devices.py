@@ -1,0 +1,55 @@
+"""What a device can hold, checked before any work: train.py's and sample.py's --device, a training micro-batch, the
+decoding buffers of a sample."""
+import contextlib
+import os
+
+import torch
+
+from configurator import ConfigError
+
+
+def check_device(name):
+    """ConfigError unless name is a device of this machine."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device={name} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    count = {'cpu': 1, 'cuda': torch.cuda.device_count(), 'mps': int(torch.backends.mps.is_available())}.get(
+        device.type, 0)  # devices of its type here
+    if (device.index or 0) >= count:
+        use = f'{device.type}:0 to {device.type}:{count - 1}' if count > 1 else device.type if count else 'cpu'
+        raise ConfigError(f'--device={name}, but this machine has {count or "no"} {device.type} device'
+                          f'{"s" * (count > 1)}: use --device={use}')
+
+
+def memory(device, free=False):
+    """Bytes of memory of a device (free: available to new allocations): a GPU's, or the machine's RAM."""
+    if device.type == 'cuda':
+        return torch.cuda.mem_get_info(device)[0] if free else torch.cuda.get_device_properties(device).total_memory
+    if free:  # Linux's MemAvailable (the page cache counts as free), else all of the RAM
+        with contextlib.suppress(OSError, StopIteration), open('/proc/meminfo') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+def check_batch_fits(batch_size, block_size, config, device):
+    """ConfigError if a training micro-batch cannot fit the device, by a lower bound of its memory: the tokens, the
+    logits and their gradient in float32, and one float32 activation of every layer's input."""
+    need = batch_size * block_size * (16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model)
+    if need > memory(device):
+        raise ConfigError(f'--batch_size={batch_size} x --block_size={block_size} tokens a micro-batch need more than '
+                          f'{need / 1e9:,.1f} GB, and {device} has {memory(device) / 1e9:,.1f} GB: lower --batch_size '
+                          f'(raise --gradient_accumulation_steps to keep the step)')
+
+
+def check_generation_fits(model, batch, prompt_len, max_new_tokens):
+    """ConfigError if the decoding buffers of batch rows (every layer's state: a KV cache grows with the length, FM's
+    and Mamba-2's memories do not; the new tokens; the logits) exceed the device's free memory."""
+    device = model.embed.weight.device
+    state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
+    need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
+    need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
+    if need > memory(device, free=True):
+        raise ConfigError(f'--num_samples={batch} x {prompt_len + max_new_tokens:,} tokens (prompt and '
+                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers, and {device} has '
+                          f'{memory(device, free=True) / 1e9:,.1f} GB free: lower --num_samples or --max_new_tokens')
