@@ -456,9 +456,9 @@ def step_state_bytes(model, context):
     c, total = model.config, 0
     for block in model.blocks:
         state = block.mixer.init_state(1, 1, "meta")
-        if c.mixer == "fm":
+        if c.family == "fm":
             total += 2 * c.top_k * c.d_memory * state["h"].element_size()
-        elif c.mixer == "mamba2":
+        elif c.family == "mamba2":
             total += 2 * sum(t.numel() * t.element_size() for t in state.values())
         else:
             total += 2 * context * state["k"][0, :, 0].numel() * state["k"].element_size()

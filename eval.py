@@ -203,7 +203,7 @@ def document_losses(model, tokens, chunk_len, ctx=nullcontext(), progress=None):
     attention runs the whole document in one pass."""
     ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=model.embed.weight.device)  # (n,)
     inputs, targets = ids[:-1], ids[1:]
-    step = len(inputs) if model.config.mixer == 'attn' else chunk_len
+    step = len(inputs) if model.config.family == 'attn' else chunk_len
     losses, state = [], None
     for start in range(0, len(inputs), step):  # attention: one pass, so it never gets a state
         with ctx:
@@ -282,7 +282,7 @@ def evaluate_positions(ckpt, path, docs, cfg):
     'max_positions' (attention's cut at --max_len positions; None: every document whole)."""
     model = build_model(ckpt, path, cfg['device'])
     result = summary(ckpt, path, model)
-    cut = model.config.mixer == 'attn' and max(map(len, docs)) - 1 > cfg['max_len']
+    cut = model.config.family == 'attn' and max(map(len, docs)) - 1 > cfg['max_len']
     if cut:
         print(f'{result["label"]}: attention runs each document in one pass, here the first {cfg["max_len"]:,} '
               f'positions (--max_len); the positions after them are left out')

@@ -174,7 +174,7 @@ class Generator:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
         width = int(lengths.max())
         idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)
-        piece = width if self.model.config.mixer == 'attn' else self.prefill_tokens
+        piece = width if self.model.config.family == 'attn' else self.prefill_tokens
         states = None
         for start in range(0, width, piece):
             x, states = self.hidden(idx[:, start:start + piece], states, (lengths - start).clamp(max=piece))

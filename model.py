@@ -15,6 +15,7 @@ output gate, y = W_o (read-out * silu(W_z x)).
 """
 
 import hashlib
+import importlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ try:  # optional fused Mamba-2 scan and decode step for CUDA tensors; the pure P
 except ImportError:
     mamba_chunk_scan_combined = selective_state_update = None
 
-MIXERS = ('fm', 'attn', 'mamba2')
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
 
 
@@ -43,7 +43,7 @@ class ModelConfig:
     block_size: int = 256  # training context in tokens; the model itself has no length limit
     n_layer: int = 4  # blocks
     d_model: int = 256  # width of the residual stream
-    mixer: str = 'fm'  # the sequence mixer of every block: 'fm', 'attn' or 'mamba2'
+    mixer: str = 'fm'  # every block's sequence mixer: 'fm', 'attn', 'mamba2', or 'module:Class' extending one
     d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block; 0: no MLP
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head shares the embedding's weight
@@ -71,18 +71,24 @@ class ModelConfig:
         """Check the fields, then resolve the None ones: each setting has one name, and a checkpoint records the
         values its model was built with."""
         self.validate()
-        if self.mixer == 'fm':
+        if self.family == 'fm':
             self.top_k = self.n_memory if self.top_k is None else self.top_k
             self.d_memory = self.d_model if self.d_memory is None else self.d_memory
-        if self.mixer == 'attn':
+        if self.family == 'attn':
             self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
         if self.d_ff is None:  # 8/3 d_model in 64s; FM's block takes its weights (W_z, the convolution's) from it
-            block = 0 if self.mixer != 'fm' else self.d_memory * (
+            block = 0 if self.family != 'fm' else self.d_memory * (
                 self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1))
             self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64) - round(block / (3 * self.d_model))
 
     mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
     mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
+
+    @property
+    def family(self):
+        """The built-in mixer that mixer is or extends ('fm', 'attn', 'mamba2'): the settings it takes."""
+        cls = mixer_class(self.mixer)
+        return next(name for name, base in MIXER_CLASSES.items() if issubclass(cls, base))
 
     def validate(self):
         """Raise ValueError naming the first bad field and what to change (checks the chosen mixer's fields only)."""
@@ -99,11 +105,15 @@ class ModelConfig:
         positive('vocab_size', 'block_size', 'n_layer', 'd_model', 'norm_eps', 'init_std')
         check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff >= 0), 'd_ff',
               'must be >= 0 (0: blocks without an MLP, as the original Mamba-2) or None')
-        check(self.mixer in MIXERS, 'mixer', f"unknown mixer; use one of {', '.join(MIXERS)}")
-        if self.mixer in ('fm', 'mamba2'):
+        try:
+            family = self.family
+        except (ImportError, AttributeError, ValueError, StopIteration) as e:
+            check(False, 'mixer', f"unknown mixer ({type(e).__name__}: {e}); use one of {', '.join(MIXER_CLASSES)}, "
+                                  f"or module:Class, a subclass of one of theirs (e.g. research/levers.py's)")
+        if family in ('fm', 'mamba2'):
             positive('chunk_size')
             check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
-        if self.mixer == 'fm':
+        if family == 'fm':
             positive('n_memory', 'fm_eps')
             positive('d_memory', optional=True)
             check(isinstance(self.tau, (int, float)) and self.tau >= 1e-3, 'tau',
@@ -113,14 +123,14 @@ class ModelConfig:
                   'holds in registers (4 is Mamba-2\'s)')
             check(self.top_k is None or 1 <= self.top_k <= self.n_memory, 'top_k',
                   f"must be between 1 and n_memory={self.n_memory} (None means dense, k = m)")
-        if self.mixer == 'attn':
+        if family == 'attn':
             positive('n_head', 'rope_theta')
             positive('n_kv_head', optional=True)
             check(self.d_model % self.n_head == 0, 'd_model', f"must be divisible by n_head={self.n_head}")
             check((self.d_model // self.n_head) % 2 == 0, 'n_head',
                   f"d_model/n_head must be even for RoPE; change n_head or d_model={self.d_model}")
             check(self.n_head % (self.n_kv_head or self.n_head) == 0, 'n_kv_head', f"must divide n_head={self.n_head}")
-        if self.mixer == 'mamba2':
+        if family == 'mamba2':
             positive('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv')
             check(self.mamba_d_inner % self.mamba_head_dim == 0, 'mamba_head_dim',
                   f"must divide d_inner = mamba_expand * d_model = {self.mamba_d_inner}")
@@ -180,7 +190,7 @@ def triton_step(h):
 # The hash of the source of FactorizationMemory.route and .router_scores as fm_kernel.fm_route_step computes them
 # (route_naive of the scores, inside its kernel). A decoding step takes that kernel only while both read exactly so:
 # a router edited in place, overridden in a subclass or given new parameters decodes through route itself.
-FUSED_ROUTER = 'b893ea87774fdf73'
+FUSED_ROUTER = '53b30c0b08165db9'
 
 
 def routes_as_the_kernel(module):
@@ -217,8 +227,8 @@ class FactorizationMemory(nn.Module):
 
     def route(self, x):
         """The router, in at least float32: x (..., d_model) -> idx (..., K) of the rows each token writes and reads
-        (None when dense), alpha (..., K) summing to 1, eta and mu (..., 1). The one definition for training, prefill
-        and decoding."""
+        (None when dense), alpha (..., K) summing to 1, eta and mu (..., 1) (or (..., K): a rate a row). The one
+        definition for training, prefill and decoding."""
         with torch.autocast(x.device.type, enabled=False):
             return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
 
@@ -226,9 +236,9 @@ class FactorizationMemory(nn.Module):
         """-> y (B, T, d_model), state {'h'} (and 'conv' with a convolution) after each row's last real token
         (lengths (B,); None: all T)."""
         idx, alpha, eta, mu = self.route(x)
+        theta, phi = eta * alpha, mu * alpha  # (B, T, K)
         if idx is not None:  # the scan takes dense (B, T, M) weights, zero outside the top-k
-            alpha = alpha.new_zeros(*x.shape[:-1], self.n_memory).scatter(-1, idx, alpha)
-        theta = eta * alpha
+            theta, phi = (w.new_zeros(*x.shape[:-1], self.n_memory).scatter(-1, idx, w) for w in (theta, phi))
         if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
         state = {} if state is None else state
@@ -237,7 +247,7 @@ class FactorizationMemory(nn.Module):
         if self.conv is not None:  # the values through the convolution, from the last inputs of the one before
             xbar, new_state['conv'] = fm_kernel.causal_conv(xbar, state.get('conv'), self.conv.weight[:, 0],
                                                              self.conv.bias, lengths)
-        y, new_state['h'] = memory_scan(xbar, theta, mu * alpha, state.get('h'), self.eps, self.chunk_size)
+        y, new_state['h'] = memory_scan(xbar, theta, phi, state.get('h'), self.eps, self.chunk_size)
         return self.out_proj(y if z is None else y * F.silu(z)), new_state
 
     def step(self, x, state):  # x (B, d_model)
@@ -463,7 +473,18 @@ class Mamba2(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}
+MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # add a new one here and to
+# Model.flops_per_token; a variant of one of them needs neither: name it as 'module:Class' (research/levers.py)
+
+
+def mixer_class(name):
+    """The class ModelConfig.mixer names: a key of MIXER_CLASSES, or 'module:Class' (imported)."""
+    if name in MIXER_CLASSES:
+        return MIXER_CLASSES[name]
+    module, colon, cls = str(name).partition(':')
+    if not colon:
+        raise ValueError('not a built-in mixer, nor module:Class')
+    return getattr(importlib.import_module(module), cls)
 
 
 class Block(nn.Module):
@@ -472,7 +493,7 @@ class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mixer = MIXER_CLASSES[config.mixer](config)
+        self.mixer = mixer_class(config.mixer)(config)
         has_mlp = config.d_ff > 0
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if has_mlp else None
         self.mlp = SwiGLU(config) if has_mlp else None
@@ -587,11 +608,11 @@ class Model(nn.Module):
               mamba2  3 * 5 * d_inner * d_state  per state element: decay, input outer product, add, C readout (2)
         """
         c = self.config
-        if c.mixer == 'attn':
+        if c.family == 'attn':
             mixer = 12 * seq_len * c.d_model
-        elif c.mixer == 'fm':
+        elif c.family == 'fm':
             mixer = 3 * c.top_k * (9 * c.d_memory + 5)
-        elif c.mixer == 'mamba2':
+        elif c.family == 'mamba2':
             mixer = 3 * 5 * c.mamba_d_inner * c.d_state
         else:
             raise ValueError(f'no FLOPs count for mixer {c.mixer!r}: add its term to Model.flops_per_token')

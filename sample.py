@@ -72,7 +72,7 @@ def load(argv):
     if max(ids) >= model.config.vocab_size:
         raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
                               f'is the checkpoint from another tokenizer?')
-    if model.config.mixer == 'attn' and len(ids) > model.config.block_size:
+    if model.config.family == 'attn' and len(ids) > model.config.block_size:
         print(f'warning: the prompt is {len(ids):,} tokens, past the {model.config.block_size} this attention model '
               f'was trained at (block_size): attention does not extrapolate past block_size', file=sys.stderr)
     check_generation_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])

@@ -910,7 +910,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
 def test_bad_config_raises_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
         tiny_config(**overrides)
-    config = tiny_config(mixer=overrides['mixer'] if overrides.get('mixer') in model_module.MIXERS else 'fm')
+    config = tiny_config(mixer=overrides['mixer'] if overrides.get("mixer") in model_module.MIXER_CLASSES else 'fm')
     for key, value in overrides.items():  # a good config changed afterwards: the model checks it again
         setattr(config, key, value)
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
