@@ -6,6 +6,7 @@ replay on a GPU. sample.py is its command line; in Python:
     new_tokens = generator.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=200)
 """
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -75,17 +76,15 @@ class TritonDownProj(nn.Linear):
         return fm_kernel.decode_linear(x, self.weight)
 
 
-def step_scores(layer):
+def step_scores(layer, x):  # x (B, d_model) -> (B, M + 2); a parallel pass (B, T, d_model) as the model writes it
     """FactorizationMemory.router_scores of a compiled decoding step as one reduction, (x W^T) written out, which
     inductor fuses with the weights' cast and concatenation (as two products: cast and concatenation kernels and
     two cuBLAS calls, fm_1b's step 0.83 -> 1.01 ms at batch 1 and 1.12 -> 1.46 ms at batch 64 on an H200)."""
-    def scores(x):  # x (B, d_model) -> (B, M + 2); a parallel pass (B, T, d_model) as the model writes it
-        if x.dim() != 2:
-            return type(layer).router_scores(layer, x)
-        dtype = compute_dtype(x.dtype)
-        weight = torch.cat([layer.router.weight, layer.rates.weight]).to(dtype)  # (M + 2, d_model)
-        return (x.to(dtype)[:, None, :] * weight).sum(-1) + F.pad(layer.rates.bias.to(dtype), (layer.n_memory, 0))
-    return scores
+    if x.dim() != 2:
+        return type(layer).router_scores(layer, x)
+    dtype = compute_dtype(x.dtype)
+    weight = torch.cat([layer.router.weight, layer.rates.weight]).to(dtype)  # (M + 2, d_model)
+    return (x.to(dtype)[:, None, :] * weight).sum(-1) + F.pad(layer.rates.bias.to(dtype), (layer.n_memory, 0))
 
 
 def speed_up_decoding(model, compiled):
@@ -96,7 +95,7 @@ def speed_up_decoding(model, compiled):
         if isinstance(module, SwiGLU) and type(module.down_proj) is nn.Linear:
             module.down_proj.__class__ = TritonDownProj
         if compiled and isinstance(module, FactorizationMemory) and module.fused_router:
-            module.router_scores = step_scores(module)
+            module.router_scores = types.MethodType(step_scores, module)  # a copy binds to its own
 
 
 class Generator:

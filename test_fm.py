@@ -10,6 +10,8 @@ prepare_data.py), test_eval.py (eval.py, research/), test_readme.py (the README'
 fixtures and helpers: conftest.py.
 """
 
+import copy
+import functools
 import importlib.util
 import os
 import sys
@@ -663,7 +665,7 @@ def test_router_reduction_of_a_compiled_step_matches_the_product():
     and weights of router_scores' products (and a parallel pass goes to the products)."""
     layer = randomized(FactorizationMemory(tiny_config(top_k=3)))
     x = torch.randn(17, 32)
-    reduced = generate.step_scores(layer)
+    reduced = functools.partial(generate.step_scores, layer)
     idx, *weights = fm_kernel.route_naive(layer.router_scores(x), 3, layer.tau)
     idx_reduced, *weights_reduced = fm_kernel.route_naive(reduced(x), 3, layer.tau)
     assert torch.equal(idx, idx_reduced)
@@ -865,12 +867,15 @@ def test_the_fused_router_is_the_router_as_written():
     (3, 1.0, 'override', False), (None, 0.5, 'override', False), (3, 1.0, 'standard', True)])
 def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, block):
     """The dispatch the model takes on CUDA (fm_scan; fm_route_step, or fm_step for an overridden router; with
-    generate.py's decoding tricks: the Triton down product, the router's reduction), here under the interpreter, in float32; with tau, which reaches the step's kernel apart from the
-    forward's router."""
+    generate.py's decoding tricks: the Triton down product, the router's reduction), here under the interpreter, in
+    float32; with tau, which reaches the step's kernel apart from the forward's router. The tricks follow a copy of
+    the model: its steps and forward are its own weights', whatever happens to the original's."""
     torch.manual_seed(0)
-    model = fm_model(router, top_k=top_k, tau=tau, fm_conv=4 * block, fm_gate=block)
-    model = randomized(model).to(DEVICE).eval()
-    generate.speed_up_decoding(model, compiled=True)
+    plain = randomized(fm_model(router, top_k=top_k, tau=tau, fm_conv=4 * block, fm_gate=block)).to(DEVICE).eval()
+    original = copy.deepcopy(plain)
+    generate.speed_up_decoding(original, compiled=True)
+    model = copy.deepcopy(original)
+    randomized(original, seed=1)
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     steps = []
     with pytest.MonkeyPatch.context() as patch:
@@ -884,7 +889,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
         stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
-    assert rel_err(torch.stack(stepped, 1), logits) < 1e-5
+    assert rel_err(torch.stack(stepped, 1), logits) < 1e-5 and rel_err(logits, plain(idx)[0]) < 1e-5
     fused = router == 'standard'
     assert set(steps) == {fm_kernel.fm_route_step if fused else fm_kernel.fm_step}
 
