@@ -21,15 +21,8 @@ def load_config(config, argv, types=None, config_files=True, program=None):
     config, types, program = dict(config), types or {}, program or os.path.basename(sys.argv[0])
     for arg in argv:
         key, eq, text = arg.removeprefix('--').partition('=')
-        if not (arg.startswith('--') and eq or config_files and os.path.isfile(arg)):  # what it was meant to be
-            run = arg.endswith('.py') and os.path.isfile(arg) and re.search(  # a training config's out_dir
-                "^out_dir = '(.*)'", open(arg).read(), re.M)
-            raise ConfigError(f'expected --key=value, got {arg!r}' if arg.startswith('--') else
-                              f'{arg} is not a config file: did you mean --{arg}?' if eq and key in config else
-                              f'config file not found: {arg} (see config/, e.g. config/fm_small.py)' if config_files
-                              else f"{arg} is a training config; {program} reads the model from a checkpoint: pass "
-                                   f"--out_dir={run[1]}, the folder that config's run writes" if run else
-                              f'{program} takes no config files, only --key=value settings (see --help): got {arg!r}')
+        if not (arg.startswith('--') and eq or config_files and os.path.isfile(arg)):
+            raise ConfigError(not_a_setting(arg, config, config_files, program))
         settings, where = {key: text}, ''
         if not arg.startswith('--'):  # a config file: the names it sets
             settings, where = dict(config), f'{arg}: '
@@ -61,6 +54,22 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 raise ConfigError(f"{where}bad value for '{key}': {value!r} is a {type(value).__name__}, expected a "
                                   f"{want.__name__} (default: {config[key]!r})")
     return config
+
+
+def not_a_setting(arg, config, config_files, program):
+    """What an argument that is neither --key=value nor a config file was meant to be, and what to pass."""
+    key, eq, _ = arg.removeprefix('--').partition('=')
+    if arg.startswith('--'):
+        return f'expected --key=value, got {arg!r}'
+    if eq and key in config:
+        return f'{arg} is not a config file: did you mean --{arg}?'
+    if config_files:
+        return f'config file not found: {arg} (see config/, e.g. config/fm_small.py)'
+    run = arg.endswith('.py') and os.path.isfile(arg) and re.search("^out_dir = '(.*)'", open(arg).read(), re.M)
+    if run:  # a training config: its out_dir holds the checkpoint
+        return (f"{arg} is a training config; {program} reads the model from a checkpoint: pass --out_dir={run[1]}, "
+                f"the folder that config's run writes")
+    return f'{program} takes no config files, only --key=value settings (see --help): got {arg!r}'
 
 
 def help_text(config, *sources):

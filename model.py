@@ -88,7 +88,10 @@ class ModelConfig:
     def family(self):
         """The built-in mixer that mixer is or extends ('fm', 'attn', 'mamba2'): the settings it takes."""
         cls = mixer_class(self.mixer)
-        return next(name for name, base in MIXER_CLASSES.items() if issubclass(cls, base))
+        for name, base in MIXER_CLASSES.items():
+            if isinstance(cls, type) and issubclass(cls, base):
+                return name
+        raise ValueError(f'{self.mixer} extends none of them')
 
     def validate(self):
         """Raise ValueError naming the first bad field and what to change (checks the chosen mixer's fields only)."""
@@ -107,9 +110,9 @@ class ModelConfig:
               'must be >= 0 (0: blocks without an MLP, as the original Mamba-2) or None')
         try:
             family = self.family
-        except (ImportError, AttributeError, ValueError, StopIteration) as e:
-            check(False, 'mixer', f"unknown mixer ({type(e).__name__}: {e}); use one of {', '.join(MIXER_CLASSES)}, "
-                                  f"or module:Class, a subclass of one of theirs (e.g. research/levers.py's)")
+        except (ImportError, AttributeError, ValueError) as e:
+            check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)}, or module:Class extending "
+                                  f"one of theirs, e.g. research.levers:RowRatesFM ({type(e).__name__}: {e})")
         if family in ('fm', 'mamba2'):
             positive('chunk_size')
             check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
