@@ -1,5 +1,7 @@
-"""The test suite: `python test_fm.py` runs all of it, this file and tests/ (pytest; CPU only, minutes on 2 cores).
-`python test_fm.py -m core`: the core checks alone (the tests marked @core, all in this file), in under a minute.
+"""The test suite: `python test_fm.py` runs all of it, this file and tests/ (pytest; minutes on 2 CPU cores), but the
+tests marked slow (real sizes on a GPU: .ci/gpu runs them), on every core where pytest-xdist is installed (`-n 1`:
+one process). `python test_fm.py -m core`: the core checks alone (the tests marked @core, all in this file), in under
+a minute; `-m gpu`: the tests that need CUDA (named *_gpu*).
 
 This file is what a forker runs after changing the model or a kernel. Kernels: the float64 loop `fm_scan_naive`
 checks `fm_scan_torch`, and both check the Triton kernels, which run on the CPU under TRITON_INTERPRET=1 when no GPU
@@ -15,6 +17,7 @@ import functools
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -516,11 +519,13 @@ def test_scan_rejects_bad_shapes():
         fm_scan(huge, torch.empty(1, 2**21, 4, device="meta"), torch.empty(1, 2**21, 4, device="meta"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CUDA, reason="real sizes need a GPU")
 @pytest.mark.parametrize("dtype,M,tol", [(torch.float32, 64, 1e-5), (torch.bfloat16, 64, 1e-2),
                                          (torch.float32, 128, 1e-5), (torch.bfloat16, 128, 1e-2)])
 def test_triton_scan_real_size_gpu(dtype, M, tol):
-    """Real sizes, where the GPU's shared memory bounds the kernels' tiles (128 rows: the largest)."""
+    """Real sizes, where the GPU's shared memory bounds the kernels' tiles (128 rows: the largest). Slow (a minute or
+    two a case): marked slow, which `python test_fm.py` leaves out unless -m is given; .ci/gpu runs it."""
     torch.manual_seed(6)
     B, T, D, k = 2, 2048 + 37, 2048, 8
     inputs = scan_inputs(B, T, D, M, k, device="cuda")
@@ -798,10 +803,8 @@ ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperatu
 
 
 def fm_model(router='standard', **overrides):
-    """A tiny FM model whose layers are one of ROUTERS."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(model_module.MIXER_CLASSES, 'fm', ROUTERS[router])
-        return Model(tiny_config(mixer='fm', **overrides))
+    """A tiny FM model whose layers are one of ROUTERS, named as a forker names a mixer of their own."""
+    return Model(tiny_config(mixer='fm' if router == 'standard' else f'test_fm:{ROUTERS[router].__name__}', **overrides))
 
 
 def decodes_as_it_trains(model, idx, prompt):
@@ -833,7 +836,7 @@ def test_a_router_override_reaches_decoding(router, top_k):
 def test_a_router_edited_in_place_decodes_as_it_trains(tmp_path, monkeypatch):
     """A forker edits route in model.py itself (here every token's rows move on by one): decoding follows the edit,
     float64, every parameter random. (With the fused kernel taken regardless, the gap was 1.04.)"""
-    source = open(os.path.join(REPO, 'model.py')).read()
+    source = (Path(REPO) / 'model.py').read_text()
     line = "            return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)\n"
     assert source.count(line) == 1
     edit = ("            idx, alpha, eta, mu = fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)\n"
@@ -900,6 +903,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
     (dict(top_k=0), 'top_k'),
     (dict(top_k=9), 'top_k'),
     (dict(mixer='rnn'), 'mixer'),
+    (dict(mixer='os:path'), 'mixer'),  # module:Class, but no mixer's subclass
     (dict(d_model=0), 'd_model'),
     (dict(n_layer=-1), 'n_layer'),
     (dict(tau=0.0), 'tau'),
@@ -915,7 +919,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
 def test_bad_config_raises_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
         tiny_config(**overrides)
-    config = tiny_config(mixer=overrides['mixer'] if overrides.get("mixer") in model_module.MIXER_CLASSES else 'fm')
+    config = tiny_config(mixer=overrides['mixer'] if overrides.get('mixer') in model_module.MIXER_CLASSES else 'fm')
     for key, value in overrides.items():  # a good config changed afterwards: the model checks it again
         setattr(config, key, value)
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
@@ -969,4 +973,10 @@ def test_configure_optimizers_decays_only_matrices():
 
 if __name__ == "__main__":  # the whole suite: this file and tests/ (pytest.ini's testpaths)
     root = os.path.dirname(os.path.abspath(__file__))
-    sys.exit(pytest.main([os.path.join(root, "test_fm.py"), os.path.join(root, "tests"), "-q", *sys.argv[1:]]))
+    args = sys.argv[1:]
+    if not any(a.startswith("-m") for a in args):  # no -m given: all but the slow real-size GPU checks (.ci/gpu's)
+        args += ["-m", "not slow"]
+    if (importlib.util.find_spec("xdist") and not any("no:xdist" in a for a in args)
+            and not any(a.startswith(("-n", "--numprocesses", "--pdb", "--trace")) for a in args)):
+        args += ["-n", "auto"]  # pytest-xdist, where installed: a worker a core (conftest.py shares the threads out)
+    sys.exit(pytest.main([os.path.join(root, "test_fm.py"), os.path.join(root, "tests"), "-q", *args]))
