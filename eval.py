@@ -135,9 +135,10 @@ def open_checkpoint(out_dir, ckpt_name):
 
 def describe(config):
     """A short name of a model config (a dict): '6x256 fm m=64 k=16 tau=1', '6x256 fm m=64 k=16 tau=1 conv4 gate'
-    (the block's parts beside the paper's layer), '6x256 attn', '6x256 mamba2'."""
-    name = f"{config['n_layer']}x{config['d_model']} {config['mixer']}"
-    if config['mixer'] == 'fm':
+    (the block's parts beside the paper's layer), '6x256 attn', '6x256 mamba2', '6x256 RowRatesFM m=64 ...' (a
+    mixer of one's own, research.levers:RowRatesFM)."""
+    name = f"{config['n_layer']}x{config['d_model']} {config['mixer'].rpartition(':')[2]}"  # module:Class: Class
+    if model_file.mixer_family(config['mixer']) == 'fm':
         m, k = config['n_memory'], config['top_k'] or config['n_memory']
         name += f" m={m} {'dense' if k == m else f'k={k}'} tau={config['tau']:g}"
         name += f" conv{config['fm_conv']}" * bool(config.get('fm_conv')) + ' gate' * bool(config.get('fm_gate'))
@@ -657,10 +658,11 @@ class RoutingStats:
         with torch.autocast(x.device.type, enabled=False):
             logits = mixer.router_scores(x)[:, :-2] / mixer.tau  # (N, M)
         probs = torch.softmax(logits, -1)  # (N, M)
-        weight = alpha if idx is None else torch.zeros_like(probs).scatter_(-1, idx, alpha)  # (N, M)
+        weight, theta = ((w if idx is None else torch.zeros_like(probs).scatter_(-1, idx, w))  # (N, M)
+                         for w in (alpha, eta * alpha))  # eta: a token's (N, 1), or a rate a selected row (N, K)
         self.usage += (probs if idx is None else (weight > 0).double()).sum(0).cpu()
         self.weight += weight.sum(0).cpu()
-        self.theta += (eta * weight).sum(0).cpu()
+        self.theta += theta.sum(0).cpu()
         self.entropy += float(-(probs * probs.clamp_min(1e-300).log()).sum())
         self.etas.append(eta.flatten().float().cpu())
         self.mu += float(mu.sum())
@@ -805,7 +807,7 @@ def run_routing(cfg, out_dirs):
     checkpoints = [open_checkpoint(out_dir, cfg['ckpt']) for out_dir in out_dirs]
     for (ckpt, path), out_dir in zip(checkpoints, out_dirs):
         check_out(os.path.join(out_dir, 'routing'))  # routing.json goes there: refused now, not after the work
-        if ckpt['model_config']['mixer'] != 'fm':
+        if model_file.mixer_family(ckpt['model_config']['mixer']) != 'fm':
             raise EvalError(f"{path} is a {ckpt['model_config']['mixer']} model: routing is measured on FM "
                             f"checkpoints only")
         tokenizer_of(ckpt, path)

@@ -84,14 +84,7 @@ class ModelConfig:
     mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
     mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
 
-    @property
-    def family(self):
-        """The built-in mixer that mixer is or extends ('fm', 'attn', 'mamba2'): the settings it takes."""
-        cls = mixer_class(self.mixer)
-        for name, base in MIXER_CLASSES.items():
-            if isinstance(cls, type) and issubclass(cls, base):
-                return name
-        raise ValueError(f'{self.mixer} extends none of them')
+    family = property(lambda self: mixer_family(self.mixer))  # 'fm', 'attn' or 'mamba2': the settings mixer takes
 
     def validate(self):
         """Raise ValueError naming the first bad field and what to change (checks the chosen mixer's fields only)."""
@@ -214,6 +207,7 @@ class FactorizationMemory(nn.Module):
         self.tau, self.eps, self.chunk_size, self.gated = config.tau, config.fm_eps, config.chunk_size, config.fm_gate
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
+        nn.init.zeros_(self.rates.bias)  # eta and mu start near 0.5 for every token
         self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_i (then W_z)
         dim = self.d_memory
         self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on the values
@@ -490,6 +484,15 @@ def mixer_class(name):
     return getattr(importlib.import_module(module), cls)
 
 
+def mixer_family(name):
+    """The built-in mixer ('fm', 'attn', 'mamba2') that the mixer name is or extends."""
+    cls = mixer_class(name)
+    for family, base in MIXER_CLASSES.items():
+        if isinstance(cls, type) and issubclass(cls, base):
+            return family
+    raise ValueError(f'{name} extends none of them')
+
+
 class Block(nn.Module):
     """x + mixer(norm(x)), then x + mlp(norm(x)) unless d_ff = 0."""
 
@@ -531,11 +534,9 @@ class Model(nn.Module):
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
 
-    def _init_weights(self, module):
+    def _init_weights(self, module):  # the weights; a bias is its own module's (FM's rates: zero)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def head(self, x):
         """Final norm and LM head: logits in the head's dtype (bfloat16 under autocast)."""

@@ -284,10 +284,72 @@ scaling() {
     python research/analysis.py scaling $(previous "$subset.csv") --runs="$RUNS/$subset" --out="$RESULTS/$subset"
 }
 
+# ----------------------------------------------------------------------------- levers (issue 39)
+# bash research/reproduce.sh levers: levers for long-range memory (research/levers.py): FM's block at 4.1M
+# parameters (the extrapolation subset's fm-k16-block runs, trained once for both) and each lever on it
+# (research/levers_fm.py --mixer=research.levers:CLASS; ctx2048: the block trained at a context of 2048,
+# research/levers_fm_ctx2048.py), each at LRS_FM_BLOCK x SEEDS (MODELS: some of levers_models). Writes levers.txt,
+# levers_lr.csv, _best.txt (the 512 runs), levers_ctx2048_lr.csv, _best.txt (its validation loss is at 2048), and
+# levers.csv, .json, .png: loss by position of each model at its best rate. With PREVIOUS, its levers*_lr.csv runs
+# and fm-k16-block's of its extrapolation_lr.csv are not trained again (their loss by position: its results).
+
+levers_models() {  # MODEL train.py-arguments (fm-k16-block: extrapolation_model's)
+    cat <<'EOF'
+fm-k16-block
+LowWriteFM research/levers_fm.py --mixer=research.levers:LowWriteFM
+RowRatesFM research/levers_fm.py --mixer=research.levers:RowRatesFM
+HeadsFM research/levers_fm.py --mixer=research.levers:HeadsFM
+Heads16FM research/levers_fm.py --mixer=research.levers:Heads16FM
+ctx2048 research/levers_fm_ctx2048.py
+EOF
+}
+
+levers_runs() {  # each model at each rate of LRS_FM_BLOCK, each seed of SEEDS; less the runs PREVIOUS lists
+    local model args seed name rest
+    levers_models | while read -r model args; do
+        selected "$model" || continue
+        for seed in $SEEDS; do
+            # shellcheck disable=SC2046,SC2086  # the config and its arguments: several words
+            if [[ $model == fm-k16-block ]]; then
+                lr_runs "extrapolation/$model" "$model" "$seed" $(extrapolation_model "$model")
+            else
+                lr_runs "levers/$model" fm-block "$seed" $args
+            fi
+        done
+    done | while read -r name rest; do
+        [[ -n $PREVIOUS ]] && grep -qs "/$name," "$PREVIOUS"/levers*_lr.csv && continue
+        echo "$name $rest"
+    done
+}
+
+levers() {
+    levers_runs | train_all
+    echo "training done at $(( $(date +%s) - BEGIN )) s"
+    local runs block_csv=$RESULTS/levers_block_previous.csv
+    runs="$(levers_runs | grep -v '^levers/ctx2048' | finished) $(previous levers_lr.csv)"
+    if [[ -n $PREVIOUS ]] && grep -qs '/extrapolation/fm-k16-block-lr' "$PREVIOUS/extrapolation_lr.csv"; then
+        { head -1 "$PREVIOUS/extrapolation_lr.csv"; grep '/extrapolation/fm-k16-block-lr' \
+            "$PREVIOUS/extrapolation_lr.csv"; } > "$block_csv"  # the block's runs of an earlier machine
+        runs+=" --runs=$block_csv"
+    fi
+    [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    # shellcheck disable=SC2086  # several --runs
+    python research/analysis.py sweep $runs --out="$RESULTS/levers_lr"
+    runs="$(levers_runs | grep '^levers/ctx2048' | finished) $(previous levers_ctx2048_lr.csv)"
+    # shellcheck disable=SC2086  # several --runs
+    [[ -z ${runs// /} ]] || python research/analysis.py sweep $runs --out="$RESULTS/levers_ctx2048_lr"
+    runs=$(cat "$RESULTS"/levers*_lr_best.txt | while read -r dir; do
+               if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
+    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its results"; return 0; }
+    # shellcheck disable=SC2086  # several --out_dir
+    python eval.py $runs --max_len=32768 --out="$RESULTS/levers"
+}
+
 # ----------------------------------------------------------------------------- the subset named
 
 case ${1:-} in
     extrapolation|frontier|routing|scaling) subset=$1;;
+    levers) subset=$1;;  # research/levers.py: see levers() above
     *) echo "usage: bash research/reproduce.sh extrapolation|frontier|routing|scaling  (see research/README.md)" >&2
        exit 2;;
 esac

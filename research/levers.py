@@ -1,0 +1,86 @@
+"""
+Levers that might make FM's memory rows hold long-range information (issue 39), each a subclass of model.py's
+FactorizationMemory that train.py takes as --mixer=research.levers:ClassName (research/levers_fm.py: the 4.1M block):
+    python train.py research/levers_fm.py --mixer=research.levers:RowRatesFM --seed=1 --out_dir=out-levers-rowrates
+At 4.1M parameters on long documents, one row per layer takes most of the router's weight and is rewritten every 2-3
+tokens; the write gate eta = sigmoid(w_eta.x + b_eta) starts near 0.5 for every token and no row has a rate of its
+own, where Mamba-2 starts its heads at a spread of decay rates. The fourth lever, what the model is asked to
+remember, is a config: research/levers_fm_ctx2048.py (a context of 2048, the same tokens a step).
+A class that overrides route decodes through it (model.routes_as_the_kernel); LowWriteFM keeps the fused kernel.
+"""
+import math
+
+import torch
+import torch.nn as nn
+
+import fm_kernel
+from model import FactorizationMemory
+
+
+def logit(p):
+    return math.log(p / (1 - p))
+
+
+class LowWriteFM(FactorizationMemory):
+    """1. The write gate starts low: b_eta = logit(0.05), so eta starts near 0.05 for every token (b_mu stays 0).
+    Only the initialisation changes (decoding keeps the fused kernel)."""
+    ETA0 = 0.05
+
+    def __init__(self, config):
+        super().__init__(config)
+        with torch.no_grad():
+            self.rates.bias[0] = logit(self.ETA0)  # index 0: eta's bias, 1: mu's
+
+
+class RowRatesFM(FactorizationMemory):
+    """2. A learned write-rate bias per row, row_rate (M,), starting at a spread of timescales as Mamba-2's dt:
+    sigmoid(row_rate) log-uniform in [1e-3, 0.5] across the rows; a selected row i writes at
+    eta_i = sigmoid(w_eta.x + b_eta + row_rate[i]) (dense: every row). 1-D, so without weight decay."""
+    RATES = (1e-3, 0.5)
+
+    def __init__(self, config):
+        super().__init__(config)
+        low, high = self.RATES
+        rates = torch.logspace(math.log10(low), math.log10(high), self.n_memory, dtype=torch.float64)
+        self.row_rate = nn.Parameter(torch.logit(rates).float())
+
+    def route(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            scores = self.router_scores(x)  # (..., M + 2)
+            idx, alpha, _, mu = fm_kernel.route_naive(scores, self.top_k, self.tau)
+            bias = self.row_rate.to(scores.dtype)
+            eta = torch.sigmoid(scores[..., -2:-1] + (bias if idx is None else bias[idx]))  # (..., K)
+            return idx, alpha, eta, mu
+
+
+class HeadsFM(FactorizationMemory):
+    """3. HEADS memories of M/HEADS rows, each with its own router: the router's M scores in HEADS groups of
+    consecutive rows, a softmax and the top-(K/HEADS) within each group, each head's alpha summing to 1/HEADS (all
+    of them to 1, as the read-out assumes). Dense (K = M) keeps every row. M and K must be divisible by HEADS."""
+    HEADS = 4
+
+    def __init__(self, config):
+        super().__init__(config)
+        if self.n_memory % self.HEADS or self.top_k % self.HEADS:
+            raise ValueError(f'{type(self).__name__} splits the rows into {self.HEADS} heads: n_memory='
+                             f'{self.n_memory} and top_k={self.top_k} must both be divisible by {self.HEADS}')
+
+    def route(self, x):
+        H, M, K = self.HEADS, self.n_memory, self.top_k
+        with torch.autocast(x.device.type, enabled=False):
+            scores = self.router_scores(x)  # (..., M + 2)
+            probs = torch.softmax(scores[..., :-2].unflatten(-1, (H, M // H)) / self.tau, dim=-1)  # (..., H, M/H)
+            rates = torch.sigmoid(scores[..., -2:])
+            if K == M:
+                return None, probs.flatten(-2) / H, rates[..., :1], rates[..., 1:]
+            ranked, order = probs.sort(-1, descending=True)
+            alpha, idx = ranked[..., :K // H], order[..., :K // H]  # (..., H, K/H)
+            alpha = alpha / alpha.sum(-1, keepdim=True) / H
+            idx = idx + torch.arange(0, M, M // H, device=x.device)[:, None]  # each head's rows after those before
+            return idx.flatten(-2), alpha.flatten(-2), rates[..., :1], rates[..., 1:]
+
+
+class Heads16FM(HeadsFM):
+    """3. HeadsFM with 16 heads: at m = 64, k = 16, one row of 4 a head, every selected row at alpha = 1/16 (the
+    router picks rows but cannot weight them: the opposite of one row taking most of the weight)."""
+    HEADS = 16
