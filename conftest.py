@@ -1,7 +1,9 @@
-"""Shared by test_fm.py and tests/ (pytest loads this file first): the TRITON_INTERPRET setup, markers, fixtures
-(data_dir, trained, default_bytes) and the helpers several test files use (`from conftest import ...`)."""
+"""Shared by test_fm.py and tests/ (pytest loads this file first): the TRITON_INTERPRET setup, each pytest-xdist
+worker's share of the cores, markers (gpu: every test named *_gpu*), fixtures (data_dir, trained, default_bytes,
+repo_corpus) and the helpers several test files use (`from conftest import ...`)."""
 
 import contextlib
+import fcntl
 import os
 from dataclasses import fields
 
@@ -9,6 +11,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton import
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a pytest-xdist worker: workers x threads <= cores, in its scripts too
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 import pytest
 
@@ -136,11 +143,30 @@ def corrupt(path, offset, data):
         f.write(data)
 
 
+@pytest.fixture(autouse=True)
+def float32_matmul_precision():
+    """Each test starts at the default float32 precision: train.main on a GPU sets TF32 for its process, which would
+    reach whichever tests pytest-xdist deals to that process next."""
+    precision = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
 @pytest.fixture(scope='session')  # one for the suite, as when it was one module
 def data_dir(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp('data')
     prepare(dataset='default', tokenizer='bytes', data_dir=str(data_dir))
     return str(data_dir)
+
+
+@pytest.fixture(scope='session')
+def repo_corpus(tmp_path_factory):
+    """The default corpus prepared in the repository's data/, for the scripts a test runs as a user would (bash
+    research/reproduce.sh prepares it there): prepared once, under a lock that the pytest-xdist workers of a run
+    share, so that no script reads it while another process writes it."""
+    with open(tmp_path_factory.getbasetemp().parent / 'repo_corpus.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return prepare(dataset='default', tokenizer='bytes')
 
 
 def tiny(data_dir, out_dir, *extra):
@@ -162,3 +188,10 @@ def trained(data_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def default_bytes(tmp_path_factory):
     return prepare(data_dir=tmp_path_factory.mktemp("data"), num_proc=2)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test named *_gpu* (it needs CUDA and is skipped without it) is marked gpu: python test_fm.py -m gpu."""
+    for item in items:
+        if '_gpu' in getattr(item, 'originalname', item.name):
+            item.add_marker(pytest.mark.gpu)

@@ -1,5 +1,5 @@
 """The test suite: `python test_fm.py` runs all of it, this file and tests/ (pytest; minutes on 2 CPU cores), but the
-tests marked slow (real sizes on a GPU: .ci/gpu runs them), on every core where pytest-xdist is installed (`-n 1`:
+tests marked slow (real sizes on a GPU: .ci/gpu runs them), on every core where pytest-xdist is installed (`-n 0`:
 one process). `python test_fm.py -m core`: the core checks alone (the tests marked @core, all in this file), in under
 a minute; `-m gpu`: the tests that need CUDA (named *_gpu*).
 

@@ -109,8 +109,9 @@ def test_eval_help_names_the_help_of_each_mode(capsys):
     assert 'python eval.py routing --help' in capsys.readouterr().out
 
 
-def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path):
+def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path, monkeypatch):
     """A checkpoint of cl100k_base on the bytes of the default corpus's long.bin: refused before any work."""
+    monkeypatch.chdir(tmp_path)  # eval.py makes the default --out's folder, results/, here
     ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
     torch.save({**ckpt, 'tokenizer': 'cl100k_base'}, tmp_path / 'ckpt.pt')
     long_bin = os.path.join(ckpt['data_state']['folder'], 'long.bin')
@@ -299,7 +300,7 @@ def test_extrapolation_models_match_in_parameters():
     assert seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3'] and seeds['fm-k16-gate'] == ['1', '2']
 
 
-def test_reproduce_frontier_dry_run(tmp_path):
+def test_reproduce_frontier_dry_run(repo_corpus, tmp_path):
     """bash research/reproduce.sh frontier on the CPU, 2 steps a run, one size and one learning rate a model: every
     run in frontier.csv, at its best rate, with its training FLOPs and losses at 2x and 8x the context."""
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), JOBS='3', SIZES='1M',
@@ -586,7 +587,7 @@ def test_frontier_evaluates_only_the_runs_without_losses(tmp_path, monkeypatch):
     assert sorted(points) == ['attn', 'fm m=8 k=3 tau=1']
 
 
-def test_reproduce_skips_the_runs_of_an_earlier_machine(tmp_path):
+def test_reproduce_skips_the_runs_of_an_earlier_machine(repo_corpus, tmp_path):
     """bash research/reproduce.sh frontier on the CPU (2 steps a run, one size, one rate a model) with PREVIOUS, whose
     frontier.csv lists the Mamba-2 run: that run is not trained here, the others are, and frontier.csv holds all
     three, the earlier one as it was."""

@@ -1,10 +1,12 @@
 """The README's commands (Quickstart, Training, Sampling, Evaluating) in order, at toy size."""
 
 import os
+from pathlib import Path
 
 import torch
 
 import eval as evaluation
+import prepare_data
 import sample
 import train
 from conftest import REPO
@@ -56,7 +58,8 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     assert len(commands) - len(skipped) >= 9
     os.symlink(os.path.join(REPO, 'config'), tmp_path / 'config')
     os.symlink(data_dir, tmp_path / 'data')
-    monkeypatch.setattr(evaluation, 'DEFAULT_DATA_DIR', data_dir)  # eval.py's default: the suite's prepared copy
+    monkeypatch.setattr(prepare_data, 'DEFAULT_DATA_DIR', Path(data_dir))  # the default: the suite's prepared copy,
+    monkeypatch.setattr(evaluation, 'DEFAULT_DATA_DIR', data_dir)  # not the repository's data/ (parallel workers)
     monkeypatch.chdir(tmp_path)
     mains = {'train.py': train.main, 'sample.py': sample.main, 'eval.py': evaluation.main,
              'research/analysis.py': analysis.main}
