@@ -245,7 +245,8 @@ def time_chain(products, x, weights):
 
 def bench_gemv():
     """Products of one and 64 rows at fm_1b's shapes, bf16: cuBLAS (F.linear), inductor's coordinate-descent
-    tuned product (a reduction for one row) and, for one row, fm_kernel.decode_product (the decoding step's down product), as
+    tuned product (a reduction for one row) and, for one row, fm_kernel.decode_product (the decoding step's down
+    product), as
     GB/s of weight and activations read and written, and as % of the copy bandwidth measured in the same run."""
     bandwidth = measure_ceilings()[0]
     rows = []
@@ -260,7 +261,8 @@ def bench_gemv():
             row = {"product": name, "rows": batch}
             torch._dynamo.reset()  # a compile per shape (dynamo's recompile limit)
             compiled = torch.compile(F.linear, dynamic=False, options={"coordinate_descent_tuning": True})
-            ways = {"cuBLAS": F.linear, "inductor": compiled, **({"Triton": fm_kernel.decode_product} if batch == 1 else {})}
+            triton = {"Triton": fm_kernel.decode_product} if batch == 1 else {}
+            ways = {"cuBLAS": F.linear, "inductor": compiled, **triton}
             for way, linear in ways.items():
                 us = time_chain(lambda x, ws: [linear(x, w) for w in ws], x, weights)
                 row.update({f"{way} us": us, f"{way} GB/s": moved / us / 1e3,
@@ -270,7 +272,8 @@ def bench_gemv():
         del weights
     print(f"\nproducts at fm_1b's decoding shapes, bf16, each weight read from memory (CUDA graph of a chain over "
           f"256 MB of weights); copy bandwidth {bandwidth / 1e12:.2f} TB/s measured now. inductor: coordinate-"
-          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: fm_kernel.decode_product, one row")
+          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: fm_kernel.decode_product, "
+          f"one row")
     print_table(rows)
 
 
@@ -644,7 +647,7 @@ def decode_profile_lines(prof, title, steps, top=25):
              f"(compiled step run eagerly, mean of {steps} steps)", f"  {'kind':14s} {'launches':>8s} {'us':>8s}"]
     for kind, (launches, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {kind:14s} {launches / steps:8.0f} {us / steps:8.1f}")
-    lines.append(f"  kernels by time (us a step, launches a step, kind, name):")
+    lines.append("  kernels by time (us a step, launches a step, kind, name):")
     for (kind, name), (launches, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"  {us / steps:8.1f} {launches / steps:5.0f}x  {kind:13s} {name[:100]}")
     return lines

@@ -397,7 +397,7 @@ class Mamba2(nn.Module):
         self.head_dim, self.d_state, self.chunk_size = config.mamba_head_dim, config.d_state, config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
         self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # fm_kernel.causal_conv
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # causal_conv's
         dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform in [1e-3, 0.1]
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from conftest import (CUDA, DEVICE, REPO, core, needs_triton, randomized, rel_err, save_model_checkpoint,  # first: sets TRITON_INTERPRET
-                      tiny_config, using_scan)
+from conftest import (CUDA, DEVICE, REPO, core, needs_triton, randomized, rel_err,  # first: sets TRITON_INTERPRET
+                      save_model_checkpoint, tiny_config, using_scan)
 import pytest
 
 import fm_kernel
@@ -439,7 +439,8 @@ def test_triton_decode_product_matches_naive(N, K, poisoned_outputs):
     assert rel_err(fm_kernel.decode_product(x, weight), fm_kernel.decode_product_naive(x, weight)) < 1e-12
     x16, weight16 = x.bfloat16(), weight.bfloat16()
     y16 = fm_kernel.decode_product(x16, weight16)
-    assert y16.dtype == torch.bfloat16 and rel_err(y16, fm_kernel.decode_product_naive(x16.double(), weight16.double())) < 1e-2
+    want = fm_kernel.decode_product_naive(x16.double(), weight16.double())
+    assert y16.dtype == torch.bfloat16 and rel_err(y16, want) < 1e-2
     torch.library.opcheck(fm_kernel._decode_product, (x16, weight16))
 
 
@@ -449,7 +450,7 @@ def test_decode_product_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match="one row"):
             fm_kernel.decode_product(x.to(DEVICE), weight.to(DEVICE))
     with pytest.raises(ValueError, match="one dtype"):
-        fm_kernel.decode_product(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE, dtype=torch.float64))
+        fm_kernel.decode_product(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE).double())
 
 
 @needs_triton
@@ -804,7 +805,8 @@ ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperatu
 
 def fm_model(router='standard', **overrides):
     """A tiny FM model whose layers are one of ROUTERS, named as a forker names a mixer of their own."""
-    return Model(tiny_config(mixer='fm' if router == 'standard' else f'test_fm:{ROUTERS[router].__name__}', **overrides))
+    mixer = 'fm' if router == 'standard' else f'test_fm:{ROUTERS[router].__name__}'
+    return Model(tiny_config(mixer=mixer, **overrides))
 
 
 def decodes_as_it_trains(model, idx, prompt):
@@ -860,7 +862,7 @@ def test_the_fused_router_is_the_router_as_written():
     import inspect
     source = ''.join(inspect.getsource(getattr(FactorizationMemory, name)) for name in ('route', 'router_scores'))
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    assert model_module.FUSED_ROUTER == digest, f'route or router_scores changed: see this test; then set FUSED_ROUTER = {digest!r}'
+    assert model_module.FUSED_ROUTER == digest, f'route or router_scores changed (see this test): FUSED_ROUTER = {digest!r}'
     assert FactorizationMemory(tiny_config()).fused_router
 
 

@@ -322,7 +322,7 @@ def resume(cfg, run, ckpt):
     """The step, the losses, the optimizer's, the loss scaler's and every random state of ckpt: the run goes on as if
     it had not stopped (the batches too, unless the world size or the training data changed). TrainError for another
     tokenizer, other model settings (block_size aside: this run's) or no steps to go."""
-    path, saved = run.folder / 'ckpt.pt', ckpt['model_config']
+    path, saved = run.folder / 'ckpt.pt', asdict(ModelConfig(**ckpt['model_config']))  # resolved, as asked is
     if ckpt['tokenizer'] != cfg.tokenizer:
         raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses {cfg.tokenizer!r}: '
                          f'pass --tokenizer={ckpt["tokenizer"]}')
