@@ -27,10 +27,16 @@ def load_config(config, argv, types=None, config_files=True, program=None):
         if not arg.startswith('--'):  # a config file: the names it sets
             settings, where = dict(config), f'{arg}: '
             try:
-                exec(compile(open(arg).read(), arg, 'exec'), settings)
+                with open(arg, encoding='utf-8') as f:
+                    source = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f'{arg} is not a config file that can be read ({type(e).__name__}): a config file '
+                                  f'is Python text, e.g. config/fm_small.py') from None
+            try:
+                exec(compile(source, arg, 'exec'), settings)
             except Exception as e:  # named by its line in the file
-                line = e.lineno if isinstance(e, SyntaxError) else [
-                    frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == arg][-1]
+                lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == arg]
+                line = e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]
                 error = e.msg if isinstance(e, SyntaxError) else f'{type(e).__name__}: {e}'
                 raise ConfigError(f'{arg}, line {line}: {error}: fix the config file') from None
         for key, value in settings.items():

@@ -807,7 +807,12 @@ def run_routing(cfg, out_dirs):
     checkpoints = [open_checkpoint(out_dir, cfg['ckpt']) for out_dir in out_dirs]
     for (ckpt, path), out_dir in zip(checkpoints, out_dirs):
         check_out(os.path.join(out_dir, 'routing'))  # routing.json goes there: refused now, not after the work
-        if model_file.mixer_family(ckpt['model_config']['mixer']) != 'fm':
+        try:
+            family = model_file.mixer_family(ckpt['model_config']['mixer'])
+        except Exception as e:  # a module:Class mixer that does not import here
+            raise EvalError(f"{path}: its mixer {ckpt['model_config']['mixer']!r} cannot be loaded here "
+                            f"({type(e).__name__}: {e})") from None
+        if family != 'fm':
             raise EvalError(f"{path} is a {ckpt['model_config']['mixer']} model: routing is measured on FM "
                             f"checkpoints only")
         tokenizer_of(ckpt, path)

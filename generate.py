@@ -80,7 +80,7 @@ def step_scores(layer, x):  # x (B, d_model) -> (B, M + 2); a parallel pass (B, 
     """FactorizationMemory.router_scores of a compiled decoding step as one reduction, (x W^T) written out, which
     inductor fuses with the weights' cast and concatenation (as two products: cast and concatenation kernels and
     two cuBLAS calls, fm_1b's step 0.83 -> 1.01 ms at batch 1 and 1.12 -> 1.46 ms at batch 64 on an H200)."""
-    if x.dim() != 2:
+    if x.dim() != 2 or not torch.compiler.is_compiling():  # eager, or a parallel pass: the model's own
         return type(layer).router_scores(layer, x)
     dtype = compute_dtype(x.dtype)
     weight = torch.cat([layer.router.weight, layer.rates.weight]).to(dtype)  # (M + 2, d_model)

@@ -38,7 +38,7 @@ PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per
 @dataclass
 class ModelConfig:
     """Model hyper-parameters, checked and resolved on construction (a None field takes the value its comment
-    names)."""
+    names; so dataclasses.replace keeps resolved values: build a new ModelConfig from the settings instead)."""
     vocab_size: int = 256  # tokens the embedding holds (train.py sets it from the tokenizer)
     block_size: int = 256  # training context in tokens; the model itself has no length limit
     n_layer: int = 4  # blocks
@@ -80,6 +80,9 @@ class ModelConfig:
             block = 0 if self.family != 'fm' else self.d_memory * (
                 self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1))
             self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64) - round(block / (3 * self.d_model))
+            if self.d_ff < 0:
+                raise ValueError(f"ModelConfig.d_ff=None resolves to {self.d_ff}: FM's block (W_z, the convolution) "
+                                 f"takes more weights than the MLP has; set d_ff, or a smaller d_memory")
 
     mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
     mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
@@ -103,7 +106,7 @@ class ModelConfig:
               'must be >= 0 (0: blocks without an MLP, as the original Mamba-2) or None')
         try:
             family = self.family
-        except (ImportError, AttributeError, ValueError) as e:
+        except Exception as e:  # an import of module:Class fails in any way
             check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)}, or module:Class extending "
                                   f"one of theirs, e.g. research.levers:RowRatesFM ({type(e).__name__}: {e})")
         if family in ('fm', 'mamba2'):
@@ -397,7 +400,7 @@ class Mamba2(nn.Module):
         self.head_dim, self.d_state, self.chunk_size = config.mamba_head_dim, config.d_state, config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
         self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # causal_conv's
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # fm_kernel.causal_conv's
         dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform in [1e-3, 0.1]
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)

@@ -666,12 +666,14 @@ def test_router_weights_sum_to_one_over_k_rows(top_k):
     assert ((eta > 0) & (eta < 1) & (mu > 0) & (mu < 1)).all()
 
 
-def test_router_reduction_of_a_compiled_step_matches_the_product():
+def test_router_reduction_of_a_compiled_step_matches_the_product(monkeypatch):
     """generate.step_scores, the router's scores as one float32 reduction for a compiled decoding step, gives the rows
     and weights of router_scores' products (and a parallel pass goes to the products)."""
     layer = randomized(FactorizationMemory(tiny_config(top_k=3)))
     x = torch.randn(17, 32)
     reduced = functools.partial(generate.step_scores, layer)
+    assert torch.equal(reduced(x), layer.router_scores(x))  # eager: the model's own products
+    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)  # as in a compiled step: the reduction
     idx, *weights = fm_kernel.route_naive(layer.router_scores(x), 3, layer.tau)
     idx_reduced, *weights_reduced = fm_kernel.route_naive(reduced(x), 3, layer.tau)
     assert torch.equal(idx, idx_reduced)
@@ -889,6 +891,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
         for name in ('fm_step', 'fm_route_step'):
             step = getattr(fm_kernel, name)
             patch.setattr(fm_kernel, name, lambda *args, step=step, **kw: steps.append(step) or step(*args, **kw))
+        patch.setattr(torch.compiler, 'is_compiling', lambda: True)  # generate.py's tricks as in a compiled step
         patch.setattr(fm_kernel, 'decode_linear', lambda x, weight: F.linear(x, weight) if x.dim() != 2 else
                       torch.cat([fm_kernel.decode_product(row[None], weight) for row in x]))  # every step's rows
         logits, _ = model(idx)

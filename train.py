@@ -65,7 +65,7 @@ batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
 vocab_multiple = 64  # pad the model's vocab up to a multiple of this when the tokenizer has more than 256 tokens
 # model: these, and every other ModelConfig field of model.py at its default, can be set
-mixer = 'fm'  # 'fm', 'attn' or 'mamba2'
+mixer = 'fm'  # 'fm', 'attn', 'mamba2', or module:Class extending one (e.g. research.levers:RowRatesFM)
 n_layer = 4  # blocks
 d_model = 128  # width of the residual stream
 # fm
@@ -145,7 +145,8 @@ def settings(argv):
             raise ConfigError(message)
     try:
         config = ModelConfig(**model_args(cfg), vocab_size=get_tokenizer(cfg.tokenizer).vocab_size)
-        config.validate()
+        with torch.device('meta'):  # no memory: a mixer of one's own checks its settings as it is built
+            Model(config)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
     check_device(cfg.device)
@@ -213,7 +214,7 @@ def save(cfg, run, names):
                            run.tokens_per_iter}}
     state = {**ckpt['model'], **{f"the optimizer's {key} of parameter {i}": value
                                  for i, values in ckpt['optimizer']['state'].items() for key, value in values.items()}}
-    sums = {name: t.sum(dtype=torch.float32) for name, t in state.items() if t.is_floating_point()}  # one sync
+    sums = {name: t.sum(dtype=torch.float32) for name, t in state.items() if t.is_floating_point()}  # all launched
     broken = [name for name, s in sums.items() if not math.isfinite(s) and not state[name].isfinite().all()]
     if broken:
         diverged(run, f'{broken[0]} is not finite (NaN or infinity) at step {run.iter_num}')
@@ -330,7 +331,7 @@ def resume(cfg, run, ckpt):
     changed = [k for k, v in saved.items() if k != 'block_size' and asked.get(k) != v]
     if changed:
         raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
-                         f'for {", ".join(f"{k}={vars(cfg).get(k)!r}" for k in changed)}. A run resumes with the '
+                         f'for {", ".join(f"{k}={asked.get(k)!r}" for k in changed)}. A run resumes with the '
                          f'model it trained: drop those settings (or give the config file it started with), or '
                          f'train the new model in a new --out_dir')
     if ckpt['iter_num'] >= cfg.max_iters:

@@ -327,6 +327,10 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
     ('--fm_conv=-1', 'ModelConfig.fm_conv=-1: must be 0 (no convolution) to 16 taps'),
     ('--fm_conv=1000', 'ModelConfig.fm_conv=1000: must be 0 (no convolution) to 16 taps'),
     ('--tau=1e-30', 'ModelConfig.tau=1e-30: must be at least 1e-3'),
+    ('--d_memory=4096', "ModelConfig.d_ff=None resolves to -"),  # the block's weights exceed the MLP's
+    ('--mixer=research.levers:HeadsFM', 'HeadsFM splits the rows into 4 heads'),  # top_k=2: a check of the mixer's
+    ('--mixer=research.nothing:X', "ModelConfig.mixer='research.nothing:X': unknown mixer"),
+    ('FILE', 'is not a config file that can be read (UnicodeDecodeError)'),  # a token file given as a config
     ('--batch_size=100000000', '--batch_size=100000000 x --block_size=48 tokens a micro-batch need more than'),
     ('--data_dir=FILE', 'is a file: give the folder of prepare_data.py'),
     *([] if importlib.util.find_spec('wandb') else [('--wandb_log=True', '--wandb_log=True needs wandb: pip install')]),
@@ -651,7 +655,7 @@ def test_resume_keeps_the_model_and_needs_steps_to_go(data_dir, tmp_path, traine
     copy_run(trained, tmp_path, ['ckpt.pt'])
     with pytest.raises(train.TrainError) as error:
         train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume', '--n_memory=16', '--top_k=None'))
-    assert 'holds a model with n_memory=8, top_k=2; this run asks for n_memory=16, top_k=None' in str(error.value)
+    assert 'holds a model with n_memory=8, top_k=2; this run asks for n_memory=16, top_k=16' in str(error.value)
     assert 'new --out_dir' in str(error.value)
     with pytest.raises(train.TrainError, match='is at step 8, which --max_iters=8 does not pass: set --max_iters '
                                                'above 8'):
