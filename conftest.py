@@ -5,6 +5,8 @@ repo_corpus) and the helpers several test files use (`from conftest import ...`)
 import contextlib
 import fcntl
 import os
+import re
+import subprocess
 from dataclasses import fields
 
 import torch
@@ -195,3 +197,13 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if '_gpu' in getattr(item, 'originalname', item.name):
             item.add_marker(pytest.mark.gpu)
+
+
+def reproduce_sh(call, **env):
+    """The output of `call` in bash after the definitions of research/reproduce.sh's functions (not its main part)."""
+    with open(os.path.join(REPO, 'research', 'reproduce.sh')) as f:
+        functions = re.findall(r'^\w+\(\) \{.*?^\}$', f.read(), re.M | re.S)
+    run = subprocess.run(['bash', '-c', '\n'.join(['set -euo pipefail', *functions, call])], cwd=REPO,
+                         capture_output=True, text=True, env={**os.environ, **env})
+    assert run.returncode == 0, run.stderr
+    return run.stdout

@@ -14,6 +14,7 @@ around its scan): fm_conv, a short causal convolution + SiLU on the values, W_i 
 output gate, y = W_o (read-out * silu(W_z x)).
 """
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -192,10 +193,11 @@ def triton_step(h):
 FUSED_ROUTER = '53b30c0b08165db9'
 
 
-def routes_as_the_kernel(module):
-    """Whether module routes as fm_route_step does: its class's route and router_scores hash to FUSED_ROUTER."""
+@functools.cache  # a class's source is read once, not once a layer
+def routes_as_the_kernel(cls):
+    """Whether an FM class routes as fm_route_step does: its route and router_scores hash to FUSED_ROUTER."""
     try:
-        source = ''.join(inspect.getsource(getattr(type(module), name)) for name in ('route', 'router_scores'))
+        source = ''.join(inspect.getsource(getattr(cls, name)) for name in ('route', 'router_scores'))
     except (OSError, TypeError):  # no source to compare (e.g. a frozen build): route as written
         return False
     return hashlib.sha256(source.encode()).hexdigest()[:16] == FUSED_ROUTER
@@ -215,7 +217,7 @@ class FactorizationMemory(nn.Module):
         dim = self.d_memory
         self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on the values
         self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
-        self.fused_router = routes_as_the_kernel(self)
+        self.fused_router = routes_as_the_kernel(type(self))
 
     def router_scores(self, x):
         """x (..., d_model) -> (..., M + 2): W_alpha x, then the logits of eta and mu, in at least float32 (so that

@@ -1,11 +1,11 @@
 """
 Levers that might make FM's memory rows hold long-range information (issue 39), each a subclass of model.py's
-FactorizationMemory that train.py takes as --mixer=research.levers:ClassName (research/levers_fm.py: the 4.1M block):
-    python train.py research/levers_fm.py --mixer=research.levers:RowRatesFM --seed=1 --out_dir=out-levers-rowrates
+FactorizationMemory that train.py takes as --mixer=research.levers:ClassName, here on the 4.1M block:
+    python train.py research/extrapolation_fm.py --fm_conv=4 --fm_gate=True --mixer=research.levers:RowRatesFM
 At 4.1M parameters on long documents, one row per layer takes most of the router's weight and is rewritten every 2-3
 tokens; the write gate eta = sigmoid(w_eta.x + b_eta) starts near 0.5 for every token and no row has a rate of its
 own, where Mamba-2 starts its heads at a spread of decay rates. The fourth lever, what the model is asked to
-remember, is a config: research/levers_fm_ctx2048.py (a context of 2048, the same tokens a step).
+remember, is a context of 2048 with the same tokens a step (--batch_size=8 --block_size=2048).
 A class that overrides route decodes through it (model.routes_as_the_kernel); LowWriteFM keeps the fused kernel.
 """
 import math

@@ -287,20 +287,20 @@ scaling() {
 # ----------------------------------------------------------------------------- levers (issue 39)
 # bash research/reproduce.sh levers: levers for long-range memory (research/levers.py): FM's block at 4.1M
 # parameters (the extrapolation subset's fm-k16-block runs, trained once for both) and each lever on it
-# (research/levers_fm.py --mixer=research.levers:CLASS; ctx2048: the block trained at a context of 2048,
-# research/levers_fm_ctx2048.py), each at LRS_FM_BLOCK x SEEDS (MODELS: some of levers_models). Writes levers.txt,
+# (fm-k16-block's arguments and --mixer=research.levers:CLASS; ctx2048: the block trained at a context of 2048, the
+# same tokens a step), each at LRS_FM_BLOCK x SEEDS (MODELS: some of levers_models). Writes levers.txt,
 # levers_lr.csv, _best.txt (the 512 runs), levers_ctx2048_lr.csv, _best.txt (its validation loss is at 2048), and
 # levers.csv, .json, .png: loss by position of each model at its best rate. With PREVIOUS, its levers*_lr.csv runs
 # and fm-k16-block's of its extrapolation_lr.csv are not trained again (their loss by position: its results).
 
-levers_models() {  # MODEL train.py-arguments (fm-k16-block: extrapolation_model's)
+levers_models() {  # MODEL train.py-arguments after fm-k16-block's (extrapolation_model's)
     cat <<'EOF'
 fm-k16-block
-LowWriteFM research/levers_fm.py --mixer=research.levers:LowWriteFM
-RowRatesFM research/levers_fm.py --mixer=research.levers:RowRatesFM
-HeadsFM research/levers_fm.py --mixer=research.levers:HeadsFM
-Heads16FM research/levers_fm.py --mixer=research.levers:Heads16FM
-ctx2048 research/levers_fm_ctx2048.py
+LowWriteFM --mixer=research.levers:LowWriteFM
+RowRatesFM --mixer=research.levers:RowRatesFM
+HeadsFM --mixer=research.levers:HeadsFM
+Heads16FM --mixer=research.levers:Heads16FM
+ctx2048 --batch_size=8 --block_size=2048
 EOF
 }
 
@@ -313,7 +313,7 @@ levers_runs() {  # each model at each rate of LRS_FM_BLOCK, each seed of SEEDS; 
             if [[ $model == fm-k16-block ]]; then
                 lr_runs "extrapolation/$model" "$model" "$seed" $(extrapolation_model "$model")
             else
-                lr_runs "levers/$model" fm-block "$seed" $args
+                lr_runs "levers/$model" fm-block "$seed" $(extrapolation_model fm-k16-block) $args
             fi
         done
     done | while read -r name rest; do

@@ -20,7 +20,7 @@ import eval as evaluation
 import fm_kernel
 import prepare_data
 from configurator import ConfigError, load_config
-from conftest import REPO, build, defaults, save_model_checkpoint, tiny_config
+from conftest import REPO, build, defaults, reproduce_sh, save_model_checkpoint, tiny_config
 from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import get_tokenizer
 from research import analysis
@@ -234,16 +234,6 @@ def test_reproduction_configs_differ_only_in_the_model():
         assert abs(n_params[name] / n_params['fm'] - 1) < 0.005, n_params
         assert training[name] == training['fm'], name
     assert training['fm']['block_size'] == 512
-
-
-def reproduce_sh(call, **env):
-    """The output of `call` in bash after the definitions of research/reproduce.sh's functions (not its main part)."""
-    with open(os.path.join(REPO, 'research', 'reproduce.sh')) as f:
-        functions = re.findall(r'^\w+\(\) \{.*?^\}$', f.read(), re.M | re.S)
-    run = subprocess.run(['bash', '-c', '\n'.join(['set -euo pipefail', *functions, call])], cwd=REPO,
-                         capture_output=True, text=True, env={**os.environ, **env})
-    assert run.returncode == 0, run.stderr
-    return run.stdout
 
 
 def test_frontier_sizes_match_in_parameters():

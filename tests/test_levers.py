@@ -4,8 +4,6 @@ build the 4.1M block within 0.5% of its parameters."""
 
 import math
 import os
-import re
-import subprocess
 from dataclasses import asdict, fields
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import load_config
-from conftest import REPO, defaults, randomized, rel_err, save_model_checkpoint, tiny, tiny_config
+from conftest import defaults, randomized, rel_err, reproduce_sh, save_model_checkpoint, tiny, tiny_config
 from model import Model, ModelConfig
 from research import levers
 
@@ -133,16 +131,6 @@ def test_train_py_trains_a_lever(data_dir, tmp_path):
     assert ckpt['model_config']['mixer'] == 'research.levers:RowRatesFM' and ckpt['iter_num'] == 2
     start = torch.logit(torch.logspace(math.log10(1e-3), math.log10(0.5), 8))
     assert not torch.allclose(ckpt['model']['blocks.0.mixer.row_rate'], start)
-
-
-def reproduce_sh(call, **env):
-    """The output of `call` in bash after the definitions of research/reproduce.sh's functions."""
-    with open(os.path.join(REPO, 'research', 'reproduce.sh')) as f:
-        functions = re.findall(r'^\w+\(\) \{.*?^\}$', f.read(), re.M | re.S)
-    run = subprocess.run(['bash', '-c', '\n'.join(['set -euo pipefail', *functions, call])], cwd=REPO,
-                         capture_output=True, text=True, env={**os.environ, **env})
-    assert run.returncode == 0, run.stderr
-    return run.stdout
 
 
 def test_the_levers_subset_trains_the_block_and_each_lever_matched():
