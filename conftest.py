@@ -147,11 +147,11 @@ def corrupt(path, offset, data):
 
 @pytest.fixture(autouse=True)
 def float32_matmul_precision():
-    """Each test starts at the default float32 precision: train.main on a GPU sets TF32 for its process, which would
-    reach whichever tests pytest-xdist deals to that process next."""
-    precision = torch.get_float32_matmul_precision()
+    """Each test starts and ends at the default float32 precision (no TF32): train.main on a GPU sets TF32 for its
+    process, which would reach whichever tests pytest-xdist deals to that process next."""
+    torch.set_float32_matmul_precision('highest')
     yield
-    torch.set_float32_matmul_precision(precision)
+    torch.set_float32_matmul_precision('highest')
 
 
 @pytest.fixture(scope='session')  # one for the suite, as when it was one module

@@ -56,31 +56,42 @@ def fm_scan_torch_fp32(xbar, theta, phi, h0=None, eps=1e-6):
     return y.to(xbar.dtype), h
 
 
-def scan_gaps(model, idx, scan, reference):
-    """Relative gaps between two scans at the same weights and batch, under bf16 autocast: of the loss, of the
-    whole gradient (all parameters as one vector), and of each parameter's gradient {name: gap}."""
+def fm_scan_torch_fp64(xbar, theta, phi, h0=None, eps=1e-6):
+    """fm_scan_torch in float64 (no TF32 can reach it); y and h like xbar."""
+    y, h = fm_scan_torch(xbar.double(), theta.double(), phi.double(), None if h0 is None else h0.double(), eps)
+    return y.to(xbar.dtype), h.to(xbar.dtype)
+
+
+def scan_gaps(model, idx, scan, reference, dtype=torch.bfloat16):
+    """Relative gaps between two scans at the same weights and batch, under autocast to dtype (none for float32): of
+    the loss, of the whole gradient (all parameters as one vector), and of each parameter's gradient {name: gap}.
+    Leaves scan's gradients in the parameters' .grad."""
     results = []
-    for fn in (scan, reference):
+    for fn in (reference, scan):  # scan's gradients are left in .grad
         model.zero_grad(set_to_none=True)
-        with using_scan(fn), torch.autocast('cuda', dtype=torch.bfloat16):
+        with using_scan(fn), torch.autocast(idx.device.type, dtype=dtype, enabled=dtype != torch.float32):
             _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
         results.append((loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
-    (loss, grads), (loss_ref, grads_ref) = results
-    model.zero_grad(set_to_none=True)
+    (loss_ref, grads_ref), (loss, grads) = results
     flat = [torch.cat([g.flatten() for g in gradients.values()]) for gradients in (grads, grads_ref)]
     whole = rel_err(*flat)
     return abs(loss - loss_ref) / loss_ref, whole, {name: rel_err(grads[name], grads_ref[name]) for name in grads}
 
 
-def train_losses(scan, steps, device, dtype, batches=None, probe=None, **overrides):
-    """Losses of AdamW steps of a small FM model whose layers use scan, cycling over batches (N, B, T + 1)
-    (default: 4 fixed random batches of vocab 64); probe(step, model, idx), if given, runs before each step."""
+def small_fm(device, **overrides):
+    """A small FM model (seed 0) on device, its AdamW optimizer and 4 fixed random batches (4, B, T + 1), vocab 64."""
     torch.manual_seed(0)
     model = Model(tiny_config(**{'mixer': 'fm', 'top_k': 2, **overrides})).to(device)
     optimizer = model.configure_optimizers(0.0, 3e-3, (0.9, 0.95), device)
-    if batches is None:
-        batches = torch.randint(0, 64, (4, 4, 33), generator=torch.Generator().manual_seed(1))
+    batches = torch.randint(0, 64, (4, 4, 33), generator=torch.Generator().manual_seed(1))
+    return model, optimizer, batches.to(device)
+
+
+def train_losses(scan, steps, device, dtype, batches, probe=None, **overrides):
+    """Losses of AdamW steps of small_fm(device, **overrides) whose layers use scan, cycling over batches (N, B, T + 1);
+    probe(step, model, idx), if given, runs before each step."""
+    model, optimizer, _ = small_fm(device, **overrides)
     batches = batches.to(device)
     losses = []
     for step in range(steps):
@@ -106,10 +117,16 @@ def text_batches(n, batch_size, block_size, data_dir):
 
 @needs_triton
 def test_training_with_triton_scan_matches_torch_scan():
-    """The model trained through fm_scan follows the fm_scan_torch loss curve (float32, CPU interpreter or GPU)."""
-    triton_losses = train_losses(fm_scan, 6, DEVICE, torch.float32)
-    torch_losses = train_losses(fm_scan_torch, 6, DEVICE, torch.float32)
-    assert triton_losses == pytest.approx(torch_losses, rel=1e-4)
+    """6 float32 AdamW steps through fm_scan; at each step's weights the loss and the gradients agree with those of
+    fm_scan_torch in float64 on the same batch. Compared at shared weights, as the bf16 test below: two free-running
+    loss curves part by rounding that the top-k amplifies (4.6e-4 relative by step 5 in a GPU suite run)."""
+    model, optimizer, batches = small_fm(DEVICE)
+    for step in range(6):
+        loss_gap, _, grad_gaps = scan_gaps(model, batches[step % len(batches)], fm_scan, fm_scan_torch_fp64,
+                                           torch.float32)
+        optimizer.step()  # with fm_scan's gradients
+        assert loss_gap < 1e-4, step  # measured on the CPU: at most 1.2e-7, gradients 9.5e-7
+        assert max(grad_gaps.values()) < 1e-4, (step, grad_gaps)
 
 
 @pytest.mark.skipif(not CUDA, reason="a few hundred GPU steps")
