@@ -32,6 +32,7 @@ import numpy as np
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config
+from model import mixer_family
 from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
                   load_documents, loss_at, open_checkpoint, pyplot, save_figure, take_all, take_subcommand)
 
@@ -70,7 +71,7 @@ def scaling_row(path):
     """The scaling record of one FM run's checkpoint (its final validation loss when eval_interval = max_iters)."""
     ckpt = load_checkpoint(path)
     config = ckpt['model_config']
-    if config['mixer'] != 'fm':
+    if mixer_family(config['mixer']) != 'fm':  # the paper's layer, the block or a variant (research/levers.py)
         raise EvalError(f"{path} is a {config['mixer']} run, not an FM run: give --runs folders of FM runs only")
     return {'run': path.parent.name, 'n_memory': config['n_memory'], 'top_k': config['top_k'] or config['n_memory'],
             'tau': config['tau'], 'val_loss': ckpt['best_val_loss'], 'iter_num': ckpt['iter_num'],

@@ -5,7 +5,9 @@ FactorizationMemory that train.py takes as --mixer=research.levers:ClassName, he
 At 4.1M parameters on long documents, one row per layer takes most of the router's weight and is rewritten every 2-3
 tokens; the write gate eta = sigmoid(w_eta.x + b_eta) starts near 0.5 for every token and no row has a rate of its
 own, where Mamba-2 starts its heads at a spread of decay rates. The fourth lever, what the model is asked to
-remember, is a context of 2048 with the same tokens a step (--batch_size=8 --block_size=2048).
+remember, is a context of 2048 with the same tokens a step (--batch_size=8 --block_size=2048); the fifth caps the
+write rate (SlowWriteFM); the sixth, a longer local path that might free the rows from buffering the last few tokens,
+is --fm_conv=16 (alone and with SlowWriteFM).
 A class that overrides route decodes through it (model.routes_as_the_kernel); LowWriteFM keeps the fused kernel.
 """
 import math
@@ -84,3 +86,13 @@ class Heads16FM(HeadsFM):
     """3. HeadsFM with 16 heads: at m = 64, k = 16, one row of 4 a head, every selected row at alpha = 1/16 (the
     router picks rows but cannot weight them: the opposite of one row taking most of the weight)."""
     HEADS = 16
+
+
+class SlowWriteFM(FactorizationMemory):
+    """5. Writes capped: eta = ETA_MAX sigmoid(w_eta.x + b_eta), so a selected row keeps at least 1 - ETA_MAX of what
+    it holds each token (the block's heaviest row is written at theta ~0.4 a token: rewritten every 2-3 tokens)."""
+    ETA_MAX = 0.1
+
+    def route(self, x):
+        idx, alpha, eta, mu = super().route(x)
+        return idx, alpha, self.ETA_MAX * eta, mu

@@ -37,7 +37,8 @@
 #   LRS_FM_BLOCK="1e-3 2e-3 4e-3"     FM with a gate, a conv or both
 #   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
 #   MEMORIES="256 128 64 32 16", TAUS="1 0.5 0.25 0.125"  the scaling subset's m and tau; VARIANT=block: FM with the
-#                           block (its runs in RUNS/scaling-block)
+#                           block (its runs in RUNS/scaling-block), VARIANT=RowRatesFM (a class of research/levers.py):
+#                           that lever on the block
 #   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv
 #                           and scaling.csv list are not trained again; the tables and plots include them
 #   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its
@@ -154,13 +155,15 @@ extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments (th
         fm-k16-block) echo research/extrapolation_fm.py --fm_conv=4 --fm_gate=True;;
         fm-dense-block) echo research/extrapolation_fm.py --top_k=None --fm_conv=4 --fm_gate=True;;
         fm-k4-block) echo research/extrapolation_fm.py --top_k=4 --fm_conv=4 --fm_gate=True;;
+        fm-k16-rowrates-block) echo research/extrapolation_fm.py --fm_conv=4 --fm_gate=True \
+                                    --mixer=research.levers:RowRatesFM;;  # the best lever (research/levers.py)
     esac
 }
 
-extrapolation_models() {  # MODEL SEEDS...: the paper's layer and the best variant with three seeds, the rest two
+extrapolation_models() {  # MODEL SEEDS...: Mamba-2, the paper's layer and the best variant with 3 seeds, the rest 2
     cat <<'EOF'
 transformer 1 2
-mamba2 1 2
+mamba2 1 2 3
 fm-k16 1 2 3
 fm-dense 1 2
 fm-k4 1 2
@@ -226,6 +229,7 @@ frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MO
 4M fm-k16-block
 2M fm-k16-block --n_layer=12 --d_model=128
 1M fm-k16-block --n_layer=6 --d_model=128
+8M fm-k16-rowrates-block --n_layer=12
 EOF
 }
 
@@ -263,7 +267,8 @@ routing() {  # the extrapolation subset's FM runs at their best rates (run it fi
 
 scaling() {
     local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant=
-    [[ $VARIANT == block ]] && variant="--fm_conv=4 --fm_gate=True"
+    [[ -n $VARIANT ]] && variant="--fm_conv=4 --fm_gate=True"
+    [[ -n $VARIANT && $VARIANT != block ]] && variant+=" --mixer=research.levers:$VARIANT"  # a lever on the block
     [[ -n $PREVIOUS && -f $PREVIOUS/$subset.csv ]] &&
         done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/$subset.csv")"
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
@@ -288,10 +293,11 @@ scaling() {
 # bash research/reproduce.sh levers: levers for long-range memory (research/levers.py): FM's block at 4.1M
 # parameters (the extrapolation subset's fm-k16-block runs, trained once for both) and each lever on it
 # (fm-k16-block's arguments and --mixer=research.levers:CLASS; ctx2048: the block trained at a context of 2048, the
-# same tokens a step), each at LRS_FM_BLOCK x SEEDS (MODELS: some of levers_models). Writes levers.txt,
-# levers_lr.csv, _best.txt (the 512 runs), levers_ctx2048_lr.csv, _best.txt (its validation loss is at 2048), and
-# levers.csv, .json, .png: loss by position of each model at its best rate. With PREVIOUS, its levers*_lr.csv runs
-# and fm-k16-block's of its extrapolation_lr.csv are not trained again (their loss by position: its results).
+# same tokens a step; conv16: a convolution of 16 taps), each at LRS_FM_BLOCK x SEEDS (MODELS: some of
+# levers_models). Writes levers.txt, levers_lr.csv, _best.txt (the 512 runs), levers_ctx2048_lr.csv, _best.txt (its
+# validation loss is at 2048), and levers.csv, .json, .png: loss by position of each model at its best rate. With
+# PREVIOUS, its levers*_lr.csv runs and fm-k16-block's of its extrapolation_lr.csv are not trained again (their loss
+# by position: its results).
 
 levers_models() {  # MODEL train.py-arguments after fm-k16-block's (extrapolation_model's)
     cat <<'EOF'
@@ -301,6 +307,9 @@ RowRatesFM --mixer=research.levers:RowRatesFM
 HeadsFM --mixer=research.levers:HeadsFM
 Heads16FM --mixer=research.levers:Heads16FM
 ctx2048 --batch_size=8 --block_size=2048
+SlowWriteFM --mixer=research.levers:SlowWriteFM
+conv16 --fm_conv=16
+SlowWriteFM-conv16 --mixer=research.levers:SlowWriteFM --fm_conv=16
 EOF
 }
 

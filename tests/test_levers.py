@@ -13,10 +13,10 @@ import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import load_config
 from conftest import defaults, randomized, rel_err, reproduce_sh, save_model_checkpoint, tiny, tiny_config
-from model import Model, ModelConfig
+from model import FactorizationMemory, Model, ModelConfig
 from research import levers
 
-MIXERS = {name: f'research.levers:{name}' for name in ('LowWriteFM', 'RowRatesFM', 'HeadsFM')}
+MIXERS = {name: f'research.levers:{name}' for name in ('LowWriteFM', 'RowRatesFM', 'HeadsFM', 'SlowWriteFM')}
 CASES = {'block-sparse': dict(top_k=4, fm_conv=4, fm_gate=True),
          'block-dense': dict(top_k=None, fm_conv=4, fm_gate=True), 'paper-sparse': dict(top_k=4)}
 
@@ -70,6 +70,17 @@ def test_the_levers_start_at_the_rates_they_promise(top_k):
         assert (eta / rates).log().abs().max() < 1  # w_eta.x: small at init (std 0.02 sqrt(d_model))
     no_decay = rows.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu').param_groups[1]
     assert no_decay['weight_decay'] == 0.0 and any(p is rows.blocks[0].mixer.row_rate for p in no_decay['params'])
+
+
+def test_slow_writes_stay_below_their_cap():
+    """SlowWriteFM's eta is ETA_MAX = 0.1 times the standard router's (below 0.1 at any input), the rest of the
+    routing the standard router's."""
+    torch.manual_seed(0)
+    layer = randomized(Model(tiny_config(mixer=MIXERS['SlowWriteFM'], top_k=4))).double().blocks[0].mixer
+    x = torch.randn(50, 32, dtype=torch.float64)
+    (idx, alpha, eta, mu), standard = layer.route(x), FactorizationMemory.route(layer, x)
+    assert torch.equal(idx, standard[0]) and torch.equal(alpha, standard[1]) and torch.equal(mu, standard[3])
+    assert torch.equal(eta, 0.1 * standard[2]) and eta.max() <= 0.1 < standard[2].max()
 
 
 class Heads2FM(levers.HeadsFM):
@@ -136,10 +147,10 @@ def test_train_py_trains_a_lever(data_dir, tmp_path):
 def test_the_levers_subset_trains_the_block_and_each_lever_matched():
     """reproduce.sh levers: the block (the extrapolation subset's own run lines) and each lever, each rate x seed;
     every model the 4.1M block within 0.5% of its parameters, at the block's context or (ctx2048) 4x it with the
-    same tokens a step."""
+    same tokens a step, its convolution of 4 taps or (conv16) 16."""
     lines = reproduce_sh('levers_runs', LRS_FM_BLOCK='1e-3 2e-3', SEEDS='1 2', MODELS='', PREVIOUS='').splitlines()
     names = [line.split()[0] for line in lines]
-    assert len(names) == 6 * 2 * 2 and 'extrapolation/fm-k16-block-lr2e-3-s2' in names
+    assert len(names) == 9 * 2 * 2 and 'extrapolation/fm-k16-block-lr2e-3-s2' in names
     assert 'levers/RowRatesFM-lr1e-3-s1' in names and 'levers/ctx2048-lr2e-3-s2' in names
     block_line = reproduce_sh('extrapolation_runs', LRS_FM_BLOCK='2e-3', SEEDS='1', MODELS='fm-k16-block')
     assert block_line.strip() in lines
@@ -151,8 +162,8 @@ def test_the_levers_subset_trains_the_block_and_each_lever_matched():
             model = Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
                                       vocab_size=256))
         counts[line.split()[0].rsplit('-lr', 1)[0]] = model.num_params()
-        assert (c['n_memory'], c['top_k'], c['fm_conv'], c['fm_gate'], c['n_layer'], c['d_model']) == \
-            (64, 16, 4, True, 6, 256), line
+        assert (c['n_memory'], c['top_k'], c['fm_gate'], c['n_layer'], c['d_model']) == (64, 16, True, 6, 256), line
+        assert c['fm_conv'] == (16 if 'conv16' in line.split()[0] else 4), line
         assert c['batch_size'] * c['block_size'] == 32 * 512 and c['max_iters'] == 640, line
     block = counts['extrapolation/fm-k16-block']
     assert block == 4_135_180 and counts['levers/RowRatesFM'] == block + 6 * 64
