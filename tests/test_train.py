@@ -129,6 +129,19 @@ def test_training_with_triton_scan_matches_torch_scan():
         assert max(grad_gaps.values()) < 1e-4, (step, grad_gaps)
 
 
+@pytest.fixture(scope='session')
+def tf32_in_a_session_fixture():
+    """As the session fixture `trained` does on a GPU (train.main sets TF32), before any test's own fixtures run."""
+    torch.set_float32_matmul_precision('high')
+
+
+def test_each_test_starts_without_tf32(tf32_in_a_session_fixture):
+    """conftest's autouse fixture sets float32 precision at each test's start, not only back to what it found there: a
+    session fixture's TF32 had reached every later test of its worker (on a GPU: the fp32 test above, its gradients
+    off 5e-4 to 1e-3 in .ci/gpu on 2026-11-27)."""
+    assert torch.get_float32_matmul_precision() == 'highest'
+
+
 @pytest.mark.skipif(not CUDA, reason="a few hundred GPU steps")
 def test_training_with_triton_scan_matches_torch_scan_gpu_bf16(tmp_path):
     """300 bf16 steps on text through fm_scan; every 50 steps, at the weights reached, the loss and the
