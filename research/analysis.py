@@ -20,8 +20,14 @@ Memory scaling (paper Figure 5), from the validation losses of FM runs (a folder
 command wrote):
     python research/analysis.py scaling --runs=out-repro/scaling --out=results/scaling
 Writes --out's .csv (every run) and .png (each m at its best tau).
+
+The gap to a reference model past the context, from eval.py's loss by position (its .json, here --runs): each
+model's loss so far, mean over its seeds, minus the reference's (a word of its model name), by position:
+    python research/analysis.py gap --runs=results/levers.json --runs=results/extrapolation.json --reference=mamba2
+Writes --out's .png.
 """
 import csv
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,13 +40,18 @@ from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config
 from model import mixer_family
 from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
-                  load_documents, loss_at, open_checkpoint, pyplot, save_figure, take_all, take_subcommand)
+                  load_documents, loss_at, open_checkpoint, pyplot, save_figure, seed_groups, take_all,
+                  take_subcommand)
 
 SCALING_SETTINGS = dict(
     out='results/scaling',  # writes out.csv and out.png
 )
 SWEEP_SETTINGS = dict(
     out='results/sweep',  # writes out.csv and out_best.txt
+)
+GAP_SETTINGS = dict(
+    reference='mamba2',  # the model the others are measured against: a word of its name in eval.py's tables
+    out='results/gap',  # writes out.png
 )
 FRONTIER_SETTINGS = dict(  # the loss beyond the context: as eval.py's loss by position
     data='',  # '': the default corpus's long.bin; or a token file (.bin), a .txt file or a folder of .txt files
@@ -55,10 +66,12 @@ SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m r
     'k = m/4': lambda m, k: 4 * k == m,
     'k = 4': lambda m, k: k == 4,
 }
-USAGE = 'research/analysis.py sweep|frontier|scaling --runs=PATH --key=value ...; routing and harness are in eval.py'
+USAGE = ('research/analysis.py sweep|frontier|scaling|gap --runs=PATH --key=value ...; routing and harness are in '
+         'eval.py')
 RUNS = {  # what --runs takes
     'sweep': 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote',
     'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
+    'gap': "a .json that eval.py's loss by position wrote",
 }
 SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'val_loss', 'iter_num', 'max_iters')
 SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
@@ -396,6 +409,67 @@ def run_frontier(cfg, sources):
     return records, points
 
 
+# ----------------------------------------------------------------------------- the gap to a reference past the context
+
+def mean_so_far(group):
+    """A seed group's checkpoints -> {t: loss so far, mean over them} at each t that all of them have."""
+    tables = [{row['t']: row['loss'] for row in result['loss_so_far']} for result in group]
+    return {t: float(np.mean([table[t] for table in tables])) for t in sorted(set.intersection(*map(set, tables)))}
+
+
+def gaps(results, reference):
+    """eval.py's loss-by-position results -> {model label: {t: its mean loss so far minus the reference's}}, the
+    reference the one seed group whose model name holds that word."""
+    means = {f"{g[0]['model']}, context {g[0]['block_size']} (seeds: {len(g)})": mean_so_far(g)
+             for g in seed_groups(results)}
+    matches = [label for label in means if reference in label.split(',')[0].split()]
+    if len(matches) != 1:
+        raise EvalError(f"--reference={reference} names {len(matches)} of the models ({'; '.join(means)}): give a "
+                        f"word of one model's name")
+    base = means.pop(matches[0])
+    return matches[0], {label: {t: loss - base[t] for t, loss in m.items() if t in base} for label, m in means.items()}
+
+
+def plot_gaps(reference, table, contexts, path):
+    """Each model's gap to the reference against t from 64 on (log scale; before, the gap swings by nats), the
+    training contexts marked. -> whether it wrote the plot (False without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for label, gap in table.items():
+        shown = {t: g for t, g in gap.items() if t >= 64}
+        ax.plot(list(shown), list(shown.values()), marker='.', label=label)
+    ax.axhline(0, color='black', linewidth=1)
+    for block in contexts:
+        ax.axvline(block, color='grey', linestyle=':', linewidth=1)
+    ax.set_xscale('log', base=2)
+    ax.set(title=f"loss so far minus {reference}'s, mean over seeds", xlabel='t (positions 1..t)',
+           ylabel='gap (nats/token)')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(plt, fig, path)
+
+
+def run_gap(cfg, sources):
+    """The gaps at 1x to 256x the shortest training context and out.png."""
+    results = []
+    for path in sources:
+        with open(path) as f:
+            results += json.load(f)['checkpoints']
+    reference, table = gaps(results, cfg['reference'])
+    contexts = sorted({r['block_size'] for r in results})
+    columns = [contexts[0] * 8 ** i for i in range(4)]
+    width = max(map(len, table), default=0)
+    print(f'loss so far minus that of {reference}')
+    print(f"{'model, training context (seeds)':<{width}}" + ''.join(f'{f"t = {t:,}":>12}' for t in columns))
+    for label, gap in table.items():
+        print(f'{label:<{width}}' + ''.join(f'{gap[t]:>+12.4f}' if t in gap else f"{'-':>12}" for t in columns))
+    if plot_gaps(cfg['reference'], table, contexts, f"{cfg['out']}.png"):
+        print(f"wrote {cfg['out']}.png")
+    return table
+
+
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=()):
@@ -405,7 +479,7 @@ def main(argv=()):
     if argv[:1] in (['-h'], ['--help']):
         print(__doc__)
         return None
-    modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS}
+    modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS, 'gap': GAP_SETTINGS}
     mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode], __file__))
@@ -414,7 +488,7 @@ def main(argv=()):
     cfg = load_config(modes[mode], argv, config_files=False, program='research/analysis.py')
     check_ranges(cfg)
     check_out(cfg['out'])
-    runs = RUNS['scaling' if mode == 'scaling' else 'sweep']
+    runs = RUNS.get(mode, RUNS['sweep'])
     if not sources:
         raise ConfigError(f'--runs is missing: give {runs} (--runs may repeat)')
     for source in sources:
@@ -424,6 +498,8 @@ def main(argv=()):
         return run_scaling(cfg, sources)
     if mode == 'sweep':
         return run_sweep(cfg, sources)
+    if mode == 'gap':
+        return run_gap(cfg, sources)
     check_device(cfg['device'], cfg['dtype'])
     return run_frontier(cfg, sources)
 

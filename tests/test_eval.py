@@ -332,6 +332,35 @@ def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
     assert again == rows
 
 
+def positions_result(model, seed, losses, block_size=512):
+    """A hand-made checkpoint of eval.py's loss-by-position .json: loss so far {t: loss}."""
+    return {'model': model, 'block_size': block_size, 'model_config': {'mixer': model, 'block_size': block_size},
+            'tokenizer': 'bytes', 'iter_num': 10, 'train_config': {'seed': seed, 'out_dir': f'{model}-s{seed}'},
+            'loss_so_far': [{'t': t, 'loss': loss} for t, loss in losses.items()]}
+
+
+def test_gap_takes_each_model_against_the_reference_mean_over_seeds(tmp_path, capsys):
+    """analysis.py gap: each seed group's mean loss so far minus the reference's, at the positions both have, from
+    several .json files; a reference word naming no model, or two, is refused with the models' names."""
+    first, second = tmp_path / 'a.json', tmp_path / 'b.json'
+    first.write_text(json.dumps({'checkpoints': [
+        positions_result('6x256 mamba2', 1, {512: 1.5, 4096: 1.4}),
+        positions_result('6x256 mamba2', 2, {512: 1.7, 4096: 1.6})]}))
+    second.write_text(json.dumps({'checkpoints': [
+        positions_result('6x256 fm m=64', 1, {512: 1.9, 4096: 1.5, 32768: 1.4}),
+        positions_result('6x256 fm m=64', 2, {512: 1.7, 4096: 1.7}),
+        positions_result('6x256 fm m=64', 1, {512: 2.0, 4096: 1.6}, block_size=2048)]}))
+    table = analysis.main(['gap', f'--runs={first}', f'--runs={second}', f'--out={tmp_path / "gap"}'])
+    assert table.keys() == {'6x256 fm m=64, context 512 (seeds: 2)', '6x256 fm m=64, context 2048 (seeds: 1)'}
+    assert table['6x256 fm m=64, context 512 (seeds: 2)'] == pytest.approx({512: 0.2, 4096: 0.1})
+    assert table['6x256 fm m=64, context 2048 (seeds: 1)'] == pytest.approx({512: 0.4, 4096: 0.1})
+    assert 'loss so far minus that of 6x256 mamba2, context 512 (seeds: 2)' in capsys.readouterr().out
+    for word, named in (('transformer', 0), ('fm', 2)):
+        with pytest.raises(evaluation.EvalError, match=f'--reference={word} names {named} of the models'):
+            analysis.main(['gap', f'--runs={first}', f'--runs={second}', f'--reference={word}',
+                           f'--out={tmp_path / "gap"}'])
+
+
 def sweep_record(model, lr, seed, loss, finished=True):
     """A hand-made run record of analysis.py's sweep."""
     return {'run': f'{model}-lr{lr:g}-s{seed}', 'model': model, 'learning_rate': lr, 'seed': seed, 'val_loss': loss,
