@@ -95,7 +95,7 @@ LOWEST = {  # numeric setting -> (the lowest value it takes, what it is), for th
 }
 RUN_NAMING = ('seed', 'out_dir', 'init_from', 'overwrite', 'wandb_log', 'wandb_project', 'wandb_run_name',  # train.py
               'log_interval', 'data_dir', 'verify_data', 'compile', 'device')  # settings that leave the model as it is
-USAGE = 'eval.py [routing|harness] --key=value ...; sweep, frontier and scaling are in research/analysis.py'
+USAGE = 'eval.py [routing|harness] --key=value ...; sweep, frontier, scaling and gap are in research/analysis.py'
 ETA_BINS = 20  # the histogram of eta over [0, 1]
 ROUTING_PLOT_MAX = 12  # checkpoints in the heat maps of --out.png
 LOSS_SLICE = 1024  # positions whose logits are formed at once: (1024, V) float32 is 0.4 GB at a 100K vocabulary
@@ -909,7 +909,7 @@ def main(argv=()):
     """python eval.py [routing|harness] --key=value ... -> the subcommand's results (None for --help)."""
     argv = list(argv)
     modes = {'positions': POSITION_SETTINGS, 'harness': HARNESS_SETTINGS, 'routing': ROUTING_SETTINGS}
-    moved = dict.fromkeys(('sweep', 'frontier', 'scaling'), 'research/analysis.py')
+    moved = dict.fromkeys(('sweep', 'frontier', 'scaling', 'gap'), 'research/analysis.py')
     mode = take_subcommand(argv, modes, USAGE, moved, default='positions')
     settings = modes[mode]
     if '-h' in argv or '--help' in argv:

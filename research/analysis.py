@@ -38,10 +38,10 @@ import numpy as np
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config
-from model import mixer_family
 from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
                   load_documents, loss_at, open_checkpoint, pyplot, save_figure, seed_groups, take_all,
                   take_subcommand)
+from model import mixer_family
 
 SCALING_SETTINGS = dict(
     out='results/scaling',  # writes out.csv and out.png
@@ -418,10 +418,17 @@ def mean_so_far(group):
 
 
 def gaps(results, reference):
-    """eval.py's loss-by-position results -> {model label: {t: its mean loss so far minus the reference's}}, the
-    reference the one seed group whose model name holds that word."""
-    means = {f"{g[0]['model']}, context {g[0]['block_size']} (seeds: {len(g)})": mean_so_far(g)
-             for g in seed_groups(results)}
+    """eval.py's loss-by-position results -> (the reference's label, {model label: {t: its mean loss so far minus the
+    reference's}}), the reference the one seed group whose model name holds that word."""
+    means, names = {}, set()
+    for group in seed_groups(results):
+        first = group[0]
+        name = f"{first['model']}, context {first['block_size']}, lr {first['train_config']['learning_rate']:g}"
+        if name in names:
+            raise EvalError(f'two groups of checkpoints are both {name} (trained with other settings or to another '
+                            f'step): give --runs files that hold one of them')
+        names.add(name)
+        means[f'{name} (seeds: {len(group)})'] = mean_so_far(group)
     matches = [label for label in means if reference in label.split(',')[0].split()]
     if len(matches) != 1:
         raise EvalError(f"--reference={reference} names {len(matches)} of the models ({'; '.join(means)}): give a "
@@ -452,17 +459,22 @@ def plot_gaps(reference, table, contexts, path):
 
 
 def run_gap(cfg, sources):
-    """The gaps at 1x to 256x the shortest training context and out.png."""
-    results = []
+    """The gaps at 1x, 8x, 64x and 512x the shortest training context, and out.png."""
+    results = {}  # checkpoint -> its result: one that two --runs files hold counts once
     for path in sources:
-        with open(path) as f:
-            results += json.load(f)['checkpoints']
-    reference, table = gaps(results, cfg['reference'])
-    contexts = sorted({r['block_size'] for r in results})
+        try:
+            with open(path) as f:
+                checkpoints = json.load(f)['checkpoints']
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise EvalError(f"--runs={path}: not a .json of eval.py's loss by position ({type(e).__name__}): give "
+                            f"the out.json of `python eval.py --out_dir=... --out=out`") from None
+        results.update({r['checkpoint']: r for r in checkpoints})
+    reference, table = gaps(list(results.values()), cfg['reference'])
+    contexts = sorted({r['block_size'] for r in results.values()})
     columns = [contexts[0] * 8 ** i for i in range(4)]
     width = max(map(len, table), default=0)
     print(f'loss so far minus that of {reference}')
-    print(f"{'model, training context (seeds)':<{width}}" + ''.join(f'{f"t = {t:,}":>12}' for t in columns))
+    print(f"{'model, training context, lr (seeds)':<{width}}" + ''.join(f'{f"t = {t:,}":>12}' for t in columns))
     for label, gap in table.items():
         print(f'{label:<{width}}' + ''.join(f'{gap[t]:>+12.4f}' if t in gap else f"{'-':>12}" for t in columns))
     if plot_gaps(cfg['reference'], table, contexts, f"{cfg['out']}.png"):
@@ -473,8 +485,8 @@ def run_gap(cfg, sources):
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=()):
-    """python research/analysis.py sweep|frontier|scaling --runs=... --key=value ... -> the subcommand's results (None
-    for --help)."""
+    """python research/analysis.py sweep|frontier|scaling|gap --runs=... --key=value ... -> the subcommand's results
+    (None for --help)."""
     argv = list(argv)
     if argv[:1] in (['-h'], ['--help']):
         print(__doc__)

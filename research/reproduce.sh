@@ -12,7 +12,8 @@
 #   bash research/reproduce.sh routing        # eval.py routing (which memory rows the tokens use, by selection and by
 #                                             # weight) of the extrapolation subset's FM runs at their best rates
 #   bash research/reproduce.sh scaling        # Figure 5: FM with m = 16..256, dense / k = 4 / k = m/4, tau = 1..0.125
-#                                             # (research/scaling_fm.py, 56 runs; VARIANT=block: with the block);
+#                                             # (research/scaling_fm.py, 56 runs; VARIANT=block: with the block,
+#                                             # VARIANT=RowRatesFM: a lever of research/levers.py on it);
 #                                             # validation loss at each m's best tau
 # Every run trains 640 steps of 32 x 512 bytes = 10.5M bytes (scaling: 480 x 16 x 512 = 3.9M), about 1.9 passes
 # over the 5.5M-byte training split, with min_lr = learning_rate / 10.
@@ -233,10 +234,15 @@ frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MO
 EOF
 }
 
+frontier_lever() {  # frontier_lever MODEL: whether MODEL is frontier_sizes' last line, the best lever of
+    # research/levers.py (issue 39), and MODELS leaves it out: it trains only where MODELS names it
+    [[ $1 == fm-k16-rowrates-block && " $MODELS " != *" $1 "* ]]
+}
+
 frontier_runs() {  # each model of SIZES at each learning rate of its grid, seed 1
     local size model args
     frontier_sizes | while read -r size model args; do
-        [[ " $SIZES " == *" $size "* ]] && selected "$model" || continue
+        [[ " $SIZES " == *" $size "* ]] && selected "$model" && ! frontier_lever "$model" || continue
         # shellcheck disable=SC2046,SC2086  # the config and its arguments: several words
         if [[ -z $args ]]; then
             lr_runs "extrapolation/$model" "$model" 1 $(extrapolation_model "$model")
@@ -267,6 +273,10 @@ routing() {  # the extrapolation subset's FM runs at their best rates (run it fi
 
 scaling() {
     local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant=
+    if [[ -n $VARIANT && $VARIANT != block ]] && ! grep -q "^class $VARIANT(" research/levers.py; then
+        echo "VARIANT=$VARIANT: give block or a class of research/levers.py" >&2
+        return 2
+    fi
     [[ -n $VARIANT ]] && variant="--fm_conv=4 --fm_gate=True"
     [[ -n $VARIANT && $VARIANT != block ]] && variant+=" --mixer=research.levers:$VARIANT"  # a lever on the block
     [[ -n $PREVIOUS && -f $PREVIOUS/$subset.csv ]] &&

@@ -269,11 +269,16 @@ def test_frontier_sizes_match_in_parameters():
     extrapolation = reproduce_sh('extrapolation_runs', **grids).splitlines()
     assert len(at_4m) == 6 and set(at_4m) == {line for line in extrapolation if ' --seed=1' in line
                                               and not line.startswith('extrapolation/fm-dense')}
+    at_8m = [line.split()[0] for line in reproduce_sh('frontier_runs', SIZES='8M', **{**grids, 'MODELS': ''})
+             .splitlines()]  # every model, the lever only where MODELS names it
+    assert len(at_8m) == 6 and not any('rowrates' in name for name in at_8m)
+    lever = reproduce_sh('frontier_runs', SIZES='8M', **{**grids, 'MODELS': 'fm-k16-rowrates-block'}).split()
+    assert lever[0] == 'frontier/fm-k16-rowrates-block-8M-lr2e-3-s1' and '--mixer=research.levers:RowRatesFM' in lever
 
 
 def test_extrapolation_models_match_in_parameters():
     """Every model of reproduce.sh's extrapolation subset (the variants of FM's block through d_ff) has the
-    non-embedding parameters of FM k = 16 within 0.3%; the paper's layer and the block have three seeds."""
+    non-embedding parameters of FM k = 16 within 0.3%; Mamba-2, the paper's layer and the block have three seeds."""
     config, types = defaults()
     params, seeds = {}, {}
     for line in reproduce_sh('extrapolation_models | while read -r model seeds; do '
@@ -289,7 +294,8 @@ def test_extrapolation_models_match_in_parameters():
     assert {'fm-k16-gate', 'fm-k16-conv', 'fm-k16-block', 'fm-dense-block', 'fm-k4-block'} <= set(params)
     for model, n in params.items():
         assert abs(n / params['fm-k16'] - 1) < 0.003, (model, n)
-    assert seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3'] and seeds['fm-k16-gate'] == ['1', '2']
+    assert seeds['mamba2'] == seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3']
+    assert seeds['fm-k16-gate'] == ['1', '2']
 
 
 def test_reproduce_frontier_dry_run(repo_corpus, tmp_path):
@@ -334,31 +340,41 @@ def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
 
 def positions_result(model, seed, losses, block_size=512):
     """A hand-made checkpoint of eval.py's loss-by-position .json: loss so far {t: loss}."""
-    return {'model': model, 'block_size': block_size, 'model_config': {'mixer': model, 'block_size': block_size},
-            'tokenizer': 'bytes', 'iter_num': 10, 'train_config': {'seed': seed, 'out_dir': f'{model}-s{seed}'},
+    return {'checkpoint': f'{model}-{block_size}-s{seed}', 'model': model, 'block_size': block_size,
+            'model_config': {'mixer': model, 'block_size': block_size}, 'tokenizer': 'bytes', 'iter_num': 10,
+            'train_config': {'seed': seed, 'out_dir': f'{model}-s{seed}', 'learning_rate': 2e-3},
             'loss_so_far': [{'t': t, 'loss': loss} for t, loss in losses.items()]}
 
 
 def test_gap_takes_each_model_against_the_reference_mean_over_seeds(tmp_path, capsys):
     """analysis.py gap: each seed group's mean loss so far minus the reference's, at the positions both have, from
-    several .json files; a reference word naming no model, or two, is refused with the models' names."""
-    first, second = tmp_path / 'a.json', tmp_path / 'b.json'
-    first.write_text(json.dumps({'checkpoints': [
-        positions_result('6x256 mamba2', 1, {512: 1.5, 4096: 1.4}),
-        positions_result('6x256 mamba2', 2, {512: 1.7, 4096: 1.6})]}))
-    second.write_text(json.dumps({'checkpoints': [
-        positions_result('6x256 fm m=64', 1, {512: 1.9, 4096: 1.5, 32768: 1.4}),
-        positions_result('6x256 fm m=64', 2, {512: 1.7, 4096: 1.7}),
-        positions_result('6x256 fm m=64', 1, {512: 2.0, 4096: 1.6}, block_size=2048)]}))
-    table = analysis.main(['gap', f'--runs={first}', f'--runs={second}', f'--out={tmp_path / "gap"}'])
-    assert table.keys() == {'6x256 fm m=64, context 512 (seeds: 2)', '6x256 fm m=64, context 2048 (seeds: 1)'}
-    assert table['6x256 fm m=64, context 512 (seeds: 2)'] == pytest.approx({512: 0.2, 4096: 0.1})
-    assert table['6x256 fm m=64, context 2048 (seeds: 1)'] == pytest.approx({512: 0.4, 4096: 0.1})
-    assert 'loss so far minus that of 6x256 mamba2, context 512 (seeds: 2)' in capsys.readouterr().out
+    several .json files (a checkpoint in two of them counted once); refused: a reference word naming no model or
+    two, two groups that only other settings tell apart, a file that is not eval.py's .json."""
+    first, second, third = tmp_path / 'a.json', tmp_path / 'b.json', tmp_path / 'c.json'
+    mamba = [positions_result('6x256 mamba2', 1, {512: 1.5, 4096: 1.4}),
+             positions_result('6x256 mamba2', 2, {512: 1.7, 4096: 1.6})]
+    fm = [positions_result('6x256 fm m=64', 1, {512: 1.9, 4096: 1.5, 32768: 1.4}),
+          positions_result('6x256 fm m=64', 2, {512: 1.7, 4096: 1.7}),
+          positions_result('6x256 fm m=64', 1, {512: 2.0, 4096: 1.6}, block_size=2048)]
+    first.write_text(json.dumps({'checkpoints': mamba + fm[:1]}))
+    second.write_text(json.dumps({'checkpoints': fm}))
+    out = f'--out={tmp_path / "gap"}'
+    table = analysis.main(['gap', f'--runs={first}', f'--runs={second}', out])
+    assert table.keys() == {'6x256 fm m=64, context 512, lr 0.002 (seeds: 2)',
+                            '6x256 fm m=64, context 2048, lr 0.002 (seeds: 1)'}
+    assert table['6x256 fm m=64, context 512, lr 0.002 (seeds: 2)'] == pytest.approx({512: 0.2, 4096: 0.1})
+    assert table['6x256 fm m=64, context 2048, lr 0.002 (seeds: 1)'] == pytest.approx({512: 0.4, 4096: 0.1})
+    assert 'loss so far minus that of 6x256 mamba2, context 512, lr 0.002 (seeds: 2)' in capsys.readouterr().out
     for word, named in (('transformer', 0), ('fm', 2)):
         with pytest.raises(evaluation.EvalError, match=f'--reference={word} names {named} of the models'):
-            analysis.main(['gap', f'--runs={first}', f'--runs={second}', f'--reference={word}',
-                           f'--out={tmp_path / "gap"}'])
+            analysis.main(['gap', f'--runs={first}', f'--runs={second}', f'--reference={word}', out])
+    longer = {**fm[1], 'checkpoint': 'longer', 'iter_num': 20}  # the same label, trained to another step
+    third.write_text(json.dumps({'checkpoints': [longer]}))
+    with pytest.raises(evaluation.EvalError, match='two groups of checkpoints are both 6x256 fm m=64, context 512'):
+        analysis.main(['gap', f'--runs={first}', f'--runs={second}', f'--runs={third}', out])
+    third.write_text('{"run": 1}')
+    with pytest.raises(evaluation.EvalError, match=r"c.json: not a .json of eval.py's loss by position \(KeyError\)"):
+        analysis.main(['gap', f'--runs={third}', out])
 
 
 def sweep_record(model, lr, seed, loss, finished=True):

@@ -170,6 +170,13 @@ def test_the_levers_subset_trains_the_block_and_each_lever_matched():
     assert all(abs(n / block - 1) < 0.005 for n in counts.values()), counts
 
 
+@pytest.mark.parametrize('variant', ['conv16', 'NoSuchFM'])
+def test_scaling_refuses_a_variant_that_is_no_lever(variant):
+    """VARIANT=<a class of research/levers.py> puts that lever on the block; any other word is refused before a run."""
+    out = reproduce_sh('scaling 2>&1 || echo "exit $?"', VARIANT=variant, MEMORIES='16', TAUS='1')
+    assert out == f'VARIANT={variant}: give block or a class of research/levers.py\nexit 2\n'
+
+
 def test_routing_statistics_take_a_rate_a_row():
     """eval.py routing's write weights per row with RowRatesFM's rate a selected row: eta_i * alpha_i where each
     row is selected, summed over the tokens."""
