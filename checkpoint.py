@@ -1,5 +1,6 @@
 """Checkpoints of train.py: atomic saves; loads that verify the CRC-32s torch.save writes (0.5 s a GB) and weights."""
 import errno
+import math
 import os
 import shutil
 import sys
@@ -42,6 +43,13 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
         ) from None
 
 
+def nonfinite(tensors):
+    """The names of the floating-point tensors of a {name: tensor} dict that hold a NaN or an infinity: one sum a
+    tensor, all launched before the first waits; an exact check only where a sum is not finite."""
+    sums = {name: t.sum(dtype=torch.float32) for name, t in tensors.items() if t.is_floating_point()}
+    return [name for name, total in sums.items() if not math.isfinite(total) and not tensors[name].isfinite().all()]
+
+
 def load_checkpoint(path, advise=True):
     """The checkpoint at path on the CPU (memory-mapped: DDP ranks share the pages); CheckpointError in one line, and
     what to use instead, if it is missing, unreadable, damaged (a CRC-32 fails) or holds weights that are not finite."""
@@ -58,7 +66,7 @@ def load_checkpoint(path, advise=True):
         if not checked:
             print(f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
         missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
-        broken = [] if bad or missing else [name for name, t in ckpt['model'].items() if not t.isfinite().all()]
+        broken = [] if bad or missing else nonfinite(ckpt['model'])
         problem = (f'is damaged: the bytes of its record {bad} do not match the checksum saved with them' if bad else
                    f'is not a checkpoint of this train.py (missing {", ".join(missing)})' if missing else
                    f'holds weights that are not finite (NaN or infinity in {", ".join(broken[:3])}): it was saved by '

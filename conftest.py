@@ -100,6 +100,14 @@ def randomized(model, seed=0):
     return model
 
 
+def decodes_as_it_trains(model, idx, prompt):
+    """The relative gap between model's forward logits and prefill(prompt tokens) + one step a token after them."""
+    logits, _ = model(idx)
+    last, state = model.prefill(idx[:, :prompt], max_len=idx.shape[1])
+    stepped = [last] + [model.step(idx[:, t], state) for t in range(prompt, idx.shape[1])]
+    return rel_err(torch.stack(stepped, 1), logits[:, prompt - 1:])
+
+
 @contextlib.contextmanager
 def using_scan(scan):
     """Context in which the model's FM layers run `scan` (a function like fm_scan)."""
@@ -124,13 +132,15 @@ def defaults():
     return train.default_config(), optional_types(ModelConfig)
 
 
-def build(path, meta=False):
+def build(*args):
+    """train.py's settings from args (config files and --key=value) and the Model they make, on the meta device (no
+    memory) -> (settings, model)."""
     config, types = defaults()
-    c = load_config(config, [path], types)
-    model_args = {f.name: c[f.name] for f in fields(ModelConfig) if f.name in c}
+    c = load_config(config, list(args), types)
     vocab = 100288 if c['tokenizer'] == 'cl100k_base' else 256  # cl100k_base's 100,277 padded to a multiple of 64
-    with torch.device('meta' if meta else 'cpu'):
-        return Model(ModelConfig(**model_args, vocab_size=vocab))
+    with torch.device('meta'):
+        return c, Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
+                                    vocab_size=vocab))
 
 
 TEXT = "To be, or not to be: that is the question.\n\tCafé — ‘naïve’ 🎭 ends <|endoftext|> here\n"

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from conftest import (CUDA, DEVICE, REPO, core, needs_triton, randomized, rel_err,  # first: sets TRITON_INTERPRET
-                      save_model_checkpoint, tiny_config, using_scan)
+from conftest import (CUDA, DEVICE, REPO, core, decodes_as_it_trains, needs_triton, randomized,  # first: sets
+                      rel_err, save_model_checkpoint, tiny_config, using_scan)  # TRITON_INTERPRET
 import pytest
 
 import fm_kernel
@@ -811,14 +811,6 @@ def fm_model(router='standard', **overrides):
     return Model(tiny_config(mixer=mixer, **overrides))
 
 
-def decodes_as_it_trains(model, idx, prompt):
-    """The relative gap between model's forward logits and prefill(prompt tokens) + one step a token after them."""
-    logits, _ = model(idx)
-    last, state = model.prefill(idx[:, :prompt], max_len=idx.shape[1])
-    stepped = [last] + [model.step(idx[:, t], state) for t in range(prompt, idx.shape[1])]
-    return rel_err(torch.stack(stepped, 1), logits[:, prompt - 1:])
-
-
 @core
 @pytest.mark.parametrize('router', ['override', 'temperature'])
 @pytest.mark.parametrize('top_k', [3, None])
@@ -885,8 +877,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
     randomized(original, seed=1)
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
     steps = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, _: fm_scan(x, theta, phi, h0, eps))
+    with using_scan(fm_scan), pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_module, 'triton_step', lambda h: True)
         for name in ('fm_step', 'fm_route_step'):
             step = getattr(fm_kernel, name)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import model as model_file
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, nonfinite, save_checkpoint
 from devices import check_batch_fits, check_device
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
@@ -214,8 +214,7 @@ def save(cfg, run, names):
                            run.tokens_per_iter}}
     state = {**ckpt['model'], **{f"the optimizer's {key} of parameter {i}": value
                                  for i, values in ckpt['optimizer']['state'].items() for key, value in values.items()}}
-    sums = {name: t.sum(dtype=torch.float32) for name, t in state.items() if t.is_floating_point()}  # all launched
-    broken = [name for name, s in sums.items() if not math.isfinite(s) and not state[name].isfinite().all()]
+    broken = nonfinite(state)
     if broken:
         diverged(run, f'{broken[0]} is not finite (NaN or infinity) at step {run.iter_num}')
     then = 'continue with --init_from=resume' if 'ckpt.pt' in run.saved else 'start this run again' + (

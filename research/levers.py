@@ -71,15 +71,12 @@ class HeadsFM(FactorizationMemory):
         H, M, K = self.HEADS, self.n_memory, self.top_k
         with torch.autocast(x.device.type, enabled=False):
             scores = self.router_scores(x)  # (..., M + 2)
-            probs = torch.softmax(scores[..., :-2].unflatten(-1, (H, M // H)) / self.tau, dim=-1)  # (..., H, M/H)
-            rates = torch.sigmoid(scores[..., -2:])
-            if K == M:
-                return None, probs.flatten(-2) / H, rates[..., :1], rates[..., 1:]
-            ranked, order = probs.sort(-1, descending=True)
-            alpha, idx = ranked[..., :K // H], order[..., :K // H]  # (..., H, K/H)
-            alpha = alpha / alpha.sum(-1, keepdim=True) / H
-            idx = idx + torch.arange(0, M, M // H, device=x.device)[:, None]  # each head's rows after those before
-            return idx.flatten(-2), alpha.flatten(-2), rates[..., :1], rates[..., 1:]
+            rate_logits = scores[..., None, -2:].expand(*scores.shape[:-1], H, 2)
+            heads = torch.cat([scores[..., :-2].unflatten(-1, (H, M // H)), rate_logits], -1)  # (..., H, M/H + 2)
+            idx, alpha, eta, mu = fm_kernel.route_naive(heads, K // H, self.tau)  # each head routed on its own
+            if idx is not None:
+                idx = (idx + torch.arange(0, M, M // H, device=x.device)[:, None]).flatten(-2)  # head h: its rows
+            return idx, alpha.flatten(-2) / H, eta[..., 0, :], mu[..., 0, :]
 
 
 class Heads16FM(HeadsFM):

@@ -192,6 +192,17 @@ extrapolation_runs() {  # each model at each learning rate of its grid, each of 
     done
 }
 
+positions_of_best() {  # positions_of_best OUT BEST.txt...: eval.py's loss by position of the run folders listed
+    # (a sweep's best-rate runs) that hold a checkpoint here, into RESULTS/OUT; attention runs a document in one pass:
+    # its first 32,768 positions (64x its context), the others whole
+    local out=$1 runs
+    shift
+    runs=$(cat "$@" | while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
+    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its results"; return 0; }
+    # shellcheck disable=SC2086  # several --out_dir
+    python eval.py $runs --max_len=32768 --out="$RESULTS/$out"
+}
+
 extrapolation() {
     extrapolation_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
@@ -200,13 +211,8 @@ extrapolation() {
     [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
     python research/analysis.py sweep $runs --out="$RESULTS/extrapolation_lr"
-    # each model at its best learning rate, every seed (those trained here; an earlier machine's are in its results);
-    # attention runs a document in one pass: its first 32,768 positions (64x its context), the others whole
-    runs=$(while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done \
-           < "$RESULTS/extrapolation_lr_best.txt")
-    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its results"; return 0; }
-    # shellcheck disable=SC2086  # several --out_dir
-    python eval.py $runs --max_len=32768 --out="$RESULTS/extrapolation"
+    # each model at its best learning rate, every seed (those trained here; an earlier machine's are in its results)
+    positions_of_best extrapolation "$RESULTS/extrapolation_lr_best.txt"
 }
 
 frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MODEL's, the slowest first
@@ -357,11 +363,7 @@ levers() {
     runs="$(levers_runs | grep '^levers/ctx2048' | finished) $(previous levers_ctx2048_lr.csv)"
     # shellcheck disable=SC2086  # several --runs
     [[ -z ${runs// /} ]] || python research/analysis.py sweep $runs --out="$RESULTS/levers_ctx2048_lr"
-    runs=$(cat "$RESULTS"/levers*_lr_best.txt | while read -r dir; do
-               if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
-    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its results"; return 0; }
-    # shellcheck disable=SC2086  # several --out_dir
-    python eval.py $runs --max_len=32768 --out="$RESULTS/levers"
+    positions_of_best levers "$RESULTS"/levers*_lr_best.txt
 }
 
 # ----------------------------------------------------------------------------- the subset named

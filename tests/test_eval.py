@@ -229,7 +229,7 @@ def test_reproduction_configs_differ_only_in_the_model():
              for name in ('fm', 'transformer', 'mamba2')}
     training = {name: {k: v for k, v in load_config(config, [path], types).items() if k not in architecture}
                 for name, path in paths.items()}
-    n_params = {name: build(path, meta=True).num_params(non_embedding=False) for name, path in paths.items()}
+    n_params = {name: build(path)[1].num_params(non_embedding=False) for name, path in paths.items()}
     for name in paths:
         assert abs(n_params[name] / n_params['fm'] - 1) < 0.005, n_params
         assert training[name] == training['fm'], name
@@ -241,15 +241,12 @@ def test_frontier_sizes_match_in_parameters():
     (expand 1, heads of 64, d_state 64) and FM (m = 64, k = 16, tau = 1) have the same non-embedding parameters
     within 1%, about the size's name; the 4M runs are the extrapolation subset's seed-1 runs, the same lines. At 8M
     also the best lever of research/levers.py (issue 39)."""
-    config, types = defaults()
     sizes = {}
     for line in reproduce_sh('frontier_sizes | while read -r size model args; do '
                              'echo "$size $model $(extrapolation_model "$model") $args"; done').splitlines():
         size, model, *args = line.split()
-        c = load_config(config, args, types)
-        with torch.device('meta'):
-            n = Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
-                                  vocab_size=256)).num_params()
+        c, built = build(*args)
+        n = built.num_params()
         sizes.setdefault(size, {})[model] = n
         if c['mixer'] == 'attn':
             assert c['d_model'] == 64 * c['n_head'] == 128 * c['n_kv_head'], line
@@ -279,15 +276,11 @@ def test_frontier_sizes_match_in_parameters():
 def test_extrapolation_models_match_in_parameters():
     """Every model of reproduce.sh's extrapolation subset (the variants of FM's block through d_ff) has the
     non-embedding parameters of FM k = 16 within 0.3%; Mamba-2, the paper's layer and the block have three seeds."""
-    config, types = defaults()
     params, seeds = {}, {}
     for line in reproduce_sh('extrapolation_models | while read -r model seeds; do '
                              'echo "$model $(extrapolation_model "$model")"; done').splitlines():
         model, *args = line.split()
-        c = load_config(config, args, types)
-        with torch.device('meta'):
-            params[model] = Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
-                                              vocab_size=256)).num_params()
+        params[model] = build(*args)[1].num_params()
     for line in reproduce_sh('extrapolation_models').splitlines():
         model, *model_seeds = line.split()
         seeds[model] = model_seeds

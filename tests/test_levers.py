@@ -4,29 +4,21 @@ build the 4.1M block within 0.5% of its parameters."""
 
 import math
 import os
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import pytest
 import torch
 
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import load_config
-from conftest import defaults, randomized, rel_err, reproduce_sh, save_model_checkpoint, tiny, tiny_config
+from conftest import (build, decodes_as_it_trains, randomized, rel_err, reproduce_sh, save_model_checkpoint, tiny,
+                      tiny_config)
 from model import FactorizationMemory, Model, ModelConfig
 from research import levers
 
 MIXERS = {name: f'research.levers:{name}' for name in ('LowWriteFM', 'RowRatesFM', 'HeadsFM', 'SlowWriteFM')}
 CASES = {'block-sparse': dict(top_k=4, fm_conv=4, fm_gate=True),
          'block-dense': dict(top_k=None, fm_conv=4, fm_gate=True), 'paper-sparse': dict(top_k=4)}
-
-
-def decodes_as_it_trains(model, idx, prompt):
-    """The relative gap between model's forward logits and prefill(prompt tokens) + one step a token after them."""
-    logits, _ = model(idx)
-    last, state = model.prefill(idx[:, :prompt], max_len=idx.shape[1])
-    stepped = [last] + [model.step(idx[:, t], state) for t in range(prompt, idx.shape[1])]
-    return rel_err(torch.stack(stepped, 1), logits[:, prompt - 1:])
 
 
 @pytest.mark.parametrize('case', CASES)
@@ -154,13 +146,9 @@ def test_the_levers_subset_trains_the_block_and_each_lever_matched():
     assert 'levers/RowRatesFM-lr1e-3-s1' in names and 'levers/ctx2048-lr2e-3-s2' in names
     block_line = reproduce_sh('extrapolation_runs', LRS_FM_BLOCK='2e-3', SEEDS='1', MODELS='fm-k16-block')
     assert block_line.strip() in lines
-    config, types = defaults()
     counts = {}
     for line in lines:
-        c = load_config(config, line.split()[1:], types)
-        with torch.device('meta'):
-            model = Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
-                                      vocab_size=256))
+        c, model = build(*line.split()[1:])
         counts[line.split()[0].rsplit('-lr', 1)[0]] = model.num_params()
         assert (c['n_memory'], c['top_k'], c['fm_gate'], c['n_layer'], c['d_model']) == (64, 16, True, 6, 256), line
         assert c['fm_conv'] == (16 if 'conv16' in line.split()[0] else 4), line
