@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
+import devices
 from generate import Generator, Sampling
 from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8
 
@@ -164,16 +165,11 @@ def build_model(ckpt, path, device):
 
 
 def check_device(device, dtype):
-    """ConfigError unless device names a device this machine has and dtype is one eval.py takes."""
+    """ConfigError unless device is one this machine has (as train.py and sample.py check it) and dtype is one eval.py
+    takes."""
     if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}")
-    try:
-        device = torch.device(device)
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ConfigError(f'--device={device}: this machine has no CUDA GPU (or this torch has no CUDA); '
-                          f'use --device=cpu')
+    devices.check_device(device)
 
 
 def autocast(device, dtype):

@@ -646,6 +646,18 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(repo_corpus, tmp_path):
         assert row['best_lr'] == '1' and float(row['loss_so_far_8x']) > 0
 
 
+@pytest.mark.parametrize('device, message', [
+    ('cuda:7', 'cuda:7, but this machine has'),  # a GPU it lacks: refused before any work, as train.py does
+    ('gpu', "--device=gpu is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+])
+def test_eval_and_analysis_refuse_a_device_this_machine_lacks(device, message, tmp_path):
+    out = f'--out={tmp_path / "out"}'
+    for main, argv in ((evaluation.main, [out]), (analysis.main, ['frontier', f'--runs={tmp_path}', out])):
+        with pytest.raises(ConfigError, match=re.escape(f'--device={device}')) as error:
+            main(argv + [f'--device={device}'])
+        assert message in str(error.value)
+
+
 @pytest.mark.parametrize('script, argv, message', [
     ('eval.py', ['rooting'], "unknown subcommand 'rooting': did you mean routing? (eval.py [routing|harness] --key"),
     ('eval.py', ['sweep', '--runs=x'], 'sweep is in research/analysis.py: run python research/analysis.py sweep --'),
