@@ -67,7 +67,7 @@ def _interpret_bf16_as_on_gpu():
 if fm_kernel.triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
     _interpret_bf16_as_on_gpu()
 needs_triton = pytest.mark.skipif(fm_kernel.triton is None, reason="Triton is not installed (Linux only)")
-core = pytest.mark.core  # the checks a forker runs after every change: python test_fm.py -m core (under a minute)
+core = pytest.mark.core  # the checks a forker runs after every change: python test_fm.py -m core (a minute on a GPU)
 DEVICE = "cuda" if CUDA else "cpu"
 
 
