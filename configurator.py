@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import os
 import re
+import signal
 import sys
 import traceback
 import typing
@@ -14,6 +15,23 @@ import typing
 class ConfigError(ValueError):
     """A setting, argument or config file that cannot be taken; the message says what to pass instead."""
 
+
+def quit_on_ctrl_c():
+    """A script's first step: a Ctrl-C while torch loads (seconds) is one line and exit code 130, not a traceback."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
+
+
+def run_main(main, *errors):
+    """main(sys.argv[1:]) as a script's: a Ctrl-C is one line and exit code 130; a ConfigError or one of errors is
+    one line, 'error: ...', and exit code 1 (one write: the lines of DDP ranks sharing stderr do not interleave)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:
+        sys.exit(sys.stderr.write('interrupted\n') and 130)
+    except (ConfigError, *errors) as e:
+        sys.stderr.write(f'error: {e}\n')
+        sys.exit(1)
 
 def load_config(config, argv, types=None, config_files=True, program=None):
     """A copy of config with argv's config files and --key=value settings applied in order (config_files=False: the

@@ -7,7 +7,7 @@ import fcntl
 import os
 import re
 import subprocess
-from dataclasses import fields
+from types import SimpleNamespace
 
 import torch
 
@@ -139,8 +139,7 @@ def build(*args):
     c = load_config(config, list(args), types)
     vocab = 100288 if c['tokenizer'] == 'cl100k_base' else 256  # cl100k_base's 100,277 padded to a multiple of 64
     with torch.device('meta'):
-        return c, Model(ModelConfig(**{f.name: c[f.name] for f in fields(ModelConfig) if f.name in c},
-                                    vocab_size=vocab))
+        return c, Model(ModelConfig(**train.model_args(SimpleNamespace(**c)), vocab_size=vocab))
 
 
 TEXT = "To be, or not to be: that is the question.\n\tCafé — ‘naïve’ 🎭 ends <|endoftext|> here\n"

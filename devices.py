@@ -7,6 +7,13 @@ import torch
 
 from configurator import ConfigError
 
+DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # --dtype's choices
+
+
+def resolve_dtype(dtype, device):
+    """--dtype's 'auto': bfloat16 on CUDA, float32 elsewhere; another dtype as it is."""
+    return dtype if dtype != 'auto' else 'bfloat16' if torch.device(device).type == 'cuda' else 'float32'
+
 
 def check_device(name):
     """ConfigError unless name is a device of this machine."""

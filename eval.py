@@ -32,17 +32,16 @@ import functools
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from configurator import ConfigError, help_text, load_config
+from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, run_main
 
-if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
-    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
+if __name__ == '__main__':
+    quit_on_ctrl_c()
 
 import numpy as np
 import torch
@@ -167,17 +166,15 @@ def build_model(ckpt, path, device):
 def check_device(device, dtype):
     """ConfigError unless device is one this machine has (as train.py and sample.py check it) and dtype is one eval.py
     takes."""
-    if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+    if dtype not in devices.DTYPES:
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}")
     devices.check_device(device)
 
 
 def autocast(device, dtype):
     """The autocast context of the model's passes: 'auto' is bfloat16 on CUDA and none elsewhere."""
-    device_type = torch.device(device).type
-    if dtype == 'auto':
-        dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
-    return nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
+    dtype = devices.resolve_dtype(dtype, device)
+    return nullcontext() if dtype == 'float32' else torch.autocast(torch.device(device).type, getattr(torch, dtype))
 
 
 # ----------------------------------------------------------------------------- loss by position
@@ -803,12 +800,7 @@ def run_routing(cfg, out_dirs):
     checkpoints = [open_checkpoint(out_dir, cfg['ckpt']) for out_dir in out_dirs]
     for (ckpt, path), out_dir in zip(checkpoints, out_dirs):
         check_out(os.path.join(out_dir, 'routing'))  # routing.json goes there: refused now, not after the work
-        try:
-            family = model_file.mixer_family(ckpt['model_config']['mixer'])
-        except Exception as e:  # a module:Class mixer that does not import here
-            raise EvalError(f"{path}: its mixer {ckpt['model_config']['mixer']!r} cannot be loaded here "
-                            f"({type(e).__name__}: {e})") from None
-        if family != 'fm':
+        if model_from_checkpoint(ckpt, path, 'meta').config.family != 'fm':  # CheckpointError: a mixer not here
             raise EvalError(f"{path} is a {ckpt['model_config']['mixer']} model: routing is measured on FM "
                             f"checkpoints only")
         tokenizer_of(ckpt, path)
@@ -928,10 +920,4 @@ def main(argv=()):
 
 
 if __name__ == '__main__':
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C from here on: caught below
-    try:
-        main(sys.argv[1:])
-    except KeyboardInterrupt:
-        sys.exit(sys.stderr.write('interrupted\n') and 130)
-    except (ConfigError, CheckpointError, EvalError) as e:
-        sys.exit(f'error: {e}')
+    run_main(main, CheckpointError, EvalError)

@@ -240,7 +240,7 @@ class FactorizationMemory(nn.Module):
         idx, alpha, eta, mu = self.route(x)
         theta, phi = eta * alpha, mu * alpha  # (B, T, K)
         if idx is not None:  # the scan takes dense (B, T, M) weights, zero outside the top-k
-            theta, phi = (w.new_zeros(*x.shape[:-1], self.n_memory).scatter(-1, idx, w) for w in (theta, phi))
+            theta, phi = (w.new_zeros(*x.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi))
         if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
         state = {} if state is None else state
@@ -351,11 +351,6 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------- Mamba-2
 
-def pad_time(x, pad):
-    """Zero-pad dim 1 (time) of x at the end."""
-    return F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-
-
 def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
     """Mamba-2 SSD in chunks, from h0 (None: zeros): h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
 
@@ -367,7 +362,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
     b, T, H, P = x.shape
     L = min(chunk_size, T)
     pad = -T % L  # padded steps have dt = 0: no decay, no input
-    x, dt, B, C = (pad_time(t.to(dtype), pad) for t in (x, dt, B, C))
+    x, dt, B, C = (F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))  # time, at the end
     n_chunks = (T + pad) // L
     x, dt = x.view(b, n_chunks, L, H, P), dt.view(b, n_chunks, L, H)
     B, C = B.view(b, n_chunks, L, -1), C.view(b, n_chunks, L, -1)  # (b, c, L, N)

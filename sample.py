@@ -7,20 +7,19 @@ the terminal as it is generated; several are generated as one batch.
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
 """
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-from configurator import ConfigError, help_text, load_config
+from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, run_main
 
-if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
-    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
+if __name__ == '__main__':
+    quit_on_ctrl_c()
 
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
-from devices import check_device, check_generation_fits
+from devices import DTYPES, check_device, check_generation_fits, resolve_dtype
 from generate import Generator, Sampling
 from prepare_data import read_utf8
 
@@ -45,8 +44,7 @@ def load(argv):
     """The settings of argv, checked, and the checkpoint's model (on the device, in the dtype, eval mode), tokenizer
     and prompt's ids; ConfigError or CheckpointError naming what to change."""
     cfg = load_config(_DEFAULTS, argv, types={'top_k': int}, config_files=False, program='sample.py')
-    if cfg['dtype'] not in ('auto', 'float32', 'bfloat16', 'float16') or min(cfg['num_samples'],
-                                                                             cfg['max_new_tokens']) < 1:
+    if cfg['dtype'] not in DTYPES or min(cfg['num_samples'], cfg['max_new_tokens']) < 1:
         raise ConfigError(f"--dtype={cfg['dtype']!r}, --num_samples={cfg['num_samples']}, --max_new_tokens="
                           f"{cfg['max_new_tokens']}: use auto, float32, bfloat16 or float16, and counts of 1 or more")
     try:
@@ -60,8 +58,8 @@ def load(argv):
     if cfg['top_k'] is not None and cfg['top_k'] > tok.vocab_size:
         raise ConfigError(f"--top_k={cfg['top_k']} is more than the {tok.vocab_size} tokens of "
                           f"{checkpoint['tokenizer']}: give at most {tok.vocab_size}, or None for every token")
-    dtype = cfg['dtype'] if cfg['dtype'] != 'auto' else 'bfloat16' if cfg['device'].startswith('cuda') else 'float32'
-    model = model.eval().to(cfg['device'], getattr(torch, dtype))  # the memory states stay float32
+    dtype = getattr(torch, resolve_dtype(cfg['dtype'], cfg['device']))
+    model = model.eval().to(cfg['device'], dtype)  # the memory states stay float32
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
         try:
@@ -124,10 +122,4 @@ class Stream:
 
 
 if __name__ == '__main__':
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C from here on: caught below
-    try:
-        main(sys.argv[1:])
-    except KeyboardInterrupt:
-        sys.exit(sys.stderr.write('interrupted\n') and 130)
-    except (ConfigError, CheckpointError) as e:
-        sys.exit(f'error: {e}')
+    run_main(main, CheckpointError)

@@ -17,7 +17,6 @@ import os
 import random
 import resource
 import signal
-import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -25,10 +24,10 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from types import SimpleNamespace
 
-from configurator import ConfigError, help_text, load_config, optional_types
+from configurator import ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c, run_main
 
-if __name__ == '__main__':  # Ctrl-C while torch loads (seconds): one line and exit code 130, not a traceback
-    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
+if __name__ == '__main__':
+    quit_on_ctrl_c()
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, nonfinite, save_checkpoint
-from devices import check_batch_fits, check_device
+from devices import DTYPES, check_batch_fits, check_device, resolve_dtype
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
 
@@ -95,7 +94,7 @@ _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isin
 AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, eval_interval=1,
                 eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
                 seed=0)
-CHOICES = dict(init_from=('scratch', 'resume'), dtype=('auto', 'float32', 'bfloat16', 'float16'))
+CHOICES = dict(init_from=('scratch', 'resume'), dtype=DTYPES)
 BLOW_UP = 0.5  # nats a token above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
 EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
 RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files in out_dir (eval.py writes routing)
@@ -197,7 +196,6 @@ def save(cfg, run, names):
     """Write ckpt.pt and/or best.pt of this step once every rank found its weights and optimizer state finite: each
     whole beside the old one, then renamed in. An --overwrite run's first save also removes the earlier run's other
     files, under a journal (out_dir/replacing) that the next claim finishes if a kill cuts the renames short."""
-    check_finite(cfg, run)
     batches, np_state, model_config = [run.batch_state], np.random.get_state(), asdict(run.raw_model.config)
     if run.group is not None:  # every rank's batch generator
         batches = [None] * run.world_size
@@ -322,7 +320,7 @@ def resume(cfg, run, ckpt):
     """The step, the losses, the optimizer's, the loss scaler's and every random state of ckpt: the run goes on as if
     it had not stopped (the batches too, unless the world size or the training data changed). TrainError for another
     tokenizer, other model settings (block_size aside: this run's) or no steps to go."""
-    path, saved = run.folder / 'ckpt.pt', asdict(ModelConfig(**ckpt['model_config']))  # resolved, as asked is
+    path, saved = run.folder / 'ckpt.pt', asdict(run.raw_model.config)  # resolved, as asked is
     if ckpt['tokenizer'] != cfg.tokenizer:
         raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses {cfg.tokenizer!r}: '
                          f'pass --tokenizer={ckpt["tokenizer"]}')
@@ -370,6 +368,14 @@ def get_batch(tokens, starts, block_size, device):
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
     return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each
+
+
+def next_batch(cfg, run):
+    """This rank's next random training batch; run.batch_state: the generator's state before it, what a resume draws
+    again."""
+    run.batch_state = run.gen.bit_generator.state
+    starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
+    return get_batch(run.data.train, starts, cfg.block_size, run.device)
 
 
 @torch.no_grad()
@@ -449,7 +455,7 @@ def main(argv=()):
                 dist.init_process_group('gloo')
             run.group = dist.new_group(backend='gloo')
         run.device, run.master = torch.device(run.device), run.rank == 0
-        run.dtype = cfg.dtype if cfg.dtype != 'auto' else 'bfloat16' if run.device.type == 'cuda' else 'float32'
+        run.dtype = resolve_dtype(cfg.dtype, run.device)
         if run.device.type == 'cuda':
             run.dtype = 'float16' if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported() else run.dtype
             torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
@@ -475,9 +481,7 @@ def train(cfg, run):
     """The training loop, from run.iter_num to max_iters -> the losses logged."""
     history, start, resumed = {'train': [], 'val': []}, run.iter_num, cfg.init_from == 'resume'
     grad_accum, tokens_per_iter = cfg.gradient_accumulation_steps // run.world_size, run.tokens_per_iter
-    run.batch_state = run.gen.bit_generator.state  # before drawing the pending batch: what a resume draws again
-    X, Y = get_batch(run.data.train, run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size),
-                     cfg.block_size, run.device)
+    X, Y = next_batch(cfg, run)
     t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
     while True:
         # evaluate, and save ckpt.pt (and best.pt when val improves); not again right after resuming
@@ -506,11 +510,13 @@ def train(cfg, run):
             t_log = time.time()  # leave evaluation out of the timings
         if run.iter_num >= cfg.max_iters:
             break
-        stop = torch.tensor([float(run.stop)])  # Ctrl-C or SIGTERM on any rank: every rank stops at this step
-        if run.group is not None:
+        if run.group is not None:  # Ctrl-C or SIGTERM on any rank: every rank stops at this step
+            stop = torch.tensor([float(run.stop)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
-        if stop.item():  # an --overwrite run that has not saved keeps the earlier run whole
+            run.stop = bool(stop.item())
+        if run.stop:  # an --overwrite run that has not saved keeps the earlier run whole
             if not run.earlier and run.saved.get('ckpt.pt') != run.iter_num:
+                check_finite(cfg, run)
                 save(cfg, run, ['ckpt.pt'])
             if run.master:
                 print(f"stopped at step {run.iter_num}, before this run's first checkpoint: nothing of it was saved, "
@@ -528,9 +534,7 @@ def train(cfg, run):
             sync = run.group is None or micro_step == grad_accum - 1  # DDP: all-reduce the gradients once a step
             with nullcontext() if sync else run.model.no_sync(), run.ctx:
                 _, loss = run.model(X, Y)
-            run.batch_state = run.gen.bit_generator.state
-            starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
-            X, Y = get_batch(run.data.train, starts, cfg.block_size, run.device)  # while the accelerator works
+            X, Y = next_batch(cfg, run)  # while the accelerator works
             run.scaler.scale(loss / grad_accum).backward()
             step_loss += loss.detach() / grad_accum
         run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check; otherwise nothing
@@ -570,11 +574,4 @@ def train(cfg, run):
 
 
 if __name__ == '__main__':
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C from here on: caught below
-    try:
-        main(sys.argv[1:])
-    except KeyboardInterrupt:
-        sys.exit(sys.stderr.write('interrupted\n') and 130)
-    except (ConfigError, TrainError, CheckpointError) as e:
-        sys.stderr.write(f'error: {e}\n')  # one write: the lines of DDP ranks sharing stderr do not interleave
-        sys.exit(1)
+    run_main(main, TrainError, CheckpointError)

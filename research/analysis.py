@@ -37,11 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from configurator import ConfigError, help_text, load_config
+from configurator import ConfigError, help_text, load_config, run_main
 from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
                   load_documents, loss_at, open_checkpoint, pyplot, save_figure, seed_groups, take_all,
                   take_subcommand)
-from model import mixer_family
 
 SCALING_SETTINGS = dict(
     out='results/scaling',  # writes out.csv and out.png
@@ -84,7 +83,7 @@ def scaling_row(path):
     """The scaling record of one FM run's checkpoint (its final validation loss when eval_interval = max_iters)."""
     ckpt = load_checkpoint(path)
     config = ckpt['model_config']
-    if mixer_family(config['mixer']) != 'fm':  # the paper's layer, the block or a variant (research/levers.py)
+    if model_from_checkpoint(ckpt, path, 'meta').config.family != 'fm':  # the paper's layer, the block, a lever
         raise EvalError(f"{path} is a {config['mixer']} run, not an FM run: give --runs folders of FM runs only")
     return {'run': path.parent.name, 'n_memory': config['n_memory'], 'top_k': config['top_k'] or config['n_memory'],
             'tau': config['tau'], 'val_loss': ckpt['best_val_loss'], 'iter_num': ckpt['iter_num'],
@@ -517,7 +516,4 @@ def main(argv=()):
 
 
 if __name__ == '__main__':
-    try:
-        main(sys.argv[1:])
-    except (ConfigError, CheckpointError, EvalError) as e:
-        sys.exit(f'error: {e}')
+    run_main(main, CheckpointError, EvalError)

@@ -19,10 +19,6 @@ import fm_kernel
 from model import FactorizationMemory
 
 
-def logit(p):
-    return math.log(p / (1 - p))
-
-
 class LowWriteFM(FactorizationMemory):
     """1. The write gate starts low: b_eta = logit(0.05), so eta starts near 0.05 for every token (b_mu stays 0).
     Only the initialisation changes (decoding keeps the fused kernel)."""
@@ -31,7 +27,7 @@ class LowWriteFM(FactorizationMemory):
     def __init__(self, config):
         super().__init__(config)
         with torch.no_grad():
-            self.rates.bias[0] = logit(self.ETA0)  # index 0: eta's bias, 1: mu's
+            self.rates.bias[0] = math.log(self.ETA0 / (1 - self.ETA0))  # logit; index 0: eta's bias, 1: mu's
 
 
 class RowRatesFM(FactorizationMemory):
