@@ -894,14 +894,19 @@ def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monke
     assert run_bytes(tmp_path) == before
 
 
-def test_a_nonfinite_gradient_norm_alone_stops_the_run(data_dir, tmp_path, trained, monkeypatch):
-    """A step whose loss is finite but whose gradient norm is not stops the run, naming the gradient."""
+@pytest.mark.parametrize('ctrl_c', [False, True])
+def test_a_nonfinite_gradient_norm_alone_stops_the_run(ctrl_c, data_dir, tmp_path, trained, monkeypatch):
+    """A step whose loss is finite but whose gradient norm is not stops the run, naming the gradient; with a Ctrl-C
+    in that step, before the next log line, too (the weights stay finite: clipping uses its own norm), the stop
+    saves nothing."""
     copy_run(trained, tmp_path)
     before = run_bytes(tmp_path)
+    if ctrl_c:
+        ctrl_c_in_first_step(monkeypatch)
     clip = torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *args, **kw: clip(*args, **kw) * math.nan)
     with pytest.raises(train.TrainError, match=r'^the gradient norm is not finite .* at step 9 '):
-        train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
+        train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume', '--log_interval=5'))
     assert run_bytes(tmp_path) == before
 
 
