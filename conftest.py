@@ -11,13 +11,44 @@ from types import SimpleNamespace
 
 import torch
 
+# The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them. torch counts them through NVML without starting
+# CUDA, so a pytest-xdist worker can still be pinned to one of them below.
+_names, _count = os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+ALL_GPUS = _names.split(",")[:_count] if _names else [str(i) for i in range(_count)]
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+GIB_PER_WORKER = 5  # a worker's peak GPU memory, its subprocesses' included, with headroom (docs/kernel_log.md)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # worker gwN: GPU N mod #GPUs, and workers x threads <= cores
+    if ALL_GPUS:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ALL_GPUS[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(ALL_GPUS)]
+    _threads = max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(_threads)  # inductor: not a pool
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton import
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # a pytest-xdist worker: workers x threads <= cores, in its scripts too
-    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    torch.set_num_threads(_threads)
-    os.environ["OMP_NUM_THREADS"] = str(_threads)
+
+def default_workers():
+    """pytest-xdist's worker count here: a worker a core; with GPUs, also no more than their free memory holds at
+    GIB_PER_WORKER a worker (the workers are dealt to the GPUs in turn)."""
+    if not ALL_GPUS:
+        return CORES
+    try:  # nvidia-smi starts no CUDA context here; without it, each GPU's whole memory
+        query = subprocess.run(['nvidia-smi', '--query-gpu=index,uuid,memory.free', '--format=csv,noheader,nounits'],
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+        free = {name: int(mib) / 1024 for line in query for i, uuid, mib in [line.split(', ')] for name in (i, uuid)}
+        free = [free[gpu] for gpu in ALL_GPUS]
+    except (OSError, subprocess.CalledProcessError, KeyError, ValueError):
+        free = [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(len(ALL_GPUS))]
+    return max(1, min(CORES, int(min(free) // GIB_PER_WORKER) * len(ALL_GPUS)))
+
+
+def gpus(n):
+    """CUDA_VISIBLE_DEVICES for a test's subprocess that needs n GPUs (a worker itself sees one); skips with fewer."""
+    if len(ALL_GPUS) < n:
+        pytest.skip(f"needs {n} GPUs; {len(ALL_GPUS)} visible")
+    return ",".join(ALL_GPUS[:n])
 
 import pytest
 
@@ -157,10 +188,13 @@ def corrupt(path, offset, data):
 @pytest.fixture(autouse=True)
 def float32_matmul_precision():
     """Each test starts and ends at the default float32 precision (no TF32): train.main on a GPU sets TF32 for its
-    process, which would reach whichever tests pytest-xdist deals to that process next."""
+    process, which would reach whichever tests pytest-xdist deals to that process next. It ends with the GPU memory
+    it freed handed back (torch keeps freed blocks), so a worker holds no more than its current test needs."""
     torch.set_float32_matmul_precision('highest')
     yield
     torch.set_float32_matmul_precision('highest')
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope='session')  # one for the suite, as when it was one module

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from conftest import (CUDA, DEVICE, REPO, core, decodes_as_it_trains, needs_triton, randomized,  # first: sets
-                      rel_err, save_model_checkpoint, tiny_config, using_scan)  # TRITON_INTERPRET
+from conftest import (CUDA, DEVICE, REPO, core, decodes_as_it_trains, default_workers, needs_triton,  # first: sets
+                      randomized, rel_err, save_model_checkpoint, tiny_config, using_scan)  # TRITON_INTERPRET
 import pytest
 
 import fm_kernel
@@ -973,5 +973,5 @@ if __name__ == "__main__":  # the whole suite: this file and tests/ (pytest.ini'
         args += ["-m", "not slow"]
     if (importlib.util.find_spec("xdist") and not any("no:xdist" in a for a in args)
             and not any(a.startswith(("-n", "--numprocesses", "--pdb", "--trace")) for a in args)):
-        args += ["-n", "auto"]  # pytest-xdist, where installed: a worker a core (conftest.py shares the threads out)
-    sys.exit(pytest.main([os.path.join(root, "test_fm.py"), os.path.join(root, "tests"), "-q", *args]))
+        args += ["-n", str(default_workers())]  # a worker a core, on GPUs as many as they hold (conftest.py)
+    sys.exit(pytest.main([os.path.join(root, "test_fm.py"), os.path.join(root, "tests"), "-q", "-rs", *args]))

@@ -426,9 +426,16 @@ def diverged(run, what):
                      f'(--learning_rate, --warmup_iters, --grad_clip), bad data, or a damaged checkpoint resumed')
 
 
-def catch_signals(run):
-    """From now on (the loop) Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once."""
+def catch_signals(cfg, run):
+    """From now on (the loop) Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once.
+    So does the first while a compiled model has trained no step (its compiles can outlast torchrun's 30 s grace)."""
+    start = run.iter_num
+
     def request_stop(signum, frame):
+        if cfg.compile and run.iter_num == start:
+            if run.master:
+                print(f'\n{signal.Signals(signum).name}: no step trained yet, nothing to save: quitting now', flush=True)
+            raise SystemExit(128 + signum)
         run.stop = True
         signal.signal(signum, run.handlers[signum])
         if run.master:
@@ -463,7 +470,7 @@ def main(argv=()):
                                                                                                       run.dtype))
         run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
         setup(cfg, run)
-        catch_signals(run)
+        catch_signals(cfg, run)
         return train(cfg, run)
     finally:
         for sig, handler in run.handlers.items():

@@ -23,7 +23,7 @@ import eval as evaluation
 import sample
 import train
 from configurator import ConfigError, help_text, load_config
-from conftest import (CUDA, DEVICE, DOCUMENTS, REPO, build, corrupt, defaults, needs_triton, rel_err, tiny,
+from conftest import (CUDA, DEVICE, DOCUMENTS, REPO, build, corrupt, defaults, gpus, needs_triton, rel_err, tiny,
                       tiny_config, using_scan)
 from fm_kernel import fm_scan, fm_scan_torch
 from model import Model, ModelConfig
@@ -740,6 +740,27 @@ def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
     assert [i for i, _ in history['train']] == [ckpt['iter_num'] + 1, ckpt['iter_num'] + 2]
 
 
+@pytest.mark.parametrize('when', ['evaluation', 'step'])
+def test_a_signal_before_a_compiled_runs_first_step_quits_at_once(when, data_dir, tmp_path, monkeypatch, capsys):
+    """A compiled model's first step and evaluation compile for minutes at 1B, longer than torchrun's 30 s between
+    its SIGTERM and its SIGKILL: a signal before the first step ends quits at once (nothing trained to save)."""
+    monkeypatch.setattr(torch, 'compile', lambda model: model)  # its compiles are the wait; the rule is train.py's
+    hook = train.estimate_loss if when == 'evaluation' else torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def signal_then_go_on(*args, **kw):
+        if not calls:
+            calls.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return hook(*args, **kw)
+    monkeypatch.setattr(*(train, 'estimate_loss') if when == 'evaluation' else (torch.nn.utils, 'clip_grad_norm_'),
+                        signal_then_go_on)
+    with pytest.raises(SystemExit) as stop:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=4', '--compile=True'))
+    assert stop.value.code == 143 and calls and os.listdir(tmp_path) == []
+    assert 'SIGTERM: no step trained yet, nothing to save: quitting now' in capsys.readouterr().out
+
+
 def test_ddp_on_cpu(data_dir, tmp_path):
     """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps, bit for bit; a scratch run into the
     trained out_dir stops on both ranks with the message, not a traceback."""
@@ -770,6 +791,53 @@ def test_ddp_on_cpu(data_dir, tmp_path):
         assert torch.equal(tensor, b['model'][name]), name
     for i, state in a['optimizer']['state'].items():
         assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
+
+
+def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
+    """torchrun on two GPUs (NCCL, the machine's NCCL settings as they are): a SIGTERM to torchrun stops both ranks
+    at one step, saved; resumed to step K it equals a straight K-step run bit for bit; and it trains as one process
+    with the same batch does: the same step-0 validation loss (the same weights and windows) within 1e-5, and within
+    0.1 nats at step K (the ranks draw other batches than one process)."""
+    env = {**os.environ, 'CUDA_VISIBLE_DEVICES': gpus(2), 'OMP_NUM_THREADS': '1'}
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py']
+
+    def start(command, out_dir, *extra, **env_changes):
+        args = tiny(data_dir, tmp_path / out_dir, '--device=cuda', '--dtype=float32', '--lr_decay_iters=8',
+                    '--gradient_accumulation_steps=2', '--eval_interval=1000', *extra)
+        return subprocess.Popen(command + args, cwd=REPO, env={**env, **env_changes}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def logged(out):
+        return [line.split(',')[0] for line in out.splitlines() if line.startswith(('iter', 'step'))]
+
+    stopped, out = start(torchrun, 'b', '--max_iters=100000'), ''
+    try:
+        for line in stopped.stdout:
+            out += line
+            if line.startswith('iter 3:'):
+                stopped.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
+                break
+        rest, err = stopped.communicate(timeout=120)
+    finally:
+        stopped.kill()
+    saved = re.search(r'saved \S+ at step (\d+); continue with --init_from=resume', out + rest)
+    assert 'SIGTERM: stopping after this step' in out + rest and saved, out + rest + err
+    k = int(saved.group(1)) + 2
+    runs = [start(torchrun, 'b', f'--max_iters={k}', '--init_from=resume'), start(torchrun, 'a', f'--max_iters={k}'),
+            start([sys.executable, 'train.py'], 'one', f'--max_iters={k}', CUDA_VISIBLE_DEVICES=gpus(1))]
+    for proc in runs:
+        proc.output = proc.communicate(timeout=300)
+        assert proc.returncode == 0, proc.output
+    assert logged(out + rest) + logged(runs[0].output[0]) == logged(runs[1].output[0]) and len(logged(out)) > 3
+    a, b, one = (torch.load(tmp_path / run / 'ckpt.pt', weights_only=True) for run in ('a', 'b', 'one'))
+    assert a['iter_num'] == b['iter_num'] == k and a['data_state']['world_size'] == 2
+    assert a['rng']['batch'] == b['rng']['batch'] and a['best_val_loss'] == b['best_val_loss']
+    for name, tensor in a['model'].items():
+        assert torch.equal(tensor, b['model'][name]), name
+    for i, state in a['optimizer']['state'].items():
+        assert all(torch.equal(v, b['optimizer']['state'][i][key]) for key, v in state.items())
+    assert abs(a['untrained_loss'] - one['untrained_loss']) < 1e-5, (a['untrained_loss'], one['untrained_loss'])
+    assert abs(a['best_val_loss'] - one['best_val_loss']) < 0.1, (a['best_val_loss'], one['best_val_loss'])
 
 
 # ----------------------------------------------------------------------------- nothing lost: damage, divergence,
