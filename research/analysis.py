@@ -72,7 +72,7 @@ RUNS = {  # what --runs takes
     'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
     'gap': "a .json that eval.py's loss by position wrote",
 }
-SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'val_loss', 'iter_num', 'max_iters')
+SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'seed', 'val_loss', 'iter_num', 'max_iters')
 SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
                 'val_loss', 'best_lr', 'iter_num', 'max_iters', 'block_size', 'tokens', 'forward_flops')
 
@@ -86,18 +86,19 @@ def scaling_row(path):
     if model_from_checkpoint(ckpt, path, 'meta').config.family != 'fm':  # the paper's layer, the block, a lever
         raise EvalError(f"{path} is a {config['mixer']} run, not an FM run: give --runs folders of FM runs only")
     return {'run': path.parent.name, 'n_memory': config['n_memory'], 'top_k': config['top_k'] or config['n_memory'],
-            'tau': config['tau'], 'val_loss': ckpt['best_val_loss'], 'iter_num': ckpt['iter_num'],
-            'max_iters': ckpt['train_config']['max_iters']}
+            'tau': config['tau'], 'seed': ckpt['train_config']['seed'], 'val_loss': ckpt['best_val_loss'],
+            'iter_num': ckpt['iter_num'], 'max_iters': ckpt['train_config']['max_iters']}
 
 
 def scaling_csv(path):
-    """The run records of a .csv that scaling wrote."""
+    """The run records of a .csv that scaling wrote (one without a seed column: train.py's default seed, 1337)."""
     with open(path, newline='') as f:
         rows = list(csv.DictReader(f))
-    if not rows or not set(SCALING_FIELDS) <= set(rows[0]):
+    if not rows or not set(SCALING_FIELDS) - {'seed'} <= set(rows[0]):
         raise EvalError(f'--runs={path}: not a .csv that analysis.py scaling wrote')
     return [{'run': row['run'], **{k: int(row[k]) for k in ('n_memory', 'top_k', 'iter_num', 'max_iters')},
-             'tau': float(row['tau']), 'val_loss': float(row['val_loss'])} for row in rows]
+             'tau': float(row['tau']), 'seed': int(row.get('seed', 1337)), 'val_loss': float(row['val_loss'])}
+            for row in rows]
 
 
 def scaling_rows(sources):
@@ -119,20 +120,33 @@ def scaling_rows(sources):
 
 
 def best_per_series(rows):
-    """{series: {m: the finished run of lowest validation loss over tau}} for each series of SERIES."""
-    best = {name: {} for name in SERIES}
+    """{series: {m: its best tau's point}} for each series of SERIES, a point the finished runs of one (m, k, tau):
+    tau, val_loss (the mean over their seeds), losses and runs (a seed each); the best tau: the lowest mean."""
+    points = {}
     for row in rows:
-        if row['iter_num'] < row['max_iters']:
-            continue
+        if row['iter_num'] >= row['max_iters']:
+            point = points.setdefault((row['n_memory'], row['top_k'], row['tau']), {'tau': row['tau'], 'losses': [],
+                                                                                   'runs': []})
+            point['losses'].append(row['val_loss'])
+            point['runs'].append(row['run'])
+    best = {name: {} for name in SERIES}
+    for (m, k, _), point in points.items():
+        point['val_loss'] = float(np.mean(point['losses']))
         for name, follows in SERIES.items():
-            m = row['n_memory']
-            if follows(m, row['top_k']) and (m not in best[name] or row['val_loss'] < best[name][m]['val_loss']):
-                best[name][m] = row
+            if follows(m, k) and (m not in best[name] or point['val_loss'] < best[name][m]['val_loss']):
+                best[name][m] = point
     return {name: dict(sorted(runs.items())) for name, runs in best.items() if runs}
 
 
+def spread(losses):
+    """'1.6100' for one loss; '1.6100 (1.6050-1.6150, 3)': the mean, min-max and count of several."""
+    return f'{np.mean(losses):.4f}' + (f' ({min(losses):.4f}-{max(losses):.4f}, {len(losses)})' if len(losses) > 1
+                                       else '')
+
+
 def print_scaling(rows, best):
-    """Every run's validation loss (tau x m, a table a series), then each m at its best tau."""
+    """Every run's validation loss (tau x m, a table a series; several seeds: their mean), then each m at its best
+    tau with its seeds' range."""
     unfinished = [r['run'] for r in rows if r['iter_num'] < r['max_iters']]
     if unfinished:
         print(f'left out, not finished: {", ".join(unfinished)}')
@@ -141,22 +155,26 @@ def print_scaling(rows, best):
         ms, taus = sorted({r['n_memory'] for r in runs}), sorted({r['tau'] for r in runs}, reverse=True)
         print(f'\nvalidation loss, {name}\n{"tau / m":>10}' + ''.join(f'{m:>9}' for m in ms))
         for tau in taus:
-            losses = {r['n_memory']: r['val_loss'] for r in runs if r['tau'] == tau}
+            losses = {m: np.mean([r['val_loss'] for r in runs if r['tau'] == tau and r['n_memory'] == m]) for m in ms
+                      if any(r['tau'] == tau and r['n_memory'] == m for r in runs)}
             print(f'{tau:>10g}' + ''.join(f'{losses[m]:9.4f}' if m in losses else f'{"-":>9}' for m in ms))
-    print('\nbest over tau: validation loss (tau)')
-    for name, runs in best.items():
-        print(f'{name:>14}: ' + ', '.join(f"m={m} {r['val_loss']:.4f} ({r['tau']:g})" for m, r in runs.items()))
+    print('\nbest over tau: validation loss, mean over seeds (min-max, seeds) (tau)')
+    for name, points in best.items():
+        print(f'{name:>14}: ' + ', '.join(f"m={m} {spread(p['losses'])} ({p['tau']:g})" for m, p in points.items()))
 
 
 def plot_scaling(best, path):
-    """Validation loss at the best tau against m (log scale), a line a series, each point's tau written by it.
-    -> whether it wrote the plot (False without matplotlib)."""
+    """Validation loss at the best tau against m (log scale; the mean over seeds, a bar their min-max), a line a
+    series, each point's tau written by it. -> whether it wrote the plot (False without matplotlib)."""
     plt = pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 5))
     for name, runs in best.items():
-        line, = ax.plot(list(runs), [r['val_loss'] for r in runs.values()], marker='o', label=name)
+        means = [r['val_loss'] for r in runs.values()]
+        bars = [[mean - min(r['losses']) for mean, r in zip(means, runs.values())],
+                [max(r['losses']) - mean for mean, r in zip(means, runs.values())]]
+        line, _, _ = ax.errorbar(list(runs), means, yerr=bars, marker='o', capsize=3, label=name)
         for m, r in runs.items():
             ax.annotate(f"tau={r['tau']:g}", (m, r['val_loss']), textcoords='offset points', xytext=(4, 4),
                         fontsize=7, color=line.get_color())

@@ -286,16 +286,19 @@ scaling() {
     [[ -n $VARIANT ]] && variant="--fm_conv=4 --fm_gate=True"
     [[ -n $VARIANT && $VARIANT != block ]] && variant+=" --mixer=research.levers:$VARIANT"  # a lever on the block
     [[ -n $PREVIOUS && -f $PREVIOUS/$subset.csv ]] &&
-        done_before=" $(awk -F, 'NR > 1 && $6 == $7 {printf "%s ", $1}' "$PREVIOUS/$subset.csv")"
+        done_before=" $(awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) column[$i] = i; next}
+                                 $column["iter_num"] == $column["max_iters"] {printf "%s ", $1}' "$PREVIOUS/$subset.csv")"
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
     # about 5 GB each, so only a few of those at a time
     for tau in $TAUS; do
         for m in $MEMORIES; do
             for k in $m $(( m / 4 )) $( (( m / 4 != 4 )) && echo 4 ); do  # at m = 16, k = m/4 is k = 4
-                local name="m$m-$( (( k == m )) && echo dense || echo "k$k" )-tau$tau"
-                [[ $done_before == *" $name "* ]] && continue
-                echo "$subset/$name research/scaling_fm.py --n_memory=$m \
---top_k=$( (( k == m )) && echo None || echo "$k" ) --tau=$tau $variant"
+                for seed in $SEEDS; do
+                    local name="m$m-$( (( k == m )) && echo dense || echo "k$k" )-tau$tau-s$seed"
+                    [[ $done_before == *" $name "* ]] && continue
+                    echo "$subset/$name research/scaling_fm.py --n_memory=$m \
+--top_k=$( (( k == m )) && echo None || echo "$k" ) --tau=$tau $variant --seed=$seed"
+                done
             done
         done
     done | train_all
