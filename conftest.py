@@ -236,10 +236,17 @@ def default_bytes(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
-    """Every test named *_gpu* (it needs CUDA and is skipped without it) is marked gpu: python test_fm.py -m gpu."""
+    """Every test named *_gpu* (it needs CUDA and is skipped without it) is marked gpu: python test_fm.py -m gpu. The
+    slow tests (the longest) go first, a chunk apart: pytest-xdist hands each worker a chunk of consecutive tests
+    first, so each starts at once on a worker of its own instead of queueing behind another."""
     for item in items:
         if '_gpu' in getattr(item, 'originalname', item.name):
             item.add_marker(pytest.mark.gpu)
+    slow = [item for item in items if item.get_closest_marker('slow')]
+    items[:] = [item for item in items if not item.get_closest_marker('slow')]
+    chunk = max(2, len(items) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) // 4)  # xdist's first chunks
+    for i, item in enumerate(slow):
+        items.insert(i * chunk, item)
 
 
 def reproduce_sh(call, **env):
