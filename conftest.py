@@ -23,7 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # worker gwN: GPU N mod #GPUs, and wo
         os.environ["CUDA_VISIBLE_DEVICES"] = ALL_GPUS[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(ALL_GPUS)]
     _threads = max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     torch.set_num_threads(_threads)
-    os.environ["OMP_NUM_THREADS"] = os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(_threads)  # inductor: not a pool
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton import
