@@ -764,15 +764,21 @@ def test_a_signal_before_a_compiled_runs_first_step_quits_at_once(when, data_dir
 def test_ddp_on_cpu(data_dir, tmp_path):
     """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps, bit for bit; a scratch run into the
     trained out_dir stops on both ranks with the message, not a traceback."""
-    def torchrun(out_dir, *extra, returncode=0):
+    def start(out_dir, *extra):
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
                *tiny(data_dir, out_dir, '--device=cpu', '--gradient_accumulation_steps=2', '--lr_decay_iters=4',
                      '--eval_interval=2', *extra)]
-        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-        assert run.returncode == returncode, run.stdout + run.stderr
-        return run
-    straight = torchrun(tmp_path / 'a', '--max_iters=4').stdout
+        return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, 'OMP_NUM_THREADS': '1'})
+
+    def torchrun(*args, returncode=0, run=None):
+        run = run or start(*args)
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == returncode, out + err
+        return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+    straight = start(tmp_path / 'a', '--max_iters=4')  # beside b's first part
     resumed = torchrun(tmp_path / 'b', '--max_iters=2').stdout
+    straight = torchrun(run=straight).stdout
     refused = torchrun(tmp_path / 'b', '--max_iters=4', returncode=1).stderr
     assert refused.count('error: ') == 2 and '--overwrite=True' in refused and '[rank' not in refused
     diverged = torchrun(tmp_path / 'b', '--max_iters=4', '--overwrite=True', '--learning_rate=1e6',
