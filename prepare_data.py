@@ -40,6 +40,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import struct
 import sys
 import tarfile
@@ -48,6 +49,11 @@ import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+from configurator import quit_on_ctrl_c, run_main
+
+if __name__ == "__main__":
+    quit_on_ctrl_c()
 
 import numpy as np
 
@@ -268,6 +274,8 @@ _worker_tokenizer = None
 
 def _init_worker(tokenizer_name):
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops the workers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as Pool.terminate() expects, whatever the parent's handler
     _worker_tokenizer = get_tokenizer(tokenizer_name)
 
 
@@ -674,6 +682,12 @@ def _print_summary(out, verb):
               f"{stats['bytes'] / 1e6:>12,.1f} MB")
 
 
+def quit_on_sigterm():
+    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): one line, 'terminated', and exit
+    code 143."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(sys.stderr.write("terminated\n") and 143))
+
+
 def main(argv=None):
     """Command line entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description="Tokenize a corpus into train.bin and val.bin token files.")
@@ -697,4 +711,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    quit_on_sigterm()
+    run_main(main)

@@ -4,12 +4,16 @@ import errno
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 import prepare_data
-from conftest import DOCUMENTS, TEXT, corrupt
+from conftest import DOCUMENTS, REPO, TEXT, corrupt
 from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens, prepare
 
 
@@ -243,6 +247,36 @@ def test_interrupted_write_leaves_nothing(tmp_path):
             writer.add(np.zeros(10, dtype=np.uint8))
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []
+
+
+SLOW_WORKERS = """import hashlib, runpy, sys, time
+blake2b = hashlib.blake2b
+hashlib.blake2b = lambda *args, **kwargs: time.sleep(0.01) or blake2b(*args, **kwargs)  # 10 ms a document, as _split_key hashes it
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")"""  # python -c SLOW_WORKERS prepare_data.py ARGS: the script, slowed
+
+
+@pytest.mark.parametrize("name, to_group, code, line", [
+    ("SIGINT", True, 130, "interrupted"),  # Ctrl-C in a terminal: the script and its workers
+    ("SIGTERM", False, 143, "terminated"),  # kill PID: the script alone (its workers used to die of broken pipes)
+])
+def test_a_signal_while_tokenizing_is_one_line_and_leaves_nothing(tmp_path, name, to_group, code, line):
+    corpus = tmp_path / "big.jsonl"  # 1,000 documents of 10,000 bytes: 10 batches of a second each, slowed
+    corpus.write_text("".join(json.dumps({"text": f"{i} " + "x" * 10_000}) + "\n" for i in range(1000)))
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WORKERS, "prepare_data.py", "--dataset", str(corpus),
+                             "--data_dir", str(tmp_path / "data"), "--num_proc", "2"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not any(path.stat().st_size for path in tmp_path.glob("data/big_bytes/*.tokens.tmp")):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.02)  # until a batch is written: the workers are busy with the next ones
+        os.killpg(proc.pid, getattr(signal, name)) if to_group else proc.send_signal(getattr(signal, name))
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert (proc.returncode, err) == (code, f"{line}\n")
+    assert list((tmp_path / "data").iterdir()) == []  # no staging file, no token file, no folder of this run
 
 
 # ----------------------------------------------------------------------------- user corpora
