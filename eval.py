@@ -28,10 +28,12 @@ Each mode's settings: python eval.py --help, python eval.py harness --help, pyth
 """
 import csv
 import difflib
+import errno
 import functools
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -99,6 +101,7 @@ USAGE = 'eval.py [routing|harness] --key=value ...; sweep, frontier, scaling and
 ETA_BINS = 20  # the histogram of eta over [0, 1]
 ROUTING_PLOT_MAX = 12  # checkpoints in the heat maps of --out.png
 LOSS_SLICE = 1024  # positions whose logits are formed at once: (1024, V) float32 is 0.4 GB at a 100K vocabulary
+OUT_ELSEWHERE = ', or pass --out=PREFIX in a folder on another disk'  # the fix of a full disk besides freeing space
 
 
 class EvalError(RuntimeError):
@@ -123,6 +126,31 @@ class Progress:
         rate = self.done / max(self.last - self.start, 1e-9)
         print(f'{self.label}: {self.done:,}/{self.total:,} {self.unit}, {rate:,.0f} {self.unit}/s', end=end,
               file=sys.stderr, flush=True)
+
+
+@contextmanager
+def replacing(*paths, fix=''):
+    """Temporary files beside paths, to write; once all are written each replaces its path (a path whose temporary
+    was not written stays), on an error or a signal they are removed and every path stays as it was. A failed write
+    is an EvalError naming the fix: free some space, or fix (e.g. OUT_ELSEWHERE)."""
+    temporaries = [Path(f'{path}.{os.getpid()}.tmp') for path in paths]
+    try:
+        temporaries[0].parent.mkdir(parents=True, exist_ok=True)
+        yield temporaries
+        for temporary, path in zip(temporaries, paths):
+            if temporary.exists():
+                os.replace(temporary, path)
+    except OSError as e:
+        folder, names = temporaries[0].parent, ', '.join([str(paths[0]), *(Path(path).suffix for path in paths[1:])])
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        reason, remedy = ((f'the disk is full ({shutil.disk_usage(folder).free / 1e6:,.1f} MB free in {folder})',
+                           'free some space there') if full else (e.strerror or str(e), f'make {folder} writable'))
+        kept = 'the earlier files are unchanged' if any(map(os.path.exists, paths)) else 'none was written'
+        raise EvalError(f'could not write {names}: {reason}; {kept} and the results are in the output above: '
+                        f'{remedy}{fix}, and run again') from None
+    finally:
+        for temporary in temporaries:
+            temporary.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -357,12 +385,11 @@ def print_positions(results, data_description):
     return groups
 
 
-def write_positions(results, groups, settings, out):
-    """out.json (everything) and out.csv (one row a checkpoint and measure: bucket, so_far, val)."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with open(f'{out}.json', 'w') as f:
+def write_positions(results, groups, settings, json_path, csv_path):
+    """The .json (everything) and .csv (one row a checkpoint and measure: bucket, so_far, val)."""
+    with open(json_path, 'w') as f:
         json.dump({'settings': settings, 'checkpoints': results, 'seed_groups': groups}, f, indent=1)
-    with open(f'{out}.csv', 'w', newline='') as f:
+    with open(csv_path, 'w', newline='') as f:
         writer = csv.writer(f, lineterminator='\n')
         writer.writerow(['checkpoint', 'model', 'measure', 'start', 'end', 'loss', 'positions', 'documents'])
         for r in results:
@@ -390,7 +417,7 @@ def pyplot():
 def save_figure(plt, fig, path):
     """Lay out, write and close a figure -> True (what the plot functions return when they wrote one)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format='png')  # path may be a temporary file's, without .png
     plt.close(fig)
     return True
 
@@ -431,8 +458,10 @@ def run_positions(cfg, out_dirs):
             documents[ckpt['tokenizer']] = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)
     results = [evaluate_positions(ckpt, path, documents[ckpt['tokenizer']][0], cfg) for ckpt, path in checkpoints]
     groups = print_positions(results, '; '.join(description for _, description in documents.values()))
-    write_positions(results, groups, cfg, cfg['out'])
-    plotted = plot_positions(results, f"{cfg['out']}.png")
+    with replacing(*(f"{cfg['out']}{suffix}" for suffix in ('.json', '.csv', '.png')), fix=OUT_ELSEWHERE) as (
+            json_file, csv_file, png_file):
+        write_positions(results, groups, cfg, json_file, csv_file)
+        plotted = plot_positions(results, png_file)
     print(f"wrote {cfg['out']}.csv, .json{', .png' if plotted else ''}")
     return results
 
@@ -617,8 +646,7 @@ def run_harness(cfg, out_dir):
     print(lm_eval.utils.make_table(results))
     if results.get('groups'):  # e.g. mmlu: its subjects above, the group's mean here
         print(lm_eval.utils.make_table(results, 'groups'))
-    Path(cfg['out']).parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{cfg['out']}.json", 'w') as f:
+    with replacing(f"{cfg['out']}.json", fix=OUT_ELSEWHERE) as (json_file,), open(json_file, 'w') as f:
         json.dump({'checkpoint': lm.summary, 'settings': cfg, 'results': results['results'],
                    'groups': results.get('groups'), 'n-shot': results.get('n-shot'),
                    'versions': results.get('versions')}, f, indent=1, default=str)
@@ -816,9 +844,11 @@ def run_routing(cfg, out_dirs):
                   'layers': [s.summary() for s in stats]}
         add_ablations(model, docs, cfg, result['layers'])
         print_routing(result)
-        with open(os.path.join(out_dir, 'routing.json'), 'w') as f:
-            json.dump(result, f, indent=1)
-        plot_routing([result], os.path.join(out_dir, 'routing.png'))
+        with replacing(os.path.join(out_dir, 'routing.json'), os.path.join(out_dir, 'routing.png')) as (
+                json_file, png_file):
+            with open(json_file, 'w') as f:
+                json.dump(result, f, indent=1)
+            plot_routing([result], png_file)
         results.append(result)
     if cfg['out']:
         write_routing(results, cfg['out'])
@@ -827,18 +857,18 @@ def run_routing(cfg, out_dirs):
 
 def write_routing(results, out):
     """out.csv, a row a checkpoint and layer (usage as its sorted values), and out.png, every checkpoint's map."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fields = ('dead_rows', 'rare_rows', 'effective_rows', 'entropy', 'busiest_row', 'weight_effective_rows',
               'busiest_row_theta', 'busiest_row_ablation', 'eta_mean', 'mu_mean', 'logit_bias_share',
               'input_mean_share')
-    with open(f'{out}.csv', 'w', newline='') as f:
-        writer = csv.writer(f, lineterminator='\n')
-        writer.writerow(['checkpoint', 'model', 'val_loss', 'layer', *fields])
-        for r in results:
-            for i, layer in enumerate(r['layers']):
-                writer.writerow([r['label'], r['model'], r['val_loss'], i, *(layer[k] for k in fields)])
     shown = results[:ROUTING_PLOT_MAX]
-    plotted = plot_routing(shown, f'{out}.png')
+    with replacing(f'{out}.csv', f'{out}.png', fix=OUT_ELSEWHERE) as (csv_file, png_file):
+        with open(csv_file, 'w', newline='') as f:
+            writer = csv.writer(f, lineterminator='\n')
+            writer.writerow(['checkpoint', 'model', 'val_loss', 'layer', *fields])
+            for r in results:
+                for i, layer in enumerate(r['layers']):
+                    writer.writerow([r['label'], r['model'], r['val_loss'], i, *(layer[k] for k in fields)])
+        plotted = plot_routing(shown, png_file)
     note = f' (the first {len(shown)} of {len(results)} checkpoints; each out_dir has its own)' if len(shown) < len(
         results) else ''
     print(f"wrote {out}.csv{', .png' + note if plotted else ''}")

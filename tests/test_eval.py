@@ -2,6 +2,7 @@
 analysis.py), with their refusals."""
 
 import csv
+import errno
 import importlib.util
 import json
 import math
@@ -91,6 +92,33 @@ def test_loss_by_position_end_to_end(tmp_path):
     assert [c['label'] for c in saved['checkpoints']] == ['fm_sparse', 'attn']
     rows = out.with_suffix('.csv').read_text().splitlines()
     assert rows[0].startswith('checkpoint,model,measure') and len(rows) == 1 + 2 + 7 + 7 + 5 + 6
+
+
+def half_written_on_a_full_disk(obj, f, **kwargs):
+    """json.dump on a full disk: the first bytes go in, then the write fails."""
+    f.write('{"checkpoints": [')
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+
+@pytest.mark.parametrize('mode', ['positions', 'routing'])
+def test_a_full_disk_keeps_the_earlier_results_and_says_so(mode, tmp_path, monkeypatch):
+    """--out's .json, .csv and .png (routing: routing.json and .png in the out_dir) replace the earlier ones together,
+    or not at all: a full disk is one line naming the fix, the earlier files stay whole, no temporary file is left."""
+    texts = routing_texts(tmp_path / 'texts')
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'fm')
+    out = tmp_path / 'results' / 'positions'
+    folder, names, fix = ((out.parent, ['positions.json', 'positions.csv', 'positions.png'], '--out=') if mode ==
+                          'positions' else (tmp_path / 'fm', ['routing.json', 'routing.png'], 'free some space'))
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / name).write_text('earlier')
+    before = sorted(os.listdir(folder))
+    monkeypatch.setattr(evaluation.json, 'dump', half_written_on_a_full_disk)
+    with pytest.raises(evaluation.EvalError, match=rf'could not write {re.escape(str(folder / names[0]))}.*: the disk '
+                                                   rf'is full \([0-9,.]+ MB free in .*\).*{fix}'):
+        evaluation.main([*(['routing', '--tokens=100'] if mode == 'routing' else []), f'--out_dir={out_dir}',
+                         f'--data={texts}', '--chunk_len=16', *([f'--out={out}'] if mode == 'positions' else [])])
+    assert sorted(os.listdir(folder)) == before and all((folder / name).read_text() == 'earlier' for name in names)
 
 
 def test_seed_groups_hold_runs_that_differ_in_seed_alone():
