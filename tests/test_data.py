@@ -249,11 +249,12 @@ def test_interrupted_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+# python -c SLOW_WORKERS prepare_data.py ARGS: the script, its workers slowed by 10 ms a document (in _split_key's hash)
 SLOW_WORKERS = """import hashlib, runpy, sys, time
 blake2b = hashlib.blake2b
-hashlib.blake2b = lambda *args, **kwargs: time.sleep(0.01) or blake2b(*args, **kwargs)  # 10 ms a document, as _split_key hashes it
+hashlib.blake2b = lambda *args, **kwargs: time.sleep(0.01) or blake2b(*args, **kwargs)
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")"""  # python -c SLOW_WORKERS prepare_data.py ARGS: the script, slowed
+runpy.run_path(sys.argv[0], run_name="__main__")"""
 
 
 @pytest.mark.parametrize("name, to_group, code, line", [
