@@ -109,11 +109,11 @@ class EvalError(RuntimeError):
 
 
 class Progress:
-    """Prints work done and its rate: on a terminal every second, in a log every 30 seconds."""
+    """Prints work done and its rate: at the first update, then every second on a terminal, every 30 s in a log."""
 
     def __init__(self, label, total, unit='tokens'):
         self.label, self.total, self.unit, self.done = label, total, unit, 0
-        self.start = self.last = time.time()
+        self.start, self.last = time.time(), -math.inf
         self.interval, self.end = (1, '\r') if sys.stderr.isatty() else (30, '\n')
 
     def update(self, n):
@@ -730,7 +730,7 @@ def routing_tokens(docs, n_tokens):
 
 
 @torch.no_grad()
-def measure_routing(model, docs, cfg):
+def measure_routing(model, docs, cfg, progress=None):
     """Run the documents through the model in chunks, carrying the state -> one RoutingStats a FM layer."""
     mixers = [block.mixer for block in model.blocks]
     c = model.config
@@ -744,25 +744,27 @@ def measure_routing(model, docs, cfg):
             state = None
             for start in range(0, len(ids), cfg['chunk_len']):
                 with ctx:
-                    _, state = model.hidden(ids[None, start:start + cfg['chunk_len']], state)
+                    x, state = model.hidden(ids[None, start:start + cfg['chunk_len']], state)  # x (1, chunk, d_model)
+                if progress is not None:
+                    progress.update(x.shape[1])
     finally:
         for hook in hooks:
             hook.remove()
     return stats
 
 
-def add_ablations(model, docs, cfg, layers):
+def add_ablations(model, docs, cfg, layers, progress=None):
     """Set each layer's 'busiest_row_ablation': the increase of the mean loss on docs (nats a token) with the
     read-out of its row of the most weight zeroed (phi = 0 there; the row is still written)."""
-    base = mean_loss(model, docs, cfg)
+    base = mean_loss(model, docs, cfg, progress)
     for block, layer in zip(model.blocks, layers):
         with read_out_zeroed(block.mixer, int(np.argmax(layer['weight_usage']))):
-            layer['busiest_row_ablation'] = mean_loss(model, docs, cfg) - base
+            layer['busiest_row_ablation'] = mean_loss(model, docs, cfg, progress) - base
 
 
-def mean_loss(model, docs, cfg):
+def mean_loss(model, docs, cfg, progress=None):
     ctx = autocast(cfg['device'], cfg['dtype'])
-    return float(np.concatenate([document_losses(model, doc, cfg['chunk_len'], ctx) for doc in docs]).mean())
+    return float(np.concatenate([document_losses(model, doc, cfg['chunk_len'], ctx, progress) for doc in docs]).mean())
 
 
 @contextmanager
@@ -839,10 +841,14 @@ def run_routing(cfg, out_dirs):
             documents[ckpt['tokenizer']] = routing_tokens(docs, cfg['tokens']), description
         docs, description = documents[ckpt['tokenizer']]
         model = build_model(ckpt, path, cfg['device'])
-        stats = measure_routing(model, docs, cfg)
-        result = {**summary(ckpt, path, model), 'data': description, 'tokens': stats[0].tokens,
-                  'layers': [s.summary() for s in stats]}
-        add_ablations(model, docs, cfg, result['layers'])
+        result = summary(ckpt, path, model)
+        progress = Progress(f"{result['label']} routing", sum(map(len, docs)))  # to stderr, as loss by position's
+        stats = measure_routing(model, docs, cfg, progress)
+        progress.print()
+        result.update(data=description, tokens=stats[0].tokens, layers=[s.summary() for s in stats])
+        progress = Progress(f"{result['label']} ablations", (len(stats) + 1) * sum(len(doc) - 1 for doc in docs))
+        add_ablations(model, docs, cfg, result['layers'], progress)
+        progress.print()
         print_routing(result)
         with replacing(os.path.join(out_dir, 'routing.json'), os.path.join(out_dir, 'routing.png')) as (
                 json_file, png_file):

@@ -525,6 +525,18 @@ def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
     assert [int(row['dead_rows']) for row in rows] == [layer['dead_rows'] for r in results for layer in r['layers']]
 
 
+def test_routing_shows_its_progress(tmp_path, capsys):
+    """eval.py routing says what it is doing as it goes, on stderr as loss by position does: a line as each part (the
+    routing pass, the ablations: a loss pass a layer and one without) begins, then every few seconds, then its total."""
+    out_dir = save_model_checkpoint(planted_router_model(3), tmp_path / 'fm')
+    evaluation.main(['routing', f'--out_dir={out_dir}', f'--data={routing_texts(tmp_path / "texts")}', '--tokens=1000',
+                     '--chunk_len=16', '--device=cpu'])
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(', ')[0] for line in err] == [  # 130 tokens, 128 predicted: 3 passes for 2 layers
+        'fm routing: 16/130 tokens', 'fm routing: 130/130 tokens', 'fm ablations: 16/384 tokens',
+        'fm ablations: 384/384 tokens'], err
+
+
 def test_busiest_row_ablation_zeroes_that_rows_read_out_only():
     """The ablation of a layer's heaviest row is the loss with that row's phi zeroed in that layer alone (the row
     still written), written out by hand; the model computes as before afterwards."""
