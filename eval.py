@@ -53,7 +53,7 @@ import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 import devices
 from generate import Generator, Sampling
-from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8
+from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, quit_on_sigterm, read_utf8
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 POSITION_SETTINGS = dict(
@@ -956,4 +956,5 @@ def main(argv=()):
 
 
 if __name__ == '__main__':
+    quit_on_sigterm()
     run_main(main, CheckpointError, EvalError)

@@ -8,8 +8,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import fields
 
 import numpy as np
@@ -535,6 +537,26 @@ def test_routing_shows_its_progress(tmp_path, capsys):
     assert [line.split(', ')[0] for line in err] == [  # 130 tokens, 128 predicted: 3 passes for 2 layers
         'fm routing: 16/130 tokens', 'fm routing: 130/130 tokens', 'fm ablations: 16/384 tokens',
         'fm ablations: 384/384 tokens'], err
+
+
+@pytest.mark.parametrize('name, code, line', [('SIGINT', 130, 'interrupted'), ('SIGTERM', 143, 'terminated')])
+def test_a_signal_stops_eval_within_seconds_and_writes_nothing(name, code, line, tmp_path):
+    """Ctrl-C or SIGTERM during a long routing: it stops within seconds, one line, exit code 130 / 143, no file."""
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'fm')
+    (tmp_path / 'long.txt').write_text('To be, or not to be. ' * 10_000)  # 210,000 tokens: minutes in chunks of 16
+    proc = subprocess.Popen([sys.executable, 'eval.py', 'routing', f'--out_dir={out_dir}', f'--data={tmp_path}/long.txt',
+                             '--tokens=1000000', '--chunk_len=16', '--device=cpu'], cwd=REPO, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    try:
+        first = proc.stderr.readline()  # the routing pass's first progress line: the work is under way
+        start = time.time()
+        proc.send_signal(getattr(signal, name))
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert first.startswith('fm routing: 16/210,000 tokens') and (proc.returncode, err) == (code, f'{line}\n'), (
+        first, proc.returncode, err)
+    assert time.time() - start < 10 and os.listdir(out_dir) == ['ckpt.pt']
 
 
 def test_busiest_row_ablation_zeroes_that_rows_read_out_only():
