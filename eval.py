@@ -53,7 +53,8 @@ import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 import devices
 from generate import Generator, Sampling
-from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, quit_on_sigterm, read_utf8
+from prepare_data import (DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, quit_on_sigterm, read_utf8,
+                          replacing)
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 POSITION_SETTINGS = dict(
@@ -129,28 +130,22 @@ class Progress:
 
 
 @contextmanager
-def replacing(*paths, fix=''):
-    """Temporary files beside paths, to write; once all are written each replaces its path (a path whose temporary
-    was not written stays), on an error or a signal they are removed and every path stays as it was. A failed write
-    is an EvalError naming the fix: free some space, or fix (e.g. OUT_ELSEWHERE)."""
-    temporaries = [Path(f'{path}.{os.getpid()}.tmp') for path in paths]
+def replacing_results(*paths, fix=''):
+    """prepare_data.replacing(paths) (all renamed once all are written, or none), in a folder made if need be; a
+    failed write is an EvalError naming the fix: free some space, or fix (e.g. OUT_ELSEWHERE)."""
+    folder = Path(paths[0]).parent
     try:
-        temporaries[0].parent.mkdir(parents=True, exist_ok=True)
-        yield temporaries
-        for temporary, path in zip(temporaries, paths):
-            if temporary.exists():
-                os.replace(temporary, path)
+        folder.mkdir(parents=True, exist_ok=True)
+        with replacing(paths) as temporaries:
+            yield temporaries
     except OSError as e:
-        folder, names = temporaries[0].parent, ', '.join([str(paths[0]), *(Path(path).suffix for path in paths[1:])])
+        names = ', '.join([str(paths[0]), *(Path(path).suffix for path in paths[1:])])
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         reason, remedy = ((f'the disk is full ({shutil.disk_usage(folder).free / 1e6:,.1f} MB free in {folder})',
                            'free some space there') if full else (e.strerror or str(e), f'make {folder} writable'))
         kept = 'the earlier files are unchanged' if any(map(os.path.exists, paths)) else 'none was written'
         raise EvalError(f'could not write {names}: {reason}; {kept} and the results are in the output above: '
                         f'{remedy}{fix}, and run again') from None
-    finally:
-        for temporary in temporaries:
-            temporary.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -458,7 +453,7 @@ def run_positions(cfg, out_dirs):
             documents[ckpt['tokenizer']] = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)
     results = [evaluate_positions(ckpt, path, documents[ckpt['tokenizer']][0], cfg) for ckpt, path in checkpoints]
     groups = print_positions(results, '; '.join(description for _, description in documents.values()))
-    with replacing(*(f"{cfg['out']}{suffix}" for suffix in ('.json', '.csv', '.png')), fix=OUT_ELSEWHERE) as (
+    with replacing_results(*(f"{cfg['out']}{suffix}" for suffix in ('.json', '.csv', '.png')), fix=OUT_ELSEWHERE) as (
             json_file, csv_file, png_file):
         write_positions(results, groups, cfg, json_file, csv_file)
         plotted = plot_positions(results, png_file)
@@ -646,7 +641,7 @@ def run_harness(cfg, out_dir):
     print(lm_eval.utils.make_table(results))
     if results.get('groups'):  # e.g. mmlu: its subjects above, the group's mean here
         print(lm_eval.utils.make_table(results, 'groups'))
-    with replacing(f"{cfg['out']}.json", fix=OUT_ELSEWHERE) as (json_file,), open(json_file, 'w') as f:
+    with replacing_results(f"{cfg['out']}.json", fix=OUT_ELSEWHERE) as (json_file,), open(json_file, 'w') as f:
         json.dump({'checkpoint': lm.summary, 'settings': cfg, 'results': results['results'],
                    'groups': results.get('groups'), 'n-shot': results.get('n-shot'),
                    'versions': results.get('versions')}, f, indent=1, default=str)
@@ -850,7 +845,7 @@ def run_routing(cfg, out_dirs):
         add_ablations(model, docs, cfg, result['layers'], progress)
         progress.print()
         print_routing(result)
-        with replacing(os.path.join(out_dir, 'routing.json'), os.path.join(out_dir, 'routing.png')) as (
+        with replacing_results(os.path.join(out_dir, 'routing.json'), os.path.join(out_dir, 'routing.png')) as (
                 json_file, png_file):
             with open(json_file, 'w') as f:
                 json.dump(result, f, indent=1)
@@ -867,7 +862,7 @@ def write_routing(results, out):
               'busiest_row_theta', 'busiest_row_ablation', 'eta_mean', 'mu_mean', 'logit_bias_share',
               'input_mean_share')
     shown = results[:ROUTING_PLOT_MAX]
-    with replacing(f'{out}.csv', f'{out}.png', fix=OUT_ELSEWHERE) as (csv_file, png_file):
+    with replacing_results(f'{out}.csv', f'{out}.png', fix=OUT_ELSEWHERE) as (csv_file, png_file):
         with open(csv_file, 'w', newline='') as f:
             writer = csv.writer(f, lineterminator='\n')
             writer.writerow(['checkpoint', 'model', 'val_loss', 'layer', *fields])

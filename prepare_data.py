@@ -223,14 +223,29 @@ def _rerun_command(path, tokenizer):
                                              if value is not None)
 
 
+@contextlib.contextmanager
+def replacing(paths):
+    """Temporary files beside paths (NAME.PID.tmp), to write; once all are written each replaces its path, in order (a
+    path whose temporary was not written stays); on an error or a signal they are removed, every path as it was."""
+    temporaries = [Path(path).with_name(f"{Path(path).name}.{os.getpid()}.tmp") for path in paths]
+    try:
+        yield temporaries
+        for temporary, path in zip(temporaries, paths):
+            if temporary.exists():
+                os.replace(temporary, path)
+    finally:
+        for temporary in temporaries:
+            temporary.unlink(missing_ok=True)
+
+
 class _TokenWriter:
-    """Writes one token file atomically: tokens stream to a staging file; on success the header,
-    offsets and tokens go to a temporary file renamed into place. On error nothing is left."""
+    """Writes one token file, path (a temporary file of replacing()): tokens stream to a staging file beside it; on
+    success the header, offsets and tokens go to path. The staging file is removed in any case."""
 
     def __init__(self, path, tokenizer):
         self.path, self.tokenizer = Path(path), tokenizer
         self.dtype = token_dtype(tokenizer.vocab_size)
-        self.staging = self.path.with_name(f"{self.path.name}.{os.getpid()}.tokens.tmp")
+        self.staging = self.path.with_suffix(".tokens.tmp")  # train.bin.PID.tmp: train.bin.PID.tokens.tmp
         self.offsets, self.n_tokens, self.checksum = [], 0, 0
 
     def __enter__(self):
@@ -256,15 +271,10 @@ class _TokenWriter:
         offsets = np.asarray(self.offsets, dtype="<i8").tobytes()
         header = HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.tokenizer.vocab_size, self.n_tokens,
                              len(self.offsets), self.tokenizer.name.encode(), zlib.crc32(offsets, self.checksum))
-        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        try:
-            with open(temporary, "wb") as f, open(self.staging, "rb") as tokens:
-                f.write(header)
-                f.write(offsets)
-                shutil.copyfileobj(tokens, f, 1 << 24)
-            os.replace(temporary, self.path)
-        finally:
-            temporary.unlink(missing_ok=True)
+        with open(self.path, "wb") as f, open(self.staging, "rb") as tokens:
+            f.write(header)
+            f.write(offsets)
+            shutil.copyfileobj(tokens, f, 1 << 24)
 
 
 # ----------------------------------------------------------------------------- parallel tokenization
@@ -339,12 +349,12 @@ class _Progress:
               end=end, file=sys.stderr, flush=True)
 
 
-def _write_splits(out, tokenizer, texts, splits_of, split_names, num_proc):
-    """Tokenize texts in parallel into out/{split}.bin and return those paths; splits_of(index, split_key)
-    names the splits of a text."""
-    progress = _Progress(f"tokenizing into {out} ({tokenizer.name})")
+def _write_splits(files, tokenizer, texts, splits_of, num_proc):
+    """Tokenize texts in parallel into the token files {split: path}; splits_of(index, split_key) names the splits of
+    a text."""
+    progress = _Progress(f"tokenizing into {next(iter(files.values())).parent} ({tokenizer.name})")
     with contextlib.ExitStack() as stack:
-        writers = {split: stack.enter_context(_TokenWriter(out / f"{split}.bin", tokenizer)) for split in split_names}
+        writers = {split: stack.enter_context(_TokenWriter(path, tokenizer)) for split, path in files.items()}
         for index, (tokens, split_key) in enumerate(encode_documents(texts, tokenizer.name, num_proc)):
             for split in splits_of(index, split_key):
                 writers[split].add(tokens)
@@ -356,7 +366,6 @@ def _write_splits(out, tokenizer, texts, splits_of, split_names, num_proc):
                 f"add documents: train and val take whole documents, two at least (a lone .txt file is cut into "
                 f"documents of {TXT_PIECE} lines)" if progress.docs < 2 else
                 "add documents or adjust --val_fraction"))
-    return [writer.path for writer in writers.values()]
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -367,7 +376,7 @@ def load_default_corpus(path=DEFAULT_CORPUS):
         return [json.loads(line) for line in f]
 
 
-def _write_default(out, tokenizer, num_proc):
+def _write_default(files, tokenizer, num_proc):
     works = load_default_corpus()
 
     def splits_of(index, split_key):
@@ -375,10 +384,10 @@ def _write_default(out, tokenizer, num_proc):
         return ("val", "long") if title in LONG_WORKS else ("val",) if title in VALIDATION_WORKS else ("train",)
 
     texts = [work["text"] for work in works]
-    return _write_splits(out, tokenizer, texts, splits_of, ("train", "val", "long"), num_proc)
+    _write_splits(files, tokenizer, texts, splits_of, num_proc)
 
 
-def _write_user_corpus(out, tokenizer, dataset, options, num_proc):
+def _write_user_corpus(files, tokenizer, dataset, options, num_proc):
     val_fraction = options["val_fraction"]
     texts = (text for text in _read_documents(dataset, options) if text)
     texts = itertools.islice(texts, options["max_docs"])
@@ -386,7 +395,7 @@ def _write_user_corpus(out, tokenizer, dataset, options, num_proc):
     def splits_of(index, split_key):
         return ("val",) if split_key < val_fraction else ("train",)
 
-    return _write_splits(out, tokenizer, texts, splits_of, ("train", "val"), num_proc)
+    _write_splits(files, tokenizer, texts, splits_of, num_proc)
 
 
 def _read_documents(dataset, options):
@@ -566,19 +575,21 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
         return out
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # marks the folder incomplete until the new files are all written
-    with _full_disk_said(out):
-        try:
+    paths = [out / f"{split}.bin" for split in (("train", "val", "long") if dataset == "default" else ("train", "val"))]
+    try:  # every file written whole beside the earlier ones, then all renamed: an error or a signal changes nothing
+        with _full_disk_said(out), replacing([*paths, out / "meta.json"]) as temporaries:
+            files = {path.stem: temporary for path, temporary in zip(paths, temporaries)}
             if dataset == "default":
-                paths = _write_default(out, tok, num_proc)
+                _write_default(files, tok, num_proc)
             else:
-                paths = _write_user_corpus(out, tok, source["dataset"], options, num_proc)
-        except BaseException:
-            if created and not any(out.iterdir()):  # the writers leave nothing behind: no empty folder either
-                out.rmdir()
-            raise
-        files = {path.name: _file_stats(path, tok) for path in paths}
-        _write_json(out / "meta.json", {**source, "files": files})
+                _write_user_corpus(files, tok, source["dataset"], options, num_proc)
+            stats = {path.name: _file_stats(temporary, tok) for path, temporary in zip(paths, temporaries)}
+            temporaries[-1].write_text(json.dumps({**source, "files": stats}, indent=2) + "\n")
+            (out / "meta.json").unlink(missing_ok=True)  # the folder reads as incomplete until meta.json, renamed last
+    except BaseException:
+        if created and not any(out.iterdir()):  # nothing is left behind: no empty folder either
+            out.rmdir()
+        raise
     _print_summary(out, "wrote")
     return out
 
@@ -607,15 +618,16 @@ def _check_arguments(dataset, out, num_proc, options):
 
 @contextlib.contextmanager
 def _full_disk_said(folder):
-    """Turn the OSError of a full disk into a RuntimeError that says so (the writers have removed their files)."""
+    """Turn the OSError of a full disk into a RuntimeError that says so (replacing() has removed the new files)."""
     try:
         yield
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         free = shutil.disk_usage(_nearest_existing(folder)).free / 1e6
-        raise RuntimeError(f"could not write the token files: the disk is full ({free:,.1f} MB free in {folder}): free "
-                           "some space and run again") from None
+        kept = "the earlier files are unchanged" if (folder / "meta.json").exists() else "nothing was written"
+        raise RuntimeError(f"could not write the token files: the disk is full ({free:,.1f} MB free in {folder}); "
+                           f"{kept}: free some space there or pass another --data_dir, and run again") from None
 
 
 def _nearest_existing(path):
@@ -665,12 +677,6 @@ def _is_prepared(out, tok, source):
 def _file_stats(path, tok):
     tokens = load_tokens(path, tok.name, tok.vocab_size)
     return {"documents": len(tokens.doc_offsets), "tokens": len(tokens), "bytes": path.stat().st_size}
-
-
-def _write_json(path, obj):
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(temporary, path)
 
 
 def _print_summary(out, verb):

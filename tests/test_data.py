@@ -368,9 +368,33 @@ def test_a_full_disk_leaves_nothing_and_says_so(tmp_path, monkeypatch, where):
         prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25",
                            "--num_proc", "1"])
     assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
-                        rf"{re.escape(str(tmp_path / 'data' / 'docs_bytes'))}\): free some space and run again",
-                        exit.value.code)
+                        rf"{re.escape(str(tmp_path / 'data' / 'docs_bytes'))}\); nothing was written: free some space "
+                        r"there or pass another --data_dir, and run again", exit.value.code)
     assert os.listdir(tmp_path / "data") == []  # no token file, temporary file or empty folder
+
+
+@pytest.mark.parametrize("where", ["token file", "meta.json"])
+def test_a_failed_rebuild_keeps_the_earlier_files(tmp_path, monkeypatch, where):
+    """A rebuild (another --val_fraction) that fails at its last token file or at meta.json: the folder keeps the
+    earlier train.bin, val.bin and meta.json, all of them, and nothing else; the message names the fix."""
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    folder = prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
+    earlier = {path.name: path.read_bytes() for path in folder.iterdir()}
+    if where == "token file":  # the first of the two fits, the second does not
+        copy, copied = prepare_data.shutil.copyfileobj, []
+        monkeypatch.setattr(prepare_data.shutil, "copyfileobj", lambda source, destination, length: copied.append(
+            1) or (copy(source, destination, length) if len(copied) == 1 else disk_full()))
+    else:  # its first bytes go in
+        monkeypatch.setattr(prepare_data.Path, "write_text", lambda path, text: open(path, "w").write(text[:9]) and
+                            disk_full())
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.5",
+                           "--num_proc", "1"])
+    assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
+                        rf"{re.escape(str(folder))}\); the earlier files are unchanged: free some space there or pass "
+                        r"another --data_dir, and run again", exit.value.code)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == earlier
 
 
 def test_an_empty_data_dir_is_the_repository_data_folder(tmp_path, monkeypatch):
