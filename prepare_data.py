@@ -164,7 +164,7 @@ def load_tokens(path, tokenizer=None, vocab_size=None, verify=False):
         return _open_tokens(path, tokenizer, vocab_size, verify)
     except _Problem as e:
         error = ValueError if path.is_file() else FileNotFoundError
-        raise error(f"{path} {e}: re-run `{_rerun_command(path, tokenizer)}`") from None
+        raise error(f"{path} {e}: {_remedy(path, tokenizer)}") from None
 
 
 class _Problem(Exception):
@@ -210,17 +210,22 @@ def _read_header(path):
     return itemsize, vocab, n_tokens, n_docs, name.rstrip(b"\0").decode("utf-8", errors="replace"), checksum
 
 
-def _rerun_command(path, tokenizer):
+def _remedy(path, tokenizer):
+    """The prepare_data.py command that writes path again, where its folder's meta.json or name (default_*) tells it;
+    else how to write token files."""
     folder = path.parent
     try:
         meta = json.loads((folder / "meta.json").read_text())
         dataset, options, tokenizer = meta["dataset"], meta["options"], tokenizer or meta["tokenizer"]
     except (OSError, ValueError, KeyError):
-        dataset, options = ("default" if folder.name.startswith("default_") else "DATASET"), {}
-        tokenizer = tokenizer or (folder.name.removeprefix("default_") if dataset == "default" else "TOKENIZER")
+        if not folder.name.startswith("default_"):
+            return ("prepare_data.py writes token files: run it with --dataset set to your corpus (a .txt/.jsonl/"
+                    ".parquet file or a folder of them) and give the train.bin or val.bin it writes (it prints their "
+                    "folder)")
+        dataset, options, tokenizer = "default", {}, tokenizer or folder.name.removeprefix("default_")
     args = {"dataset": dataset, "tokenizer": tokenizer, "data_dir": folder.parent, **options}
-    return "python prepare_data.py " + " ".join(f"--{key} {shlex.quote(str(value))}" for key, value in args.items()
-                                             if value is not None)
+    return "re-run `python prepare_data.py " + " ".join(f"--{key} {shlex.quote(str(value))}" for key, value in
+                                                      args.items() if value is not None) + "`"
 
 
 @contextlib.contextmanager
@@ -317,7 +322,7 @@ def _batches(texts, max_chars=1 << 20):
 def encode_documents(texts, tokenizer_name, num_proc=None):
     """Yield (tokens, split_key) per text, in order, tokenized by num_proc worker processes; tokens is
     [eot] + encode(text) (no eot for bytes) as an array, split_key a number in [0, 1) hashed from the text."""
-    num_proc = num_proc or os.cpu_count()
+    num_proc = min(num_proc or os.cpu_count(), os.cpu_count())  # more would only wait for a CPU
     with multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer_name,)) as pool:
         pending = collections.deque()
         for batch in _batches(texts):
@@ -365,7 +370,8 @@ def _write_splits(files, tokenizer, texts, splits_of, num_proc):
             raise ValueError(f"no documents for {' and '.join(empty)} ({progress.docs} documents in all): " + (
                 f"add documents: train and val take whole documents, two at least (a lone .txt file is cut into "
                 f"documents of {TXT_PIECE} lines)" if progress.docs < 2 else
-                "add documents or adjust --val_fraction"))
+                f"pass --val_fraction {min(0.5, 5 / progress.docs):.2g} (about 5 of them), or add documents"
+                if empty == ["val"] else "pass a lower --val_fraction, or add documents"))
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -565,8 +571,7 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
     out = dataset_dir(dataset, tokenizer, data_dir, hf_config)
     options = {"text_field": text_field, "val_fraction": val_fraction, "hf_config": hf_config, "hf_split": hf_split,
                "max_docs": max_docs}
-    _check_arguments(dataset, out, num_proc, options)
-    options = {} if dataset == "default" else options
+    options = _check_arguments(dataset, out, num_proc, options)
     source = {"dataset": dataset if dataset == "default" or dataset.startswith("hf:") else str(Path(dataset).resolve()),
               "tokenizer": tokenizer, "options": options}
     _remove_leftovers(out)
@@ -574,7 +579,11 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
         _print_summary(out, "already prepared")
         return out
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make the folder {out} ({e.strerror}): pass a --data_dir where you can "
+                         "write") from None
     paths = [out / f"{split}.bin" for split in (("train", "val", "long") if dataset == "default" else ("train", "val"))]
     try:  # every file written whole beside the earlier ones, then all renamed: an error or a signal changes nothing
         with _full_disk_said(out), replacing([*paths, out / "meta.json"]) as temporaries:
@@ -595,25 +604,36 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
 
 
 def _check_arguments(dataset, out, num_proc, options):
-    """Refuse a bad argument with what to give instead; note those that the default corpus does not use."""
+    """Refuse a bad argument with what to give instead; note those that the dataset does not use, and a --num_proc
+    above the CPUs -> the options that apply to the dataset (those noted at their defaults; none for 'default')."""
     if not 0 < options["val_fraction"] < 1:
         raise ValueError(f"--val_fraction {options['val_fraction']} is out of range: give a fraction of the documents "
                          "between 0 and 1 (exclusive), e.g. 0.01")
     for name, value, unset in (("max_docs", options["max_docs"], "every document"), ("num_proc", num_proc, "all CPUs")):
         if value is not None and value < 1:
             raise ValueError(f"--{name} {value} is out of range: give at least 1 (or leave it out: {unset})")
+    if num_proc is not None and num_proc > os.cpu_count():
+        print(f"note: --num_proc {num_proc} is more than the {os.cpu_count()} CPUs: using {os.cpu_count()}",
+              file=sys.stderr)
     blocking = _nearest_existing(out)
     if not blocking.is_dir():
         raise ValueError(f"{blocking} is a file, not a folder, so {out} cannot be written: move it away or pass "
                          "another --data_dir")
+    defaults = {name: parameter.default for name, parameter in inspect.signature(prepare).parameters.items()}
+    changed = [f"--{name}" for name, value in options.items() if value != defaults[name]]
     if dataset == "default":
-        defaults = inspect.signature(prepare).parameters
-        ignored = [f"--{name}" for name, value in options.items() if value != defaults[name].default]
-        if ignored:
-            print(f"note: {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the default corpus "
+        if changed:
+            print(f"note: {', '.join(changed)} {'does' if len(changed) == 1 else 'do'} not apply to the default corpus "
                   "(a fixed set of works, split by work): ignored", file=sys.stderr)
-    elif not dataset.startswith("hf:"):
-        _corpus_files(Path(dataset))  # refuses a path that holds no corpus
+        return {}
+    if dataset.startswith("hf:"):
+        return options
+    _corpus_files(Path(dataset))  # refuses a path that holds no corpus
+    ignored = [name for name in changed if name.startswith("--hf_")]
+    if ignored:
+        print(f"note: {', '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} to hf: datasets only, not to "
+              "a local corpus: ignored", file=sys.stderr)
+    return {**options, "hf_config": defaults["hf_config"], "hf_split": defaults["hf_split"]}
 
 
 @contextlib.contextmanager

@@ -397,6 +397,69 @@ def test_a_failed_rebuild_keeps_the_earlier_files(tmp_path, monkeypatch, where):
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == earlier
 
 
+def small_corpus(folder, n):
+    """n .txt documents in folder -> folder, as a str (of 60, none is drawn at --val_fraction 0.01, 3 at 0.083)."""
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"{i:02d}.txt").write_text(f"text {i}: " + TEXT * (i % 3 + 1), encoding="utf-8")
+    return str(folder)
+
+
+def test_more_processes_than_cpus_are_capped_with_a_note(tmp_path, monkeypatch, capsys):
+    pools = []
+    pool = prepare_data.multiprocessing.Pool
+    monkeypatch.setattr(prepare_data.multiprocessing, "Pool", lambda n, **kw: pools.append(n) or pool(n, **kw))
+    prepare(small_corpus(tmp_path / "texts", 20), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1000)
+    assert pools == [os.cpu_count()]
+    assert f"note: --num_proc 1000 is more than the {os.cpu_count()} CPUs: using {os.cpu_count()}\n" in (
+        capsys.readouterr().err)
+
+
+def test_hf_settings_with_a_local_corpus_are_noted_and_ignored(tmp_path, capsys):
+    corpus = small_corpus(tmp_path / "texts", 20)
+    folder = prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.25, hf_config="foo", hf_split="test")
+    assert capsys.readouterr().err.startswith(
+        "note: --hf_config, --hf_split apply to hf: datasets only, not to a local corpus: ignored\n")
+    prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.25)  # the same data: not written again
+    assert "already prepared" in capsys.readouterr().out and folder.name == "texts_bytes"
+
+
+def test_a_small_corpus_is_told_the_val_fraction_to_pass(tmp_path):
+    corpus = small_corpus(tmp_path / "texts", 60)
+    with pytest.raises(ValueError, match=r"^no documents for val \(60 documents in all\): pass --val_fraction 0.083 "
+                                         r"\(about 5 of them\), or add documents$"):
+        prepare(corpus, "bytes", tmp_path / "data", num_proc=1)
+    assert len(load_tokens(prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.083) / "val.bin").doc_offsets)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no folder can be made")
+def test_a_data_dir_that_cannot_be_made_is_named_with_the_fix(tmp_path):
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--data_dir", "/proc/nope"])
+    assert re.fullmatch(r"error: cannot make the folder /proc/nope/default_bytes \(.+\): pass a --data_dir where "
+                        r"you can write", exit.value.code)
+
+
+def test_prepare_data_takes_key_equals_value_as_the_other_scripts_do(tmp_path):
+    """--key=value (train.py's, sample.py's and eval.py's form) as well as --key value."""
+    prepare_data.main([f"--dataset={small_corpus(tmp_path / 'texts', 20)}", f"--data_dir={tmp_path / 'data'}",
+                       "--val_fraction=0.25", "--num_proc=1"])
+    meta = json.loads((tmp_path / "data" / "texts_bytes" / "meta.json").read_text())
+    assert meta["options"]["val_fraction"] == 0.25
+
+
+def test_a_missing_token_file_gets_a_runnable_command_or_plain_advice(tmp_path, default_bytes):
+    """The command to re-run where meta.json or the folder's name tells it; else advice with no placeholder."""
+    with pytest.raises(FileNotFoundError) as error:
+        load_tokens(tmp_path / "missing.bin")
+    assert str(error.value) == (f"{tmp_path / 'missing.bin'} does not exist: prepare_data.py writes token files: run "
+                                "it with --dataset set to your corpus (a .txt/.jsonl/.parquet file or a folder of "
+                                "them) and give the train.bin or val.bin it writes (it prints their folder)")
+    with pytest.raises(FileNotFoundError, match=rf"re-run `python prepare_data.py --dataset default --tokenizer bytes "
+                                                rf"--data_dir {re.escape(str(default_bytes.parent))}`"):
+        load_tokens(default_bytes / "missing.bin")
+
+
 def test_an_empty_data_dir_is_the_repository_data_folder(tmp_path, monkeypatch):
     """So train.py and eval.py, whose default is '', read where prepare_data.py writes, from any folder."""
     assert prepare_data.dataset_dir("default", "bytes", "") == prepare_data.DEFAULT_DATA_DIR / "default_bytes"
