@@ -277,7 +277,8 @@ def load_documents(data, data_dir, tokenizer, ckpt_path):
         try:
             token_file = load_tokens(path, verify=True)
         except (ValueError, FileNotFoundError) as e:
-            raise EvalError(str(e)) from None
+            other_data = '; or give --data a .txt file or a folder of them, or leave it out (the default corpus)'
+            raise EvalError(str(e) + other_data * isinstance(e, FileNotFoundError)) from None
         if token_file.tokenizer != tokenizer:
             raise EvalError(f'{path} holds tokens of {token_file.tokenizer!r}, but {ckpt_path} was trained with '
                             f'{tokenizer!r}: give data tokenized with {tokenizer!r} (python prepare_data.py '

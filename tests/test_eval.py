@@ -150,6 +150,16 @@ def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path, monkeypat
         evaluation.main([f'--out_dir={trained[0]}', f'--out_dir={tmp_path}', f'--data={long_bin}'])
 
 
+def test_a_missing_token_file_says_how_to_write_one_without_placeholders(tmp_path):
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'fm')
+    with pytest.raises(evaluation.EvalError) as error:
+        evaluation.main([f'--out_dir={out_dir}', f'--data={tmp_path / "missing.bin"}', f'--out={tmp_path / "x"}'])
+    assert str(error.value) == (
+        f'{tmp_path / "missing.bin"} does not exist: prepare_data.py writes token files: run it with --dataset set to '
+        f'your corpus (a .txt/.jsonl/.parquet file or a folder of them) and give the train.bin or val.bin it writes (it '
+        f'prints their folder); or give --data a .txt file or a folder of them, or leave it out (the default corpus)')
+
+
 def test_eval_finds_the_default_corpus_from_any_folder(data_dir, tmp_path, monkeypatch):
     """data_dir '' (the default) is prepare_data.py's folder, the repository's data/, wherever eval.py runs."""
     assert evaluation.DEFAULT_DATA_DIR == prepare_data.DEFAULT_DATA_DIR
