@@ -28,10 +28,12 @@ Each mode's settings: python eval.py --help, python eval.py harness --help, pyth
 """
 import csv
 import difflib
+import errno
 import functools
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -51,7 +53,8 @@ import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 import devices
 from generate import Generator, Sampling
-from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8
+from prepare_data import (DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, quit_on_sigterm, read_utf8,
+                          replacing)
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 POSITION_SETTINGS = dict(
@@ -99,6 +102,7 @@ USAGE = 'eval.py [routing|harness] --key=value ...; sweep, frontier, scaling and
 ETA_BINS = 20  # the histogram of eta over [0, 1]
 ROUTING_PLOT_MAX = 12  # checkpoints in the heat maps of --out.png
 LOSS_SLICE = 1024  # positions whose logits are formed at once: (1024, V) float32 is 0.4 GB at a 100K vocabulary
+OUT_ELSEWHERE = ', or pass --out=PREFIX in a folder on another disk'  # the fix of a full disk besides freeing space
 
 
 class EvalError(RuntimeError):
@@ -106,11 +110,11 @@ class EvalError(RuntimeError):
 
 
 class Progress:
-    """Prints work done and its rate: on a terminal every second, in a log every 30 seconds."""
+    """Prints work done and its rate: at the first update, then every second on a terminal, every 30 s in a log."""
 
     def __init__(self, label, total, unit='tokens'):
         self.label, self.total, self.unit, self.done = label, total, unit, 0
-        self.start = self.last = time.time()
+        self.start, self.last = time.time(), -math.inf
         self.interval, self.end = (1, '\r') if sys.stderr.isatty() else (30, '\n')
 
     def update(self, n):
@@ -123,6 +127,25 @@ class Progress:
         rate = self.done / max(self.last - self.start, 1e-9)
         print(f'{self.label}: {self.done:,}/{self.total:,} {self.unit}, {rate:,.0f} {self.unit}/s', end=end,
               file=sys.stderr, flush=True)
+
+
+@contextmanager
+def replacing_results(*paths, fix=''):
+    """prepare_data.replacing(paths) (all renamed once all are written, or none), in a folder made if need be; a
+    failed write is an EvalError naming the fix: free some space, or fix (e.g. OUT_ELSEWHERE)."""
+    folder = Path(paths[0]).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with replacing(paths) as temporaries:
+            yield temporaries
+    except OSError as e:
+        names = ', '.join([str(paths[0]), *(Path(path).suffix for path in paths[1:])])
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        reason, remedy = ((f'the disk is full ({shutil.disk_usage(folder).free / 1e6:,.1f} MB free in {folder})',
+                           'free some space there') if full else (e.strerror or str(e), f'make {folder} writable'))
+        kept = 'the earlier files are unchanged' if any(map(os.path.exists, paths)) else 'none was written'
+        raise EvalError(f'could not write {names}: {reason}; {kept} and the results are in the output above: '
+                        f'{remedy}{fix}, and run again') from None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -254,7 +277,8 @@ def load_documents(data, data_dir, tokenizer, ckpt_path):
         try:
             token_file = load_tokens(path, verify=True)
         except (ValueError, FileNotFoundError) as e:
-            raise EvalError(str(e)) from None
+            other_data = '; or give --data a .txt file or a folder of them, or leave it out (the default corpus)'
+            raise EvalError(str(e) + other_data * isinstance(e, FileNotFoundError)) from None
         if token_file.tokenizer != tokenizer:
             raise EvalError(f'{path} holds tokens of {token_file.tokenizer!r}, but {ckpt_path} was trained with '
                             f'{tokenizer!r}: give data tokenized with {tokenizer!r} (python prepare_data.py '
@@ -357,12 +381,11 @@ def print_positions(results, data_description):
     return groups
 
 
-def write_positions(results, groups, settings, out):
-    """out.json (everything) and out.csv (one row a checkpoint and measure: bucket, so_far, val)."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with open(f'{out}.json', 'w') as f:
+def write_positions(results, groups, settings, json_path, csv_path):
+    """The .json (everything) and .csv (one row a checkpoint and measure: bucket, so_far, val)."""
+    with open(json_path, 'w') as f:
         json.dump({'settings': settings, 'checkpoints': results, 'seed_groups': groups}, f, indent=1)
-    with open(f'{out}.csv', 'w', newline='') as f:
+    with open(csv_path, 'w', newline='') as f:
         writer = csv.writer(f, lineterminator='\n')
         writer.writerow(['checkpoint', 'model', 'measure', 'start', 'end', 'loss', 'positions', 'documents'])
         for r in results:
@@ -390,7 +413,7 @@ def pyplot():
 def save_figure(plt, fig, path):
     """Lay out, write and close a figure -> True (what the plot functions return when they wrote one)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format='png')  # path may be a temporary file's, without .png
     plt.close(fig)
     return True
 
@@ -431,8 +454,10 @@ def run_positions(cfg, out_dirs):
             documents[ckpt['tokenizer']] = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)
     results = [evaluate_positions(ckpt, path, documents[ckpt['tokenizer']][0], cfg) for ckpt, path in checkpoints]
     groups = print_positions(results, '; '.join(description for _, description in documents.values()))
-    write_positions(results, groups, cfg, cfg['out'])
-    plotted = plot_positions(results, f"{cfg['out']}.png")
+    with replacing_results(*(f"{cfg['out']}{suffix}" for suffix in ('.json', '.csv', '.png')), fix=OUT_ELSEWHERE) as (
+            json_file, csv_file, png_file):
+        write_positions(results, groups, cfg, json_file, csv_file)
+        plotted = plot_positions(results, png_file)
     print(f"wrote {cfg['out']}.csv, .json{', .png' if plotted else ''}")
     return results
 
@@ -617,8 +642,7 @@ def run_harness(cfg, out_dir):
     print(lm_eval.utils.make_table(results))
     if results.get('groups'):  # e.g. mmlu: its subjects above, the group's mean here
         print(lm_eval.utils.make_table(results, 'groups'))
-    Path(cfg['out']).parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{cfg['out']}.json", 'w') as f:
+    with replacing_results(f"{cfg['out']}.json", fix=OUT_ELSEWHERE) as (json_file,), open(json_file, 'w') as f:
         json.dump({'checkpoint': lm.summary, 'settings': cfg, 'results': results['results'],
                    'groups': results.get('groups'), 'n-shot': results.get('n-shot'),
                    'versions': results.get('versions')}, f, indent=1, default=str)
@@ -702,7 +726,7 @@ def routing_tokens(docs, n_tokens):
 
 
 @torch.no_grad()
-def measure_routing(model, docs, cfg):
+def measure_routing(model, docs, cfg, progress=None):
     """Run the documents through the model in chunks, carrying the state -> one RoutingStats a FM layer."""
     mixers = [block.mixer for block in model.blocks]
     c = model.config
@@ -716,25 +740,27 @@ def measure_routing(model, docs, cfg):
             state = None
             for start in range(0, len(ids), cfg['chunk_len']):
                 with ctx:
-                    _, state = model.hidden(ids[None, start:start + cfg['chunk_len']], state)
+                    x, state = model.hidden(ids[None, start:start + cfg['chunk_len']], state)  # x (1, chunk, d_model)
+                if progress is not None:
+                    progress.update(x.shape[1])
     finally:
         for hook in hooks:
             hook.remove()
     return stats
 
 
-def add_ablations(model, docs, cfg, layers):
+def add_ablations(model, docs, cfg, layers, progress=None):
     """Set each layer's 'busiest_row_ablation': the increase of the mean loss on docs (nats a token) with the
     read-out of its row of the most weight zeroed (phi = 0 there; the row is still written)."""
-    base = mean_loss(model, docs, cfg)
+    base = mean_loss(model, docs, cfg, progress)
     for block, layer in zip(model.blocks, layers):
         with read_out_zeroed(block.mixer, int(np.argmax(layer['weight_usage']))):
-            layer['busiest_row_ablation'] = mean_loss(model, docs, cfg) - base
+            layer['busiest_row_ablation'] = mean_loss(model, docs, cfg, progress) - base
 
 
-def mean_loss(model, docs, cfg):
+def mean_loss(model, docs, cfg, progress=None):
     ctx = autocast(cfg['device'], cfg['dtype'])
-    return float(np.concatenate([document_losses(model, doc, cfg['chunk_len'], ctx) for doc in docs]).mean())
+    return float(np.concatenate([document_losses(model, doc, cfg['chunk_len'], ctx, progress) for doc in docs]).mean())
 
 
 @contextmanager
@@ -811,14 +837,20 @@ def run_routing(cfg, out_dirs):
             documents[ckpt['tokenizer']] = routing_tokens(docs, cfg['tokens']), description
         docs, description = documents[ckpt['tokenizer']]
         model = build_model(ckpt, path, cfg['device'])
-        stats = measure_routing(model, docs, cfg)
-        result = {**summary(ckpt, path, model), 'data': description, 'tokens': stats[0].tokens,
-                  'layers': [s.summary() for s in stats]}
-        add_ablations(model, docs, cfg, result['layers'])
+        result = summary(ckpt, path, model)
+        progress = Progress(f"{result['label']} routing", sum(map(len, docs)))  # to stderr, as loss by position's
+        stats = measure_routing(model, docs, cfg, progress)
+        progress.print()
+        result.update(data=description, tokens=stats[0].tokens, layers=[s.summary() for s in stats])
+        progress = Progress(f"{result['label']} ablations", (len(stats) + 1) * sum(len(doc) - 1 for doc in docs))
+        add_ablations(model, docs, cfg, result['layers'], progress)
+        progress.print()
         print_routing(result)
-        with open(os.path.join(out_dir, 'routing.json'), 'w') as f:
-            json.dump(result, f, indent=1)
-        plot_routing([result], os.path.join(out_dir, 'routing.png'))
+        with replacing_results(os.path.join(out_dir, 'routing.json'), os.path.join(out_dir, 'routing.png')) as (
+                json_file, png_file):
+            with open(json_file, 'w') as f:
+                json.dump(result, f, indent=1)
+            plot_routing([result], png_file)
         results.append(result)
     if cfg['out']:
         write_routing(results, cfg['out'])
@@ -827,18 +859,18 @@ def run_routing(cfg, out_dirs):
 
 def write_routing(results, out):
     """out.csv, a row a checkpoint and layer (usage as its sorted values), and out.png, every checkpoint's map."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fields = ('dead_rows', 'rare_rows', 'effective_rows', 'entropy', 'busiest_row', 'weight_effective_rows',
               'busiest_row_theta', 'busiest_row_ablation', 'eta_mean', 'mu_mean', 'logit_bias_share',
               'input_mean_share')
-    with open(f'{out}.csv', 'w', newline='') as f:
-        writer = csv.writer(f, lineterminator='\n')
-        writer.writerow(['checkpoint', 'model', 'val_loss', 'layer', *fields])
-        for r in results:
-            for i, layer in enumerate(r['layers']):
-                writer.writerow([r['label'], r['model'], r['val_loss'], i, *(layer[k] for k in fields)])
     shown = results[:ROUTING_PLOT_MAX]
-    plotted = plot_routing(shown, f'{out}.png')
+    with replacing_results(f'{out}.csv', f'{out}.png', fix=OUT_ELSEWHERE) as (csv_file, png_file):
+        with open(csv_file, 'w', newline='') as f:
+            writer = csv.writer(f, lineterminator='\n')
+            writer.writerow(['checkpoint', 'model', 'val_loss', 'layer', *fields])
+            for r in results:
+                for i, layer in enumerate(r['layers']):
+                    writer.writerow([r['label'], r['model'], r['val_loss'], i, *(layer[k] for k in fields)])
+        plotted = plot_routing(shown, png_file)
     note = f' (the first {len(shown)} of {len(results)} checkpoints; each out_dir has its own)' if len(shown) < len(
         results) else ''
     print(f"wrote {out}.csv{', .png' + note if plotted else ''}")
@@ -920,4 +952,5 @@ def main(argv=()):
 
 
 if __name__ == '__main__':
+    quit_on_sigterm()
     run_main(main, CheckpointError, EvalError)

@@ -40,6 +40,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import struct
 import sys
 import tarfile
@@ -48,6 +49,11 @@ import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+from configurator import quit_on_ctrl_c, run_main
+
+if __name__ == "__main__":
+    quit_on_ctrl_c()
 
 import numpy as np
 
@@ -158,7 +164,7 @@ def load_tokens(path, tokenizer=None, vocab_size=None, verify=False):
         return _open_tokens(path, tokenizer, vocab_size, verify)
     except _Problem as e:
         error = ValueError if path.is_file() else FileNotFoundError
-        raise error(f"{path} {e}: re-run `{_rerun_command(path, tokenizer)}`") from None
+        raise error(f"{path} {e}: {_remedy(path, tokenizer)}") from None
 
 
 class _Problem(Exception):
@@ -204,27 +210,47 @@ def _read_header(path):
     return itemsize, vocab, n_tokens, n_docs, name.rstrip(b"\0").decode("utf-8", errors="replace"), checksum
 
 
-def _rerun_command(path, tokenizer):
+def _remedy(path, tokenizer):
+    """The prepare_data.py command that writes path again, where its folder's meta.json or name (default_*) tells it;
+    else how to write token files."""
     folder = path.parent
     try:
         meta = json.loads((folder / "meta.json").read_text())
         dataset, options, tokenizer = meta["dataset"], meta["options"], tokenizer or meta["tokenizer"]
     except (OSError, ValueError, KeyError):
-        dataset, options = ("default" if folder.name.startswith("default_") else "DATASET"), {}
-        tokenizer = tokenizer or (folder.name.removeprefix("default_") if dataset == "default" else "TOKENIZER")
+        if not folder.name.startswith("default_"):
+            return ("prepare_data.py writes token files: run it with --dataset set to your corpus (a .txt/.jsonl/"
+                    ".parquet file or a folder of them) and give the train.bin or val.bin it writes (it prints their "
+                    "folder)")
+        dataset, options, tokenizer = "default", {}, tokenizer or folder.name.removeprefix("default_")
     args = {"dataset": dataset, "tokenizer": tokenizer, "data_dir": folder.parent, **options}
-    return "python prepare_data.py " + " ".join(f"--{key} {shlex.quote(str(value))}" for key, value in args.items()
-                                             if value is not None)
+    return "re-run `python prepare_data.py " + " ".join(f"--{key} {shlex.quote(str(value))}" for key, value in
+                                                      args.items() if value is not None) + "`"
+
+
+@contextlib.contextmanager
+def replacing(paths):
+    """Temporary files beside paths (NAME.PID.tmp), to write; once all are written each replaces its path, in order (a
+    path whose temporary was not written stays); on an error or a signal they are removed, every path as it was."""
+    temporaries = [Path(path).with_name(f"{Path(path).name}.{os.getpid()}.tmp") for path in paths]
+    try:
+        yield temporaries
+        for temporary, path in zip(temporaries, paths):
+            if temporary.exists():
+                os.replace(temporary, path)
+    finally:
+        for temporary in temporaries:
+            temporary.unlink(missing_ok=True)
 
 
 class _TokenWriter:
-    """Writes one token file atomically: tokens stream to a staging file; on success the header,
-    offsets and tokens go to a temporary file renamed into place. On error nothing is left."""
+    """Writes one token file, path (a temporary file of replacing()): tokens stream to a staging file beside it; on
+    success the header, offsets and tokens go to path. The staging file is removed in any case."""
 
     def __init__(self, path, tokenizer):
         self.path, self.tokenizer = Path(path), tokenizer
         self.dtype = token_dtype(tokenizer.vocab_size)
-        self.staging = self.path.with_name(f"{self.path.name}.{os.getpid()}.tokens.tmp")
+        self.staging = self.path.with_suffix(".tokens.tmp")  # train.bin.PID.tmp: train.bin.PID.tokens.tmp
         self.offsets, self.n_tokens, self.checksum = [], 0, 0
 
     def __enter__(self):
@@ -250,15 +276,10 @@ class _TokenWriter:
         offsets = np.asarray(self.offsets, dtype="<i8").tobytes()
         header = HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.tokenizer.vocab_size, self.n_tokens,
                              len(self.offsets), self.tokenizer.name.encode(), zlib.crc32(offsets, self.checksum))
-        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        try:
-            with open(temporary, "wb") as f, open(self.staging, "rb") as tokens:
-                f.write(header)
-                f.write(offsets)
-                shutil.copyfileobj(tokens, f, 1 << 24)
-            os.replace(temporary, self.path)
-        finally:
-            temporary.unlink(missing_ok=True)
+        with open(self.path, "wb") as f, open(self.staging, "rb") as tokens:
+            f.write(header)
+            f.write(offsets)
+            shutil.copyfileobj(tokens, f, 1 << 24)
 
 
 # ----------------------------------------------------------------------------- parallel tokenization
@@ -268,6 +289,8 @@ _worker_tokenizer = None
 
 def _init_worker(tokenizer_name):
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops the workers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as Pool.terminate() expects, whatever the parent's handler
     _worker_tokenizer = get_tokenizer(tokenizer_name)
 
 
@@ -299,7 +322,7 @@ def _batches(texts, max_chars=1 << 20):
 def encode_documents(texts, tokenizer_name, num_proc=None):
     """Yield (tokens, split_key) per text, in order, tokenized by num_proc worker processes; tokens is
     [eot] + encode(text) (no eot for bytes) as an array, split_key a number in [0, 1) hashed from the text."""
-    num_proc = num_proc or os.cpu_count()
+    num_proc = min(num_proc or os.cpu_count(), os.cpu_count())  # more would only wait for a CPU
     with multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer_name,)) as pool:
         pending = collections.deque()
         for batch in _batches(texts):
@@ -331,12 +354,12 @@ class _Progress:
               end=end, file=sys.stderr, flush=True)
 
 
-def _write_splits(out, tokenizer, texts, splits_of, split_names, num_proc):
-    """Tokenize texts in parallel into out/{split}.bin and return those paths; splits_of(index, split_key)
-    names the splits of a text."""
-    progress = _Progress(f"tokenizing into {out} ({tokenizer.name})")
+def _write_splits(files, tokenizer, texts, splits_of, num_proc):
+    """Tokenize texts in parallel into the token files {split: path}; splits_of(index, split_key) names the splits of
+    a text."""
+    progress = _Progress(f"tokenizing into {next(iter(files.values())).parent} ({tokenizer.name})")
     with contextlib.ExitStack() as stack:
-        writers = {split: stack.enter_context(_TokenWriter(out / f"{split}.bin", tokenizer)) for split in split_names}
+        writers = {split: stack.enter_context(_TokenWriter(path, tokenizer)) for split, path in files.items()}
         for index, (tokens, split_key) in enumerate(encode_documents(texts, tokenizer.name, num_proc)):
             for split in splits_of(index, split_key):
                 writers[split].add(tokens)
@@ -347,8 +370,8 @@ def _write_splits(out, tokenizer, texts, splits_of, split_names, num_proc):
             raise ValueError(f"no documents for {' and '.join(empty)} ({progress.docs} documents in all): " + (
                 f"add documents: train and val take whole documents, two at least (a lone .txt file is cut into "
                 f"documents of {TXT_PIECE} lines)" if progress.docs < 2 else
-                "add documents or adjust --val_fraction"))
-    return [writer.path for writer in writers.values()]
+                f"pass --val_fraction {min(0.5, 5 / progress.docs):.2g} (about 5 of them), or add documents"
+                if empty == ["val"] else "pass a lower --val_fraction, or add documents"))
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -359,7 +382,7 @@ def load_default_corpus(path=DEFAULT_CORPUS):
         return [json.loads(line) for line in f]
 
 
-def _write_default(out, tokenizer, num_proc):
+def _write_default(files, tokenizer, num_proc):
     works = load_default_corpus()
 
     def splits_of(index, split_key):
@@ -367,10 +390,10 @@ def _write_default(out, tokenizer, num_proc):
         return ("val", "long") if title in LONG_WORKS else ("val",) if title in VALIDATION_WORKS else ("train",)
 
     texts = [work["text"] for work in works]
-    return _write_splits(out, tokenizer, texts, splits_of, ("train", "val", "long"), num_proc)
+    _write_splits(files, tokenizer, texts, splits_of, num_proc)
 
 
-def _write_user_corpus(out, tokenizer, dataset, options, num_proc):
+def _write_user_corpus(files, tokenizer, dataset, options, num_proc):
     val_fraction = options["val_fraction"]
     texts = (text for text in _read_documents(dataset, options) if text)
     texts = itertools.islice(texts, options["max_docs"])
@@ -378,7 +401,7 @@ def _write_user_corpus(out, tokenizer, dataset, options, num_proc):
     def splits_of(index, split_key):
         return ("val",) if split_key < val_fraction else ("train",)
 
-    return _write_splits(out, tokenizer, texts, splits_of, ("train", "val"), num_proc)
+    _write_splits(files, tokenizer, texts, splits_of, num_proc)
 
 
 def _read_documents(dataset, options):
@@ -548,8 +571,7 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
     out = dataset_dir(dataset, tokenizer, data_dir, hf_config)
     options = {"text_field": text_field, "val_fraction": val_fraction, "hf_config": hf_config, "hf_split": hf_split,
                "max_docs": max_docs}
-    _check_arguments(dataset, out, num_proc, options)
-    options = {} if dataset == "default" else options
+    options = _check_arguments(dataset, out, num_proc, options)
     source = {"dataset": dataset if dataset == "default" or dataset.startswith("hf:") else str(Path(dataset).resolve()),
               "tokenizer": tokenizer, "options": options}
     _remove_leftovers(out)
@@ -557,57 +579,75 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
         _print_summary(out, "already prepared")
         return out
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # marks the folder incomplete until the new files are all written
-    with _full_disk_said(out):
-        try:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make the folder {out} ({e.strerror}): pass a --data_dir where you can "
+                         "write") from None
+    paths = [out / f"{split}.bin" for split in (("train", "val", "long") if dataset == "default" else ("train", "val"))]
+    try:  # every file written whole beside the earlier ones, then all renamed: an error or a signal changes nothing
+        with _full_disk_said(out), replacing([*paths, out / "meta.json"]) as temporaries:
+            files = {path.stem: temporary for path, temporary in zip(paths, temporaries)}
             if dataset == "default":
-                paths = _write_default(out, tok, num_proc)
+                _write_default(files, tok, num_proc)
             else:
-                paths = _write_user_corpus(out, tok, source["dataset"], options, num_proc)
-        except BaseException:
-            if created and not any(out.iterdir()):  # the writers leave nothing behind: no empty folder either
-                out.rmdir()
-            raise
-        files = {path.name: _file_stats(path, tok) for path in paths}
-        _write_json(out / "meta.json", {**source, "files": files})
+                _write_user_corpus(files, tok, source["dataset"], options, num_proc)
+            stats = {path.name: _file_stats(temporary, tok) for path, temporary in zip(paths, temporaries)}
+            temporaries[-1].write_text(json.dumps({**source, "files": stats}, indent=2) + "\n")
+            (out / "meta.json").unlink(missing_ok=True)  # the folder reads as incomplete until meta.json, renamed last
+    except BaseException:
+        if created and not any(out.iterdir()):  # nothing is left behind: no empty folder either
+            out.rmdir()
+        raise
     _print_summary(out, "wrote")
     return out
 
 
 def _check_arguments(dataset, out, num_proc, options):
-    """Refuse a bad argument with what to give instead; note those that the default corpus does not use."""
+    """Refuse a bad argument with what to give instead; note those that the dataset does not use, and a --num_proc
+    above the CPUs -> the options that apply to the dataset (those noted at their defaults; none for 'default')."""
     if not 0 < options["val_fraction"] < 1:
         raise ValueError(f"--val_fraction {options['val_fraction']} is out of range: give a fraction of the documents "
                          "between 0 and 1 (exclusive), e.g. 0.01")
     for name, value, unset in (("max_docs", options["max_docs"], "every document"), ("num_proc", num_proc, "all CPUs")):
         if value is not None and value < 1:
             raise ValueError(f"--{name} {value} is out of range: give at least 1 (or leave it out: {unset})")
+    if num_proc is not None and num_proc > os.cpu_count():
+        print(f"note: --num_proc {num_proc} is more than the {os.cpu_count()} CPUs: using {os.cpu_count()}",
+              file=sys.stderr)
     blocking = _nearest_existing(out)
     if not blocking.is_dir():
         raise ValueError(f"{blocking} is a file, not a folder, so {out} cannot be written: move it away or pass "
                          "another --data_dir")
+    defaults = {name: parameter.default for name, parameter in inspect.signature(prepare).parameters.items()}
+    changed = [f"--{name}" for name, value in options.items() if value != defaults[name]]
     if dataset == "default":
-        defaults = inspect.signature(prepare).parameters
-        ignored = [f"--{name}" for name, value in options.items() if value != defaults[name].default]
-        if ignored:
-            print(f"note: {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the default corpus "
+        if changed:
+            print(f"note: {', '.join(changed)} {'does' if len(changed) == 1 else 'do'} not apply to the default corpus "
                   "(a fixed set of works, split by work): ignored", file=sys.stderr)
-    elif not dataset.startswith("hf:"):
-        _corpus_files(Path(dataset))  # refuses a path that holds no corpus
+        return {}
+    if dataset.startswith("hf:"):
+        return options
+    _corpus_files(Path(dataset))  # refuses a path that holds no corpus
+    ignored = [name for name in changed if name.startswith("--hf_")]
+    if ignored:
+        print(f"note: {', '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} to hf: datasets only, not to "
+              "a local corpus: ignored", file=sys.stderr)
+    return {**options, "hf_config": defaults["hf_config"], "hf_split": defaults["hf_split"]}
 
 
 @contextlib.contextmanager
 def _full_disk_said(folder):
-    """Turn the OSError of a full disk into a RuntimeError that says so (the writers have removed their files)."""
+    """Turn the OSError of a full disk into a RuntimeError that says so (replacing() has removed the new files)."""
     try:
         yield
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         free = shutil.disk_usage(_nearest_existing(folder)).free / 1e6
-        raise RuntimeError(f"could not write the token files: the disk is full ({free:,.1f} MB free in {folder}): free "
-                           "some space and run again") from None
+        kept = "the earlier files are unchanged" if (folder / "meta.json").exists() else "nothing was written"
+        raise RuntimeError(f"could not write the token files: the disk is full ({free:,.1f} MB free in {folder}); "
+                           f"{kept}: free some space there or pass another --data_dir, and run again") from None
 
 
 def _nearest_existing(path):
@@ -659,12 +699,6 @@ def _file_stats(path, tok):
     return {"documents": len(tokens.doc_offsets), "tokens": len(tokens), "bytes": path.stat().st_size}
 
 
-def _write_json(path, obj):
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(temporary, path)
-
-
 def _print_summary(out, verb):
     meta = json.loads((out / "meta.json").read_text())
     tok = get_tokenizer(meta["tokenizer"])
@@ -672,6 +706,12 @@ def _print_summary(out, verb):
     for name, stats in meta["files"].items():
         print(f"  {name:<10} {stats['documents']:>10,} documents {stats['tokens']:>15,} tokens "
               f"{stats['bytes'] / 1e6:>12,.1f} MB")
+
+
+def quit_on_sigterm():
+    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): one line, 'terminated', and exit
+    code 143."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(sys.stderr.write("terminated\n") and 143))
 
 
 def main(argv=None):
@@ -697,4 +737,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    quit_on_sigterm()
+    run_main(main)

@@ -60,12 +60,7 @@ def load(argv):
                           f"{checkpoint['tokenizer']}: give at most {tok.vocab_size}, or None for every token")
     dtype = getattr(torch, resolve_dtype(cfg['dtype'], cfg['device']))
     model = model.eval().to(cfg['device'], dtype)  # the memory states stay float32
-    prompt = cfg['start']
-    if prompt.startswith('FILE:'):
-        try:
-            prompt = read_utf8(Path(prompt[5:]))
-        except (OSError, ValueError) as e:  # no such file, not UTF-8
-            raise ConfigError(f'--start={prompt}: {getattr(e, "strerror", None) or e}') from None
+    prompt = read_prompt(cfg['start'])
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
     if max(ids) >= model.config.vocab_size:
         raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
@@ -75,6 +70,26 @@ def load(argv):
               f'was trained at (block_size): attention does not extrapolate past block_size', file=sys.stderr)
     check_generation_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
     return cfg, model, tok, ids
+
+
+def read_prompt(start):
+    """The prompt --start gives: its text, or the text of the file FILE:path names; ConfigError if it is not UTF-8."""
+    if start.startswith('FILE:'):
+        if not start[5:]:
+            raise ConfigError('--start=FILE: names no file: give FILE:path, e.g. --start=FILE:prompt.txt')
+        try:
+            return read_utf8(Path(start[5:]))
+        except OSError as e:
+            raise ConfigError(f'--start={start}: cannot read {start[5:]} ({e.strerror}): give FILE:path of a UTF-8 '
+                              f'text file') from None
+        except ValueError as e:  # names the file, its first byte that is not UTF-8, how to convert it
+            raise ConfigError(f'--start={start}: {e}') from None
+    try:
+        start.encode('utf-8')
+    except UnicodeEncodeError as e:  # bytes of argv that are not UTF-8 come as surrogates
+        raise ConfigError(f'--start is not UTF-8 text (character {e.start} is not): give UTF-8 text, or FILE:path to '
+                          f'read the prompt from a UTF-8 file') from None
+    return start
 
 
 def main(argv=()):

@@ -4,12 +4,16 @@ import errno
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 import prepare_data
-from conftest import DOCUMENTS, TEXT, corrupt
+from conftest import DOCUMENTS, REPO, TEXT, corrupt
 from prepare_data import HEADER, get_tokenizer, load_default_corpus, load_tokens, prepare
 
 
@@ -245,6 +249,37 @@ def test_interrupted_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+# python -c SLOW_WORKERS prepare_data.py ARGS: the script, its workers slowed by 10 ms a document (in _split_key's hash)
+SLOW_WORKERS = """import hashlib, runpy, sys, time
+blake2b = hashlib.blake2b
+hashlib.blake2b = lambda *args, **kwargs: time.sleep(0.01) or blake2b(*args, **kwargs)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")"""
+
+
+@pytest.mark.parametrize("name, to_group, code, line", [
+    ("SIGINT", True, 130, "interrupted"),  # Ctrl-C in a terminal: the script and its workers
+    ("SIGTERM", False, 143, "terminated"),  # kill PID: the script alone (its workers used to die of broken pipes)
+])
+def test_a_signal_while_tokenizing_is_one_line_and_leaves_nothing(tmp_path, name, to_group, code, line):
+    corpus = tmp_path / "big.jsonl"  # 1,000 documents of 10,000 bytes: 10 batches of a second each, slowed
+    corpus.write_text("".join(json.dumps({"text": f"{i} " + "x" * 10_000}) + "\n" for i in range(1000)))
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WORKERS, "prepare_data.py", "--dataset", str(corpus),
+                             "--data_dir", str(tmp_path / "data"), "--num_proc", "2"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not any(path.stat().st_size for path in tmp_path.glob("data/big_bytes/*.tokens.tmp")):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.02)  # until a batch is written: the workers are busy with the next ones
+        os.killpg(proc.pid, getattr(signal, name)) if to_group else proc.send_signal(getattr(signal, name))
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert (proc.returncode, err) == (code, f"{line}\n")
+    assert list((tmp_path / "data").iterdir()) == []  # no staging file, no token file, no folder of this run
+
+
 # ----------------------------------------------------------------------------- user corpora
 
 def test_txt_directory_corpus(tmp_path):
@@ -333,9 +368,96 @@ def test_a_full_disk_leaves_nothing_and_says_so(tmp_path, monkeypatch, where):
         prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25",
                            "--num_proc", "1"])
     assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
-                        rf"{re.escape(str(tmp_path / 'data' / 'docs_bytes'))}\): free some space and run again",
-                        exit.value.code)
+                        rf"{re.escape(str(tmp_path / 'data' / 'docs_bytes'))}\); nothing was written: free some space "
+                        r"there or pass another --data_dir, and run again", exit.value.code)
     assert os.listdir(tmp_path / "data") == []  # no token file, temporary file or empty folder
+
+
+@pytest.mark.parametrize("where", ["token file", "meta.json"])
+def test_a_failed_rebuild_keeps_the_earlier_files(tmp_path, monkeypatch, where):
+    """A rebuild (another --val_fraction) that fails at its last token file or at meta.json: the folder keeps the
+    earlier train.bin, val.bin and meta.json, all of them, and nothing else; the message names the fix."""
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    folder = prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
+    earlier = {path.name: path.read_bytes() for path in folder.iterdir()}
+    if where == "token file":  # the first of the two fits, the second does not
+        copy, copied = prepare_data.shutil.copyfileobj, []
+        monkeypatch.setattr(prepare_data.shutil, "copyfileobj", lambda source, destination, length: copied.append(
+            1) or (copy(source, destination, length) if len(copied) == 1 else disk_full()))
+    else:  # its first bytes go in
+        monkeypatch.setattr(prepare_data.Path, "write_text", lambda path, text: open(path, "w").write(text[:9]) and
+                            disk_full())
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.5",
+                           "--num_proc", "1"])
+    assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
+                        rf"{re.escape(str(folder))}\); the earlier files are unchanged: free some space there or pass "
+                        r"another --data_dir, and run again", exit.value.code)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == earlier
+
+
+def small_corpus(folder, n):
+    """n .txt documents in folder -> folder, as a str (of 60, none is drawn at --val_fraction 0.01, 3 at 0.083)."""
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"{i:02d}.txt").write_text(f"text {i}: " + TEXT * (i % 3 + 1), encoding="utf-8")
+    return str(folder)
+
+
+def test_more_processes_than_cpus_are_capped_with_a_note(tmp_path, monkeypatch, capsys):
+    pools = []
+    pool = prepare_data.multiprocessing.Pool
+    monkeypatch.setattr(prepare_data.multiprocessing, "Pool", lambda n, **kw: pools.append(n) or pool(n, **kw))
+    prepare(small_corpus(tmp_path / "texts", 20), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1000)
+    assert pools == [os.cpu_count()]
+    assert f"note: --num_proc 1000 is more than the {os.cpu_count()} CPUs: using {os.cpu_count()}\n" in (
+        capsys.readouterr().err)
+
+
+def test_hf_settings_with_a_local_corpus_are_noted_and_ignored(tmp_path, capsys):
+    corpus = small_corpus(tmp_path / "texts", 20)
+    folder = prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.25, hf_config="foo", hf_split="test")
+    assert capsys.readouterr().err.startswith(
+        "note: --hf_config, --hf_split apply to hf: datasets only, not to a local corpus: ignored\n")
+    prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.25)  # the same data: not written again
+    assert "already prepared" in capsys.readouterr().out and folder.name == "texts_bytes"
+
+
+def test_a_small_corpus_is_told_the_val_fraction_to_pass(tmp_path):
+    corpus = small_corpus(tmp_path / "texts", 60)
+    with pytest.raises(ValueError, match=r"^no documents for val \(60 documents in all\): pass --val_fraction 0.083 "
+                                         r"\(about 5 of them\), or add documents$"):
+        prepare(corpus, "bytes", tmp_path / "data", num_proc=1)
+    assert len(load_tokens(prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.083) / "val.bin").doc_offsets)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no folder can be made")
+def test_a_data_dir_that_cannot_be_made_is_named_with_the_fix(tmp_path):
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--data_dir", "/proc/nope"])
+    assert re.fullmatch(r"error: cannot make the folder /proc/nope/default_bytes \(.+\): pass a --data_dir where "
+                        r"you can write", exit.value.code)
+
+
+def test_prepare_data_takes_key_equals_value_as_the_other_scripts_do(tmp_path):
+    """--key=value (train.py's, sample.py's and eval.py's form) as well as --key value."""
+    prepare_data.main([f"--dataset={small_corpus(tmp_path / 'texts', 20)}", f"--data_dir={tmp_path / 'data'}",
+                       "--val_fraction=0.25", "--num_proc=1"])
+    meta = json.loads((tmp_path / "data" / "texts_bytes" / "meta.json").read_text())
+    assert meta["options"]["val_fraction"] == 0.25
+
+
+def test_a_missing_token_file_gets_a_runnable_command_or_plain_advice(tmp_path, default_bytes):
+    """The command to re-run where meta.json or the folder's name tells it; else advice with no placeholder."""
+    with pytest.raises(FileNotFoundError) as error:
+        load_tokens(tmp_path / "missing.bin")
+    assert str(error.value) == (f"{tmp_path / 'missing.bin'} does not exist: prepare_data.py writes token files: run "
+                                "it with --dataset set to your corpus (a .txt/.jsonl/.parquet file or a folder of "
+                                "them) and give the train.bin or val.bin it writes (it prints their folder)")
+    with pytest.raises(FileNotFoundError, match=rf"re-run `python prepare_data.py --dataset default --tokenizer bytes "
+                                                rf"--data_dir {re.escape(str(default_bytes.parent))}`"):
+        load_tokens(default_bytes / "missing.bin")
 
 
 def test_an_empty_data_dir_is_the_repository_data_folder(tmp_path, monkeypatch):

@@ -2,13 +2,16 @@
 analysis.py), with their refusals."""
 
 import csv
+import errno
 import importlib.util
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import fields
 
 import numpy as np
@@ -93,6 +96,33 @@ def test_loss_by_position_end_to_end(tmp_path):
     assert rows[0].startswith('checkpoint,model,measure') and len(rows) == 1 + 2 + 7 + 7 + 5 + 6
 
 
+def half_written_on_a_full_disk(obj, f, **kwargs):
+    """json.dump on a full disk: the first bytes go in, then the write fails."""
+    f.write('{"checkpoints": [')
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+
+@pytest.mark.parametrize('mode', ['positions', 'routing'])
+def test_a_full_disk_keeps_the_earlier_results_and_says_so(mode, tmp_path, monkeypatch):
+    """--out's .json, .csv and .png (routing: routing.json and .png in the out_dir) replace the earlier ones together,
+    or not at all: a full disk is one line naming the fix, the earlier files stay whole, no temporary file is left."""
+    texts = routing_texts(tmp_path / 'texts')
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'fm')
+    out = tmp_path / 'results' / 'positions'
+    folder, names, fix = ((out.parent, ['positions.json', 'positions.csv', 'positions.png'], '--out=') if mode ==
+                          'positions' else (tmp_path / 'fm', ['routing.json', 'routing.png'], 'free some space'))
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / name).write_text('earlier')
+    before = sorted(os.listdir(folder))
+    monkeypatch.setattr(evaluation.json, 'dump', half_written_on_a_full_disk)
+    with pytest.raises(evaluation.EvalError, match=rf'could not write {re.escape(str(folder / names[0]))}.*: the disk '
+                                                   rf'is full \([0-9,.]+ MB free in .*\).*{fix}'):
+        evaluation.main([*(['routing', '--tokens=100'] if mode == 'routing' else []), f'--out_dir={out_dir}',
+                         f'--data={texts}', '--chunk_len=16', *([f'--out={out}'] if mode == 'positions' else [])])
+    assert sorted(os.listdir(folder)) == before and all((folder / name).read_text() == 'earlier' for name in names)
+
+
 def test_seed_groups_hold_runs_that_differ_in_seed_alone():
     """eval.py's spread over seeds groups the runs whose settings differ in the seed (and where they were written)
     alone: two out_dirs of one seed at 500 and 600 steps are two models, not two seeds."""
@@ -118,6 +148,16 @@ def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path, monkeypat
     with pytest.raises(evaluation.EvalError, match=r"long.bin holds tokens of 'bytes', but .* was trained with "
                                                    r"'cl100k_base': give data tokenized with 'cl100k_base'"):
         evaluation.main([f'--out_dir={trained[0]}', f'--out_dir={tmp_path}', f'--data={long_bin}'])
+
+
+def test_a_missing_token_file_says_how_to_write_one_without_placeholders(tmp_path):
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'fm')
+    with pytest.raises(evaluation.EvalError) as error:
+        evaluation.main([f'--out_dir={out_dir}', f'--data={tmp_path / "missing.bin"}', f'--out={tmp_path / "x"}'])
+    assert str(error.value) == (
+        f'{tmp_path / "missing.bin"} does not exist: prepare_data.py writes token files: run it with --dataset set to '
+        f'your corpus (a .txt/.jsonl/.parquet file or a folder of them) and give the train.bin or val.bin it writes (it '
+        f'prints their folder); or give --data a .txt file or a folder of them, or leave it out (the default corpus)')
 
 
 def test_eval_finds_the_default_corpus_from_any_folder(data_dir, tmp_path, monkeypatch):
@@ -500,6 +540,38 @@ def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
     assert [(row['checkpoint'], row['layer']) for row in rows] == [('sparse', '0'), ('sparse', '1'), ('dense', '0'),
                                                                    ('dense', '1')]
     assert [int(row['dead_rows']) for row in rows] == [layer['dead_rows'] for r in results for layer in r['layers']]
+
+
+def test_routing_shows_its_progress(tmp_path, capsys):
+    """eval.py routing says what it is doing as it goes, on stderr as loss by position does: a line as each part (the
+    routing pass, the ablations: a loss pass a layer and one without) begins, then every few seconds, then its total."""
+    out_dir = save_model_checkpoint(planted_router_model(3), tmp_path / 'fm')
+    evaluation.main(['routing', f'--out_dir={out_dir}', f'--data={routing_texts(tmp_path / "texts")}', '--tokens=1000',
+                     '--chunk_len=16', '--device=cpu'])
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(', ')[0] for line in err] == [  # 130 tokens, 128 predicted: 3 passes for 2 layers
+        'fm routing: 16/130 tokens', 'fm routing: 130/130 tokens', 'fm ablations: 16/384 tokens',
+        'fm ablations: 384/384 tokens'], err
+
+
+@pytest.mark.parametrize('name, code, line', [('SIGINT', 130, 'interrupted'), ('SIGTERM', 143, 'terminated')])
+def test_a_signal_stops_eval_within_seconds_and_writes_nothing(name, code, line, tmp_path):
+    """Ctrl-C or SIGTERM during a long routing: it stops within seconds, one line, exit code 130 / 143, no file."""
+    out_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'fm')
+    (tmp_path / 'long.txt').write_text('To be, or not to be. ' * 10_000)  # 210,000 tokens: minutes in chunks of 16
+    proc = subprocess.Popen([sys.executable, 'eval.py', 'routing', f'--out_dir={out_dir}', f'--data={tmp_path}/long.txt',
+                             '--tokens=1000000', '--chunk_len=16', '--device=cpu'], cwd=REPO, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    try:
+        first = proc.stderr.readline()  # the routing pass's first progress line: the work is under way
+        start = time.time()
+        proc.send_signal(getattr(signal, name))
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert first.startswith('fm routing: 16/210,000 tokens') and (proc.returncode, err) == (code, f'{line}\n'), (
+        first, proc.returncode, err)
+    assert time.time() - start < 10 and os.listdir(out_dir) == ['ckpt.pt']
 
 
 def test_busiest_row_ablation_zeroes_that_rows_read_out_only():

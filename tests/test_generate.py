@@ -160,7 +160,14 @@ def test_sample(trained, tmp_path):
                                           ('--device=nope', 'nope'),
                                           ('--top_k=300', r'--top_k=300 is more than the 256 tokens of bytes: give at '
                                                           r'most 256, or None'),
-                                          ('--num_samples=100000000', r'need about .* GB of decoding buffers')]
+                                          ('--num_samples=100000000', r'need about .* GB of decoding buffers'),
+                                          ('--start=\udcff\udcfe', r'^--start is not UTF-8 text \(character 0 is '
+                                                                 r'not\): give UTF-8 text, or FILE:path to read the '
+                                                                 r'prompt from a UTF-8 file$'),  # bytes ff fe in argv
+                                          ('--start=FILE:', r'^--start=FILE: names no file: give FILE:path, e.g. '
+                                                            r'--start=FILE:prompt.txt$'),
+                                          ('--start=FILE:/', r'^--start=FILE:/: cannot read / \(Is a directory\): '
+                                                             r'give FILE:path of a UTF-8 text file$')]
                          + ([] if CUDA else [('--device=cuda', '--device=cuda, but .*: use --device=cpu')]))
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):
