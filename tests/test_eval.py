@@ -375,6 +375,33 @@ def test_gap_takes_each_model_against_the_reference_mean_over_seeds(tmp_path, ca
         analysis.main(['gap', f'--runs={third}', out])
 
 
+def test_positions_and_gap_read_evals_csv_as_its_json(tmp_path):
+    """eval.py's loss-by-position .csv gives analysis.py gap the same table as its .json, and positions its curves
+    (the plot redrawn from the .csv alone); a .csv whose runs are not named NAME-lrLR-sSEED is refused."""
+    results = []
+    for name, model, seed, losses in (('mamba2', '6x256 mamba2', 1, (1.5, 1.4)),
+                                      ('mamba2', '6x256 mamba2', 2, (1.7, 1.6)),
+                                      ('fm-k16-block', '6x256 fm m=64', 1, (1.9, 1.5))):
+        label = f'{name}-lr2e-3-s{seed}'
+        results.append({**positions_result(model, seed, dict(zip((512, 4096), losses))), 'checkpoint': label,
+                        'label': label, 'val_loss': losses[0],
+                        'buckets': [{'start': 1, 'end': 2, 'loss': 3.0, 'positions': 3, 'documents': 3}]})
+        for row in results[-1]['loss_so_far']:
+            row['documents'] = 3
+    evaluation.write_positions(results, [], {}, str(tmp_path / 'p'))
+    tables = [analysis.main(['gap', f'--runs={tmp_path / f"p.{kind}"}', f'--out={tmp_path / kind}'])
+              for kind in ('json', 'csv')]
+    assert tables[0] == tables[1] and tables[1]['6x256 fm m=64, context 512, lr 0.002 (seeds: 1)'] == pytest.approx(
+        {512: 0.3, 4096: 0.0})
+    redrawn = analysis.main(['positions', f'--runs={tmp_path / "p.csv"}', f'--out={tmp_path / "redrawn"}'])
+    assert [(r['label'], r['block_size'], r['val_loss'], r['loss_so_far'], r['buckets']) for r in redrawn] == [
+        (r['label'], 512, r['val_loss'], [{'t': s['t'], 'loss': s['loss']} for s in r['loss_so_far']],
+         [{'start': 1, 'end': 2, 'loss': 3.0}]) for r in results]
+    (tmp_path / 'q.csv').write_text((tmp_path / 'p.csv').read_text().replace('mamba2-lr2e-3-s2', 'mamba2-two'))
+    with pytest.raises(evaluation.EvalError, match="q.csv: not a .csv of eval.py's loss by position of reproduce.sh"):
+        analysis.main(['gap', f'--runs={tmp_path / "q.csv"}', f'--out={tmp_path / "q"}'])
+
+
 def sweep_record(model, lr, seed, loss, finished=True):
     """A hand-made run record of analysis.py's sweep."""
     return {'run': f'{model}-lr{lr:g}-s{seed}', 'model': model, 'learning_rate': lr, 'seed': seed, 'val_loss': loss,
