@@ -74,3 +74,20 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     assert os.path.exists(tmp_path / 'results' / 'loss_by_position.csv')
     assert os.path.exists(tmp_path / 'out-fm-small' / 'routing.json')
     assert os.path.exists(tmp_path / 'results' / 'sweep.csv')
+
+
+def test_readme_bench_commands_parse_and_sweep():
+    """Every `python bench.py ...` of the README (its Benchmarking block and the commands its Results cite) parses
+    with bench.py's parser, and one with --sweep sweeps: bench.SWEEP when it names no lengths (it gave none, which
+    turned the sweep off), else those."""
+    import re
+    import shlex
+    import bench
+    readme = open(os.path.join(REPO, 'README.md'), encoding='utf-8').read()
+    cited = [shlex.split(c)[1:] for c in re.findall(r'`(python bench\.py [^`]*)`', readme)]
+    commands = [c for c in readme_commands(('Benchmarking',)) if c[0] == 'bench.py'] + cited
+    assert len(commands) >= 7 and ['bench.py', 'generate', '--sweep'] in commands
+    for command in commands:
+        assert bool(bench.parse_args(command[1:]).sweep) == ('--sweep' in command), command
+    assert bench.parse_args(['generate', '--sweep']).sweep == bench.SWEEP == [1024, 4096, 16384, 65536]
+    assert bench.parse_args(['generate', '--sweep', '1024', '65536', '--batch', '1']).sweep == [1024, 65536]
