@@ -21,6 +21,12 @@ command wrote):
     python research/analysis.py scaling --runs=out-repro/scaling --out=results/scaling
 Writes --out's .csv (every run) and .png (each m at its best tau).
 
+The README's tables: each model (a run name less -lrLR-sSEED) at its best learning rate (a sweep's best_lr), its
+seeds' range, and the mean loss so far at 1x, 8x and 64x its context over its runs in eval.py's loss by position:
+    python research/analysis.py table --runs=docs/results/2026-11-25/extrapolation_lr.csv \\
+        --runs=docs/results/2026-11-25/extrapolation_positions.csv --out=results/quality
+Writes --out's .csv.
+
 eval.py's loss-by-position plot redrawn from its .json or .csv files (the .csv: runs named as reproduce.sh names
 them, NAME-lrLR-sSEED):
     python research/analysis.py positions --runs=docs/results/2026-11-25/extrapolation_positions.csv --out=results/x
@@ -54,6 +60,9 @@ SCALING_SETTINGS = dict(
 SWEEP_SETTINGS = dict(
     out='results/sweep',  # writes out.csv and out_best.txt
 )
+TABLE_SETTINGS = dict(
+    out='results/table',  # writes out.csv
+)
 POSITIONS_SETTINGS = dict(
     out='results/positions',  # writes out.png
 )
@@ -74,11 +83,12 @@ SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m r
     'k = m/4': lambda m, k: 4 * k == m,
     'k = 4': lambda m, k: k == 4,
 }
-USAGE = ('research/analysis.py sweep|frontier|scaling|positions|gap --runs=PATH --key=value ...; routing and '
-         'harness are in eval.py')
+USAGE = ('research/analysis.py sweep|frontier|scaling|table|positions|gap --runs=PATH --key=value ...; routing '
+         'and harness are in eval.py')
 RUNS = {  # what --runs takes
     'sweep': 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote',
     'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
+    'table': "the .csv of a sweep and the .json or .csv of eval.py's loss by position",
     'positions': "a .json or .csv that eval.py's loss by position wrote",
     'gap': "a .json or .csv that eval.py's loss by position wrote",
 }
@@ -228,7 +238,8 @@ def run_folders(source):
 
 def csv_records(path):
     """The run records of a .csv that sweep or frontier wrote (runs of an earlier machine)."""
-    ints = ('parameters', 'non_embedding_parameters', 'seed', 'iter_num', 'max_iters', 'block_size', 'tokens')
+    ints = ('parameters', 'non_embedding_parameters', 'seed', 'best_lr', 'iter_num', 'max_iters', 'block_size',
+            'tokens')
     floats = ('learning_rate', 'min_lr', 'val_loss', 'forward_flops', 'loss_so_far_2x', 'loss_so_far_8x')
     with open(path, newline='') as f:
         rows = list(csv.DictReader(f))
@@ -486,6 +497,61 @@ def run_positions(cfg, sources):
     return list(results.values())
 
 
+TABLE_FIELDS = ('name', 'model', 'learning_rate', 'seeds', 'val_loss', 'val_min', 'val_max', 'block_size',
+                'so_far_1x', 'so_far_8x', 'so_far_64x', 'so_far_seeds')
+
+
+def run_name(run):
+    """A run's name less its rate and seed: out-repro/extrapolation/fm-k16-lr1e-3-s2 -> fm-k16."""
+    return RUN_NAME.sub('', Path(run).name)
+
+
+def table_rows(sweeps, positions):
+    """The README's table: each run name of the sweeps' records at its best rate (best_lr) -> its rate, seeds, the
+    validation loss's mean, min and max, and the mean loss so far at 1x, 8x and 64x its context over those of its
+    runs that positions holds ({checkpoint label: result})."""
+    groups = {}
+    for r in sweeps:
+        if r['best_lr']:
+            groups.setdefault(run_name(r['run']), []).append(r)
+    rows = []
+    for name, members in groups.items():
+        losses = [m['val_loss'] for m in members]
+        found = [positions[Path(m['run']).name] for m in members if Path(m['run']).name in positions]
+        block = members[0]['block_size']
+        so_far = {f'so_far_{f}x': float(np.mean([loss_at(r, f * block) for r in found]))
+                  if found and all(loss_at(r, f * block) is not None for r in found) else None for f in (1, 8, 64)}
+        rows.append({'name': name, 'model': members[0]['model'], 'learning_rate': members[0]['learning_rate'],
+                     'seeds': len(members), 'val_loss': float(np.mean(losses)), 'val_min': min(losses),
+                     'val_max': max(losses), 'block_size': block, **so_far, 'so_far_seeds': len(found)})
+    return rows
+
+
+def run_table(cfg, sources):
+    """The README's table from sweep .csv files (their best_lr marks) and loss-by-position .json/.csv files:
+    printed, and out.csv."""
+    sweeps, positions = [], {}
+    for source in sources:
+        with open(source, newline='') as f:
+            header = f.readline()
+        if source.endswith('.csv') and header.startswith('run,model,'):
+            sweeps += csv_records(source)
+        else:
+            positions.update((r['label'], r) for r in positions_file(source))
+    rows = table_rows(sweeps, positions)
+    if not rows:
+        raise EvalError(f'no runs at a best learning rate in {", ".join(sources)}: give the .csv of a sweep')
+    print(f'{"name":<20} {"lr":>8} {"val loss (min-max, seeds)":>30} {"so far @1x":>10} {"@8x":>7} {"@64x":>7}')
+    for r in rows:
+        val = f"{r['val_loss']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f}, {r['seeds']})"
+        print(f"{r['name']:<20} {r['learning_rate']:>8g} {val:>30}" + ''.join(
+            f' {r[k]:>{w}.3f}' if r[k] is not None else f' {"-":>{w}}'
+            for k, w in (('so_far_1x', 10), ('so_far_8x', 7), ('so_far_64x', 7))))
+    write_records(rows, TABLE_FIELDS, f"{cfg['out']}.csv")
+    print(f"wrote {cfg['out']}.csv")
+    return rows
+
+
 # ----------------------------------------------------------------------------- the gap to a reference past the context
 
 def mean_so_far(group):
@@ -554,14 +620,14 @@ def run_gap(cfg, sources):
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=()):
-    """python research/analysis.py sweep|frontier|scaling|positions|gap --runs=... --key=value ... -> the
+    """python research/analysis.py sweep|frontier|scaling|table|positions|gap --runs=... --key=value ... -> the
     subcommand's results (None for --help)."""
     argv = list(argv)
     if argv[:1] in (['-h'], ['--help']):
         print(__doc__)
         return None
     modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS,
-             'positions': POSITIONS_SETTINGS, 'gap': GAP_SETTINGS}
+             'table': TABLE_SETTINGS, 'positions': POSITIONS_SETTINGS, 'gap': GAP_SETTINGS}
     mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode], __file__))
@@ -580,6 +646,8 @@ def main(argv=()):
         return run_scaling(cfg, sources)
     if mode == 'sweep':
         return run_sweep(cfg, sources)
+    if mode == 'table':
+        return run_table(cfg, sources)
     if mode == 'positions':
         return run_positions(cfg, sources)
     if mode == 'gap':

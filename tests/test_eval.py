@@ -242,7 +242,7 @@ def test_frontier_sizes_match_in_parameters():
     within 1%, about the size's name; the 4M runs are the extrapolation subset's seed-1 runs, the same lines. At 8M
     also the best lever of research/levers.py (issue 39)."""
     sizes = {}
-    for line in reproduce_sh('frontier_sizes | while read -r size model args; do '
+    for line in reproduce_sh('frontier_sizes | while read -r size model lrs args; do '
                              'echo "$size $model $(extrapolation_model "$model") $args"; done').splitlines():
         size, model, *args = line.split()
         c, built = build(*args)
@@ -275,20 +275,22 @@ def test_frontier_sizes_match_in_parameters():
 
 def test_extrapolation_models_match_in_parameters():
     """Every model of reproduce.sh's extrapolation subset (the variants of FM's block through d_ff) has the
-    non-embedding parameters of FM k = 16 within 0.3%; Mamba-2, the paper's layer and the block have three seeds."""
-    params, seeds = {}, {}
-    for line in reproduce_sh('extrapolation_models | while read -r model seeds; do '
+    non-embedding parameters of FM k = 16 within 0.3%; its runs are the README's quality table's: the paper's layer
+    and the block with three seeds, the others two, the Transformer and Mamba-2 at one rate."""
+    params, seeds, rates = {}, {}, {}
+    for line in reproduce_sh('extrapolation_models | while read -r model lrs seeds; do '
                              'echo "$model $(extrapolation_model "$model")"; done').splitlines():
         model, *args = line.split()
         params[model] = build(*args)[1].num_params()
     for line in reproduce_sh('extrapolation_models').splitlines():
-        model, *model_seeds = line.split()
-        seeds[model] = model_seeds
+        model, model_rates, model_seeds = line.split()
+        seeds[model], rates[model] = model_seeds.split(','), model_rates.split(',')
     assert {'fm-k16-gate', 'fm-k16-conv', 'fm-k16-block', 'fm-dense-block', 'fm-k4-block'} <= set(params)
     for model, n in params.items():
         assert abs(n / params['fm-k16'] - 1) < 0.003, (model, n)
-    assert seeds['mamba2'] == seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3']
-    assert seeds['fm-k16-gate'] == ['1', '2']
+    assert seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3']
+    assert seeds['mamba2'] == seeds['transformer'] == seeds['fm-k16-gate'] == ['1', '2']
+    assert (rates['transformer'], rates['mamba2'], rates['fm-k16']) == (['2e-3'], ['4e-3'], ['5e-4', '1e-3', '2e-3'])
 
 
 def test_reproduce_frontier_dry_run(repo_corpus, tmp_path):
@@ -676,6 +678,38 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(repo_corpus, tmp_path):
     assert (old['run'], old['val_loss'], old['loss_so_far_8x']) == (earlier['run'], '3.5', '3.125')
     for row in rows.values():
         assert row['best_lr'] == '1' and float(row['loss_so_far_8x']) > 0
+
+
+def test_reproduce_regenerates_a_table_from_previous_alone(tmp_path):
+    """bash research/reproduce.sh quality with PREVIOUS (two folders, the later's record of a run winning) and no time
+    to train: nothing trained, and quality.csv is the table of PREVIOUS's records of the quality runs alone (an
+    earlier folder's same-named run, and a run of no quality model, left out)."""
+    old, new = tmp_path / 'old', tmp_path / 'new'
+    fields = analysis.SWEEP_FIELDS
+    record = dict(model='6x256 mamba2 (4.13M)', parameters=1, non_embedding_parameters=1, min_lr=4e-4, seed=1,
+                  best_lr=1, iter_num=640, max_iters=640, block_size=512, tokens=1, forward_flops=1.0)
+    analysis.write_records([{**record, 'run': 'x/extrapolation/mamba2-lr4e-3-s1', 'learning_rate': 4e-3,
+                             'val_loss': 9.0}], fields, old / 'extrapolation_lr.csv')
+    analysis.write_records([{**record, 'run': 'y/extrapolation/mamba2-lr4e-3-s1', 'learning_rate': 4e-3,
+                             'val_loss': 1.5},
+                            {**record, 'run': 'y/extrapolation/mamba2-lr4e-3-s2', 'learning_rate': 4e-3,
+                             'val_loss': 1.7, 'seed': 2},
+                            {**record, 'run': 'y/other/mamba2-lr4e-3-s3', 'learning_rate': 4e-3, 'val_loss': 0.1,
+                             'seed': 3}], fields, new / 'extrapolation_lr.csv')
+    (new / 'extrapolation_positions.csv').write_text(
+        'checkpoint,model,measure,start,end,loss,positions,documents\n'
+        + ''.join(f'mamba2-lr4e-3-s{seed},6x256 mamba2,so_far,1,{t},{loss},{t},1\n'
+                  for seed, loss in ((1, 2.0), (2, 3.0)) for t in (512, 4096, 32768)))
+    env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=f'{old} {new}',
+               TRAIN_SECONDS='1', MODELS='mamba2')
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'quality'], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not (tmp_path / 'runs').exists() and 'not started' not in run.stdout
+    with open(tmp_path / 'results' / 'quality.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert [(r['name'], r['seeds'], float(r['val_loss']), float(r['so_far_1x']), float(r['so_far_64x']))
+            for r in rows] == [('mamba2', '2', 1.6, 2.5, 2.5)]
 
 
 @pytest.mark.parametrize('device, message', [
