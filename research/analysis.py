@@ -141,7 +141,8 @@ def scaling_rows(sources):
 
 def best_per_series(rows):
     """{series: {m: its best tau's point}} for each series of SERIES, a point the finished runs of one (m, k, tau):
-    tau, val_loss (the mean over their seeds), losses and runs (a seed each); the best tau: the lowest mean."""
+    tau, val_loss (the mean over their seeds), losses and runs (a seed each); the best tau: the lowest mean of those
+    with the most seeds of that (m, k) (a tau with fewer finished seeds is left out: its mean compares unfairly)."""
     points = {}
     for row in rows:
         if row['iter_num'] >= row['max_iters']:
@@ -149,9 +150,14 @@ def best_per_series(rows):
                                                                                    'runs': []})
             point['losses'].append(row['val_loss'])
             point['runs'].append(row['run'])
+    most = {}
+    for (m, k, _), point in points.items():
+        most[m, k] = max(most.get((m, k), 0), len(point['losses']))
     best = {name: {} for name in SERIES}
     for (m, k, _), point in points.items():
         point['val_loss'] = float(np.mean(point['losses']))
+        if len(point['losses']) < most[m, k]:
+            continue
         for name, follows in SERIES.items():
             if follows(m, k) and (m not in best[name] or point['val_loss'] < best[name][m]['val_loss']):
                 best[name][m] = point
