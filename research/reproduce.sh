@@ -207,15 +207,16 @@ extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments (th
 }
 
 extrapolation_models() {  # MODEL RATES SEEDS (commas between several): the runs of the README's quality table
-    # (docs/results/2026-11-25/, and the gate's 5e-4 and the conv's 8e-3 of 2026-11-27b: their best was an edge)
+    # (docs/results/2026-11-25/; the gate's best 1e-3 and the conv's 4e-3 are at an edge: their 5e-4 and 8e-3 runs of
+    # that day survive only as means in docs/kernel_log.md, LRS_FM_BLOCK trains them)
     cat <<'EOF'
 transformer    2e-3                    1,2
 mamba2         4e-3                    1,2
 fm-k16         5e-4,1e-3,2e-3          1,2,3
 fm-dense       5e-4,1e-3,2e-3          1,2
 fm-k4          5e-4,1e-3,2e-3          1,2
-fm-k16-gate    5e-4,1e-3,2e-3,4e-3     1,2
-fm-k16-conv    1e-3,2e-3,4e-3,8e-3     1,2
+fm-k16-gate    1e-3,2e-3,4e-3          1,2
+fm-k16-conv    1e-3,2e-3,4e-3          1,2
 fm-k16-block   1e-3,2e-3,4e-3          1,2,3
 fm-dense-block 1e-3,2e-3,4e-3          1,2
 fm-k4-block    1e-3,2e-3,4e-3          1,2
@@ -293,7 +294,7 @@ frontier_sizes() {  # SIZE MODEL RATES train.py-arguments after extrapolation_mo
     # Parameters without the embedding (num_params), FM: 8.27M, 4.14M, 2.27M, 1.13M; the Transformer and Mamba-2
     # within 0.3% of FM's (their SwiGLU width d_ff). 4M is the extrapolation models as they are: the frontier's runs
     # at 4M are the quality table's seed-1 runs (the same folders and arguments), trained once for both. The rates:
-    # each model's best of the 2026-11-24 sweep (4 to 6 rates) and one each side (docs/results/2026-11-27b/).
+    # each model's best of the 2026-11-24 sweep (4 to 6 rates, docs/results/2026-11-24/) and one each side.
     cat <<'EOF'
 8M transformer 5e-4,1e-3,2e-3   --n_layer=12
 8M mamba2      2e-3,4e-3,8e-3   --n_layer=12
@@ -395,7 +396,7 @@ scaling() {
 # model at its best rate, those trained here), levers.png and levers_table.csv (with PREVIOUS's), levers_gap.png.
 
 levers_models() {  # MODEL RATES SEEDS train.py-arguments after fm-k16-block's: the README's levers (2026-11-27;
-    # SlowWriteFM, conv16 and both on a second start with 2 seeds, their 4e-3 in 2026-11-27b)
+    # SlowWriteFM, conv16 and both on a second start with 2 seeds and 2 rates, best at the higher: 4e-3 untrained)
     cat <<'EOF'
 fm-k16-block       1e-3,2e-3,4e-3 1,2,3
 LowWriteFM         1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:LowWriteFM
@@ -403,9 +404,9 @@ RowRatesFM         1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:RowRatesFM
 HeadsFM            1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:HeadsFM
 Heads16FM          1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:Heads16FM
 ctx2048            1e-3,2e-3,4e-3 1,2,3 --batch_size=8 --block_size=2048
-SlowWriteFM        1e-3,2e-3,4e-3 1,2   --mixer=research.levers:SlowWriteFM
-conv16             1e-3,2e-3,4e-3 1,2   --fm_conv=16
-SlowWriteFM-conv16 1e-3,2e-3,4e-3 1,2   --mixer=research.levers:SlowWriteFM --fm_conv=16
+SlowWriteFM        1e-3,2e-3      1,2   --mixer=research.levers:SlowWriteFM
+conv16             1e-3,2e-3      1,2   --fm_conv=16
+SlowWriteFM-conv16 1e-3,2e-3      1,2   --mixer=research.levers:SlowWriteFM --fm_conv=16
 EOF
 }
 
