@@ -4,7 +4,7 @@
     python bench.py stages       # time of each fm_scan kernel, to see where the time goes
     python bench.py train        # training tokens/s, MFU, peak memory: fm_1b vs transformer_1b vs mamba2_1b
     python bench.py generate     # prefill and decode after long prompts: fm_1b (k = 8, dense), mamba2_1b,
-                                 # the published mamba2-1.3b shape, transformer_1b; context sweep and plot
+                                 # the published mamba2-1.3b shape, transformer_1b; --sweep: context sweep, plot
     python bench.py generate --profile   # one fm_1b decode step at batch 1 and 64 by kernel kind
     python bench.py gemv         # one- and 64-row products of fm_1b's shapes (cuBLAS, inductor, fm_kernel's
                                  # Triton product): GB/s against the copy bandwidth
@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import fm_kernel
+
+SWEEP = [1024, 4096, 16384, 65536]  # generate --sweep's prompt lengths when it names none
 
 D, M, K_SPARSE, TOKENS = 2048, 64, 8, 16384
 SEQ_LENS = (1024, 2048, 8192, 16384)
@@ -687,7 +689,8 @@ def print_table(rows):
                          for k in keys))
 
 
-def main():
+def parse_args(argv=None):
+    """The command line's settings; --sweep alone: the default prompt lengths (SWEEP)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["kernels", "stages", "train", "generate", "gemv"])
     parser.add_argument("--vocab_size", type=int, default=100288, help="cl100k_base padded to a multiple of 64")
@@ -702,14 +705,22 @@ def main():
     parser.add_argument("--prompt", type=int, default=16384, help="generate: prompt length")
     parser.add_argument("--new_tokens", type=int, default=64, help="generate: tokens a timing")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="generate: batch sizes")
-    parser.add_argument("--sweep", type=int, nargs="*", default=[1024, 4096, 16384, 65536],
-                        help="generate: prompt lengths of the context sweep at batch 1 (none: no sweep, no plot)")
+    parser.add_argument("--sweep", type=int, nargs="*",
+                        help=f"generate: a context sweep at batch 1 and its plot, at these prompt lengths (--sweep "
+                             f"alone: {' '.join(map(str, SWEEP))}; without --sweep: none)")
     parser.add_argument("--models", nargs="+", help="train, generate: only the models (of MODELS) whose name contains "
                                                     "one of these")
     parser.add_argument("--coordinate_descent", type=int, default=1,
                         help="generate: 0 compiles the step without STEP_COMPILE_OPTIONS (cuBLAS GEMVs)")
     parser.add_argument("--out_dir", default="out-bench", help="where plots and profiles go")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.sweep == []:
+        args.sweep = SWEEP
+    return args
+
+
+def main():
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py times GPU kernels: run it on a machine with a CUDA GPU")
     torch.manual_seed(0)

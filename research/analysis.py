@@ -21,14 +21,26 @@ command wrote):
     python research/analysis.py scaling --runs=out-repro/scaling --out=results/scaling
 Writes --out's .csv (every run) and .png (each m at its best tau).
 
-The gap to a reference model past the context, from eval.py's loss by position (its .json, here --runs): each
-model's loss so far, mean over its seeds, minus the reference's (a word of its model name), by position:
+The README's tables: each model (a run name less -lrLR-sSEED) at its best learning rate (a sweep's best_lr), its
+seeds' range, and the mean loss so far at 1x, 8x and 64x its context over its runs in eval.py's loss by position:
+    python research/analysis.py table --runs=docs/results/2026-11-25/extrapolation_lr.csv \\
+        --runs=docs/results/2026-11-25/extrapolation_positions.csv --out=results/quality
+Writes --out's .csv.
+
+eval.py's loss-by-position plot redrawn from its .json or .csv files (the .csv: runs named as reproduce.sh names
+them, NAME-lrLR-sSEED):
+    python research/analysis.py positions --runs=docs/results/2026-11-25/extrapolation_positions.csv --out=results/x
+Writes --out's .png.
+
+The gap to a reference model past the context, from eval.py's loss by position (its .json or .csv, here --runs):
+each model's loss so far, mean over its seeds, minus the reference's (a word of its model name), by position:
     python research/analysis.py gap --runs=results/levers.json --runs=results/extrapolation.json --reference=mamba2
 Writes --out's .png.
 """
 import csv
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -39,14 +51,20 @@ import numpy as np
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, help_text, load_config, run_main
 from eval import (DEVICE, EvalError, check_device, check_out, check_ranges, describe, evaluate_positions,
-                  load_documents, loss_at, open_checkpoint, pyplot, save_figure, seed_groups, take_all,
-                  take_subcommand)
+                  load_documents, loss_at, open_checkpoint, plot_positions, pyplot, save_figure, seed_groups,
+                  take_all, take_subcommand)
 
 SCALING_SETTINGS = dict(
     out='results/scaling',  # writes out.csv and out.png
 )
 SWEEP_SETTINGS = dict(
     out='results/sweep',  # writes out.csv and out_best.txt
+)
+TABLE_SETTINGS = dict(
+    out='results/table',  # writes out.csv
+)
+POSITIONS_SETTINGS = dict(
+    out='results/positions',  # writes out.png
 )
 GAP_SETTINGS = dict(
     reference='mamba2',  # the model the others are measured against: a word of its name in eval.py's tables
@@ -65,12 +83,14 @@ SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m r
     'k = m/4': lambda m, k: 4 * k == m,
     'k = 4': lambda m, k: k == 4,
 }
-USAGE = ('research/analysis.py sweep|frontier|scaling|gap --runs=PATH --key=value ...; routing and harness are in '
-         'eval.py')
+USAGE = ('research/analysis.py sweep|frontier|scaling|table|positions|gap --runs=PATH --key=value ...; routing '
+         'and harness are in eval.py')
 RUNS = {  # what --runs takes
     'sweep': 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote',
     'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
-    'gap': "a .json that eval.py's loss by position wrote",
+    'table': "the .csv of a sweep and the .json or .csv of eval.py's loss by position",
+    'positions': "a .json or .csv that eval.py's loss by position wrote",
+    'gap': "a .json or .csv that eval.py's loss by position wrote",
 }
 SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'seed', 'val_loss', 'iter_num', 'max_iters')
 SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
@@ -121,7 +141,8 @@ def scaling_rows(sources):
 
 def best_per_series(rows):
     """{series: {m: its best tau's point}} for each series of SERIES, a point the finished runs of one (m, k, tau):
-    tau, val_loss (the mean over their seeds), losses and runs (a seed each); the best tau: the lowest mean."""
+    tau, val_loss (the mean over their seeds), losses and runs (a seed each); the best tau: the lowest mean of those
+    with the most seeds of that (m, k) (a tau with fewer finished seeds is left out: its mean compares unfairly)."""
     points = {}
     for row in rows:
         if row['iter_num'] >= row['max_iters']:
@@ -129,9 +150,14 @@ def best_per_series(rows):
                                                                                    'runs': []})
             point['losses'].append(row['val_loss'])
             point['runs'].append(row['run'])
+    most = {}
+    for (m, k, _), point in points.items():
+        most[m, k] = max(most.get((m, k), 0), len(point['losses']))
     best = {name: {} for name in SERIES}
     for (m, k, _), point in points.items():
         point['val_loss'] = float(np.mean(point['losses']))
+        if len(point['losses']) < most[m, k]:
+            continue
         for name, follows in SERIES.items():
             if follows(m, k) and (m not in best[name] or point['val_loss'] < best[name][m]['val_loss']):
                 best[name][m] = point
@@ -218,7 +244,8 @@ def run_folders(source):
 
 def csv_records(path):
     """The run records of a .csv that sweep or frontier wrote (runs of an earlier machine)."""
-    ints = ('parameters', 'non_embedding_parameters', 'seed', 'iter_num', 'max_iters', 'block_size', 'tokens')
+    ints = ('parameters', 'non_embedding_parameters', 'seed', 'best_lr', 'iter_num', 'max_iters', 'block_size',
+            'tokens')
     floats = ('learning_rate', 'min_lr', 'val_loss', 'forward_flops', 'loss_so_far_2x', 'loss_so_far_8x')
     with open(path, newline='') as f:
         rows = list(csv.DictReader(f))
@@ -426,6 +453,111 @@ def run_frontier(cfg, sources):
     return records, points
 
 
+# ----------------------------------------------------------------------------- loss by position from eval.py's files
+
+RUN_NAME = re.compile(r'-lr([0-9.e-]+)-s(\d+)$')  # reproduce.sh's run names: NAME-lrLR-sSEED
+
+
+def positions_csv(path):
+    """eval.py's loss-by-position .csv -> its checkpoints as in its .json, as far as the plots and gap use them (a
+    checkpoint's learning rate and seed from its name, NAME-lrLR-sSEED as reproduce.sh names runs)."""
+    results = {}
+    with open(path, newline='') as f:
+        for row in csv.DictReader(f):
+            name = RUN_NAME.search(row['checkpoint'])
+            if name is None or row['measure'] not in ('val', 'bucket', 'so_far'):
+                raise EvalError(f"--runs={path}: not a .csv of eval.py's loss by position of reproduce.sh's runs "
+                                f"(NAME-lrLR-sSEED): {row['checkpoint']}, {row['measure']}")
+            r = results.setdefault(row['checkpoint'], {
+                'checkpoint': row['checkpoint'], 'label': row['checkpoint'], 'model': row['model'], 'tokenizer': '',
+                'iter_num': 0, 'train_config': {'learning_rate': float(name[1]), 'seed': int(name[2])},
+                'buckets': [], 'loss_so_far': []})
+            start, end, loss = int(row['start']), int(row['end']), float(row['loss'])
+            if row['measure'] == 'val':
+                r.update(block_size=end, val_loss=loss, model_config={'model': row['model'], 'block_size': end})
+            elif row['measure'] == 'bucket':
+                r['buckets'].append({'start': start, 'end': end + 1, 'loss': loss})
+            else:
+                r['loss_so_far'].append({'t': end, 'loss': loss})
+    return list(results.values())
+
+
+def positions_file(path):
+    """The checkpoints of eval.py's loss-by-position .json or .csv."""
+    if path.endswith('.csv'):
+        return positions_csv(path)
+    try:
+        with open(path) as f:
+            return json.load(f)['checkpoints']
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EvalError(f"--runs={path}: not a .json of eval.py's loss by position ({type(e).__name__}): give "
+                        f"the out.json or out.csv of `python eval.py --out_dir=... --out=out`") from None
+
+
+def run_positions(cfg, sources):
+    """eval.py's loss-by-position plot, out.png, redrawn from its .json or .csv files; a checkpoint that two files
+    hold: the later one's."""
+    results = {r['checkpoint']: r for path in sources for r in positions_file(path)}
+    if plot_positions(list(results.values()), f"{cfg['out']}.png"):
+        print(f"wrote {cfg['out']}.png")
+    return list(results.values())
+
+
+TABLE_FIELDS = ('name', 'model', 'learning_rate', 'seeds', 'val_loss', 'val_min', 'val_max', 'block_size',
+                'so_far_1x', 'so_far_8x', 'so_far_64x', 'so_far_seeds')
+
+
+def run_name(run):
+    """A run's name less its rate and seed: out-repro/extrapolation/fm-k16-lr1e-3-s2 -> fm-k16."""
+    return RUN_NAME.sub('', Path(run).name)
+
+
+def table_rows(sweeps, positions):
+    """The README's table: each run name of the sweeps' records at its best rate (best_lr) -> its rate, seeds, the
+    validation loss's mean, min and max, and the mean loss so far at 1x, 8x and 64x its context over those of its
+    runs that positions holds ({checkpoint label: result})."""
+    groups = {}
+    for r in sweeps:
+        if r['best_lr']:
+            groups.setdefault(run_name(r['run']), []).append(r)
+    rows = []
+    for name, members in groups.items():
+        losses = [m['val_loss'] for m in members]
+        found = [positions[Path(m['run']).name] for m in members if Path(m['run']).name in positions]
+        block = members[0]['block_size']
+        so_far = {f'so_far_{f}x': float(np.mean([loss_at(r, f * block) for r in found]))
+                  if found and all(loss_at(r, f * block) is not None for r in found) else None for f in (1, 8, 64)}
+        rows.append({'name': name, 'model': members[0]['model'], 'learning_rate': members[0]['learning_rate'],
+                     'seeds': len(members), 'val_loss': float(np.mean(losses)), 'val_min': min(losses),
+                     'val_max': max(losses), 'block_size': block, **so_far, 'so_far_seeds': len(found)})
+    return rows
+
+
+def run_table(cfg, sources):
+    """The README's table from sweep .csv files (their best_lr marks) and loss-by-position .json/.csv files:
+    printed, and out.csv."""
+    sweeps, positions = [], {}
+    for source in sources:
+        with open(source, newline='') as f:
+            header = f.readline()
+        if source.endswith('.csv') and header.startswith('run,model,'):
+            sweeps += csv_records(source)
+        else:
+            positions.update((r['label'], r) for r in positions_file(source))
+    rows = table_rows(sweeps, positions)
+    if not rows:
+        raise EvalError(f'no runs at a best learning rate in {", ".join(sources)}: give the .csv of a sweep')
+    print(f'{"name":<20} {"lr":>8} {"val loss (min-max, seeds)":>30} {"so far @1x":>10} {"@8x":>7} {"@64x":>7}')
+    for r in rows:
+        val = f"{r['val_loss']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f}, {r['seeds']})"
+        print(f"{r['name']:<20} {r['learning_rate']:>8g} {val:>30}" + ''.join(
+            f' {r[k]:>{w}.3f}' if r[k] is not None else f' {"-":>{w}}'
+            for k, w in (('so_far_1x', 10), ('so_far_8x', 7), ('so_far_64x', 7))))
+    write_records(rows, TABLE_FIELDS, f"{cfg['out']}.csv")
+    print(f"wrote {cfg['out']}.csv")
+    return rows
+
+
 # ----------------------------------------------------------------------------- the gap to a reference past the context
 
 def mean_so_far(group):
@@ -477,15 +609,7 @@ def plot_gaps(reference, table, contexts, path):
 
 def run_gap(cfg, sources):
     """The gaps at 1x, 8x, 64x and 512x the shortest training context, and out.png."""
-    results = {}  # checkpoint -> its result: one that two --runs files hold counts once
-    for path in sources:
-        try:
-            with open(path) as f:
-                checkpoints = json.load(f)['checkpoints']
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise EvalError(f"--runs={path}: not a .json of eval.py's loss by position ({type(e).__name__}): give "
-                            f"the out.json of `python eval.py --out_dir=... --out=out`") from None
-        results.update({r['checkpoint']: r for r in checkpoints})
+    results = {r['checkpoint']: r for path in sources for r in positions_file(path)}  # a checkpoint counts once
     reference, table = gaps(list(results.values()), cfg['reference'])
     contexts = sorted({r['block_size'] for r in results.values()})
     columns = [contexts[0] * 8 ** i for i in range(4)]
@@ -502,13 +626,14 @@ def run_gap(cfg, sources):
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=()):
-    """python research/analysis.py sweep|frontier|scaling|gap --runs=... --key=value ... -> the subcommand's results
-    (None for --help)."""
+    """python research/analysis.py sweep|frontier|scaling|table|positions|gap --runs=... --key=value ... -> the
+    subcommand's results (None for --help)."""
     argv = list(argv)
     if argv[:1] in (['-h'], ['--help']):
         print(__doc__)
         return None
-    modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS, 'gap': GAP_SETTINGS}
+    modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS,
+             'table': TABLE_SETTINGS, 'positions': POSITIONS_SETTINGS, 'gap': GAP_SETTINGS}
     mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode], __file__))
@@ -527,6 +652,10 @@ def main(argv=()):
         return run_scaling(cfg, sources)
     if mode == 'sweep':
         return run_sweep(cfg, sources)
+    if mode == 'table':
+        return run_table(cfg, sources)
+    if mode == 'positions':
+        return run_positions(cfg, sources)
     if mode == 'gap':
         return run_gap(cfg, sources)
     check_device(cfg['device'], cfg['dtype'])

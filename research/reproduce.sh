@@ -1,47 +1,51 @@
 #!/usr/bin/env bash
-# The paper's experiments at small scale on one GPU, on the default corpus (bytes), one subset a call:
-#   bash research/reproduce.sh extrapolation  # Figures 3-4: the Transformer, Mamba-2, FM (the paper's layer: dense,
-#                                             # k = m/4, k = 4; with a gate, a conv or both, the block: k = m/4,
-#                                             # dense and k = 4 with both) trained at 512 (research/extrapolation_*.py),
-#                                             # each at 3 learning rates x its seeds (extrapolation_models below); the
-#                                             # learning-rate table, then loss by position of each at its best rate
-#   bash research/reproduce.sh frontier       # Figures 2-3: the Transformer, Mamba-2, FM k = m/4 = 16 and the same
-#                                             # with the block at 1M, 2M, 4M and 8M parameters (frontier_sizes below),
-#                                             # each at 3 learning rates, seed 1 (the 4M runs are extrapolation runs);
+# The README's results at small scale, one table or figure a call, each with the runs behind it as its defaults (the
+# models, learning rates, seeds and settings below; research/README.md says what each writes and its GPU time):
+#   bash research/reproduce.sh quality        # the README's quality table and extrapolation.png (the paper's Figures
+#                                             # 3-4): the Transformer, Mamba-2, FM (the paper's layer: dense, k = m/4,
+#                                             # k = 4; with a gate, a conv or both, the block: k = m/4, dense, k = 4),
+#                                             # 4.1M parameters trained at 512 (research/extrapolation_*.py), each at
+#                                             # its rates x seeds (extrapolation_models below); the learning-rate table,
+#                                             # loss by position of each at its best rate, the table (quality.csv)
+#   bash research/reproduce.sh frontier       # frontier.png (Figures 2-3): the Transformer, Mamba-2, FM k = m/4 = 16
+#                                             # and FM's block at 1M, 2M, 4M and 8M parameters, seed 1, each at the
+#                                             # rates of frontier_sizes below (the 4M runs are quality's seed-1 runs);
 #                                             # loss against forward FLOPs at the training context and at 2x and 8x
 #   bash research/reproduce.sh routing        # eval.py routing (which memory rows the tokens use, by selection and by
-#                                             # weight) of the extrapolation subset's FM runs at their best rates
-#   bash research/reproduce.sh scaling        # Figure 5: FM with m = 16..256, dense / k = 4 / k = m/4, tau = 1..0.125
-#                                             # (research/scaling_fm.py, 56 runs; VARIANT=block: with the block,
-#                                             # VARIANT=RowRatesFM: a lever of research/levers.py on it);
-#                                             # validation loss at each m's best tau
-# Every run trains 640 steps of 32 x 512 bytes = 10.5M bytes (scaling: 480 x 16 x 512 = 3.9M), about 1.9 passes
-# over the 5.5M-byte training split, with min_lr = learning_rate / 10.
-# Each subset trains its runs, JOBS at a time (small models leave a GPU idle between kernel launches), skipping
-# finished ones and resuming stopped ones, then evaluates the finished ones into RESULTS:
-#   extrapolation.txt (training summary and tables), extrapolation_lr.csv (every run), extrapolation_lr_best.txt
-#   (the runs at each model's best learning rate), extrapolation.csv, .json, .png (loss by position of those);
-#   frontier.txt, .csv (every run), .png;  routing.txt, .csv, .png (and routing.json, .png in each run folder);
-#   scaling.txt, .csv, .png
+#                                             # weight) of quality's FM runs at their best rates (run quality first)
+#   bash research/reproduce.sh scaling        # scaling_block.png (Figure 5): FM's block with m = 256, 64, 16, dense /
+#                                             # k = m/4 / k = 4, tau = 1 and 0.25, seeds 1-3 (research/scaling_fm.py,
+#                                             # 48 runs); validation loss at each m's best tau (VARIANT= : the paper's
+#                                             # layer; VARIANT=RowRatesFM: a lever of research/levers.py on the block)
+#   bash research/reproduce.sh levers         # the levers paragraph and levers_gap.png (issue 39): FM's block, each
+#                                             # lever of research/levers.py on it and Mamba-2 beside (levers_models)
+# (extrapolation is quality's old name.) Every run trains 640 steps of 32 x 512 bytes = 10.5M bytes (scaling:
+# 480 x 16 x 512 = 3.9M), about 1.9 passes over the 5.5M-byte training split, with min_lr = learning_rate / 10.
+# Each call trains its runs, JOBS at a time (small models leave a GPU idle between kernel launches), skipping
+# finished ones, those PREVIOUS lists and resuming stopped ones, then writes its tables and figure into RESULTS:
+#   quality.txt (the log and tables), extrapolation_lr.csv (every run), extrapolation_lr_best.txt (the runs at each
+#   model's best rate), extrapolation.csv, .json (loss by position of those trained here), extrapolation.png and
+#   quality.csv (the README's table: every model at its best rate, with PREVIOUS's runs);
+#   frontier.txt, .csv (every run), .png;  routing.txt, .csv, .png;  scaling.txt, scaling-block.csv, .png;
+#   levers.txt, levers_lr.csv, levers_ctx2048_lr.csv, levers.csv, .json, .png, levers_table.csv, levers_gap.png
 # Settings (environment):
 #   RUNS=out-repro          run folders (out-* is ignored by git); RUNS/<subset>/<run>/finished marks a finished run
 #   RESULTS=$OUT or results where the results go
 #   JOBS=12                 trainings at once
 #   GPUS=                   the GPUs to spread the trainings over, e.g. "0 1" (empty: the default GPU)
 #   TRAIN_SECONDS=420       then running trainings save a checkpoint and stop (run again to resume them); 0: no limit
-#   MODELS=                 the models of extrapolation_models trained and evaluated (extrapolation, frontier);
-#                           empty: all
-#   SEEDS="1 2 3"           the seeds trained, of each model's own (extrapolation_models)
-#   LRS_TRANSFORMER="1e-3 2e-3 4e-3"  learning rates of the Transformer (extrapolation and frontier); a rate
-#   LRS_MAMBA2="2e-3 4e-3 8e-3"       added later trains only its own runs; the sweep warns when a model's best
-#   LRS_FM="5e-4 1e-3 2e-3"           rate is the lowest or highest of its grid (the paper's FM layer)
-#   LRS_FM_BLOCK="1e-3 2e-3 4e-3"     FM with a gate, a conv or both
+#   MODELS=                 some of the models of the call's table (extrapolation_models, frontier_sizes,
+#                           levers_models); empty: all
+#   SEEDS="1 2 3"           of each model's seeds, those trained (scaling: the seeds)
+#   LRS_TRANSFORMER=, LRS_MAMBA2=, LRS_FM=, LRS_FM_BLOCK=   learning rates that replace the tables' for the
+#                           Transformer, Mamba-2, the paper's FM layer, FM with a gate, a conv or both (levers too);
+#                           empty: the tables'. The sweep warns when a model's best rate is the lowest or highest trained
 #   SIZES="1M 2M 4M 8M"     frontier sizes (of frontier_sizes below)
-#   MEMORIES="256 128 64 32 16", TAUS="1 0.5 0.25 0.125"  the scaling subset's m and tau; VARIANT=block: FM with the
-#                           block (its runs in RUNS/scaling-block), VARIANT=RowRatesFM (a class of research/levers.py):
-#                           that lever on the block
-#   PREVIOUS=               the RESULTS folder of an earlier machine: the runs its extrapolation_lr.csv, frontier.csv
-#                           and scaling.csv list are not trained again; the tables and plots include them
+#   MEMORIES="256 64 16", TAUS="1 0.25", VARIANT=block   the scaling call's m, tau and model: block (FM's block), empty
+#                           (the paper's layer, runs in RUNS/scaling) or a class of research/levers.py on the block
+#   PREVIOUS=               RESULTS folders of earlier machines (several: the later's record of a run wins), e.g.
+#                           docs/results/2026-11-25: the runs their CSVs list are not trained again, and the tables and
+#                           plots take their records (their loss by position from their *positions.csv)
 #   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its
 #                           own): TRAIN_ARGS="--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu"
 set -euo pipefail
@@ -52,14 +56,14 @@ RESULTS=${RESULTS:-${OUT:-results}}
 JOBS=${JOBS:-12}
 MODELS=${MODELS:-}
 SEEDS=${SEEDS:-1 2 3}
-LRS_TRANSFORMER=${LRS_TRANSFORMER:-1e-3 2e-3 4e-3}
-LRS_MAMBA2=${LRS_MAMBA2:-2e-3 4e-3 8e-3}
-LRS_FM=${LRS_FM:-5e-4 1e-3 2e-3}
-LRS_FM_BLOCK=${LRS_FM_BLOCK:-1e-3 2e-3 4e-3}
+LRS_TRANSFORMER=${LRS_TRANSFORMER:-}
+LRS_MAMBA2=${LRS_MAMBA2:-}
+LRS_FM=${LRS_FM:-}
+LRS_FM_BLOCK=${LRS_FM_BLOCK:-}
 SIZES=${SIZES:-1M 2M 4M 8M}
-MEMORIES=${MEMORIES:-256 128 64 32 16}
-TAUS=${TAUS:-1 0.5 0.25 0.125}
-VARIANT=${VARIANT:-}
+MEMORIES=${MEMORIES:-256 64 16}
+TAUS=${TAUS:-1 0.25}
+VARIANT=${VARIANT-block}
 export PREVIOUS=${PREVIOUS:-}
 export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
 
@@ -74,9 +78,7 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
         return 0
     fi
     [[ -f $dir/finished || -f $dir/diverged ]] && return 0
-    if [[ -n $PREVIOUS ]] && grep -qs "/$name," "$PREVIOUS/extrapolation_lr.csv" "$PREVIOUS/frontier.csv"; then
-        return 0  # trained on an earlier machine
-    fi
+    earlier_run "$name" && return 0  # trained on an earlier machine
     left=$(( DEADLINE - $(date +%s) ))
     if (( TRAIN_SECONDS > 0 && left < 30 )); then
         echo "not started (time limit): $name"
@@ -120,24 +122,67 @@ finished() {  # run lines on stdin -> --runs=FOLDER for each finished run
     done
 }
 
-previous() {  # previous FILE: --runs=PREVIOUS/FILE where an earlier machine's results have it
-    if [[ -n $PREVIOUS && -f $PREVIOUS/$1 ]]; then echo "--runs=$PREVIOUS/$1"; fi
+earlier_run() {  # earlier_run SUBSET/RUN: whether a CSV of PREVIOUS's folders lists the run (of an earlier machine)
+    local folder
+    for folder in $PREVIOUS; do
+        grep -qs "/$1," "$folder"/*.csv && return 0
+    done
+    return 1
+}
+export -f earlier_run
+
+previous() {  # previous OUT < run lines: PREVIOUS's records of these runs, from each of its sweep and frontier CSVs
+    # into OUT-N.csv -> --runs=OUT-N.csv for each (in PREVIOUS's order: a later folder's record of a run wins)
+    local names folder file n=0
+    names=$(cut -d' ' -f1)
+    for folder in $PREVIOUS; do
+        for file in "$folder"/*.csv; do
+            head -1 "$file" | grep -q '^run,model,' || continue
+            n=$(( n + 1 ))
+            awk -F, -v names="$names" 'BEGIN { split(names, list, "\n"); for (i in list) wanted[list[i]] = 1 }
+                NR == 1 { print; next }
+                { parts = split($1, path, "/"); if (path[parts - 1] "/" path[parts] in wanted) print }' \
+                "$file" > "$1-$n.csv"
+            if (( $(wc -l < "$1-$n.csv") > 1 )); then echo "--runs=$1-$n.csv"; else rm "$1-$n.csv"; fi
+        done
+    done
+}
+
+previous_positions() {  # previous_positions OUT BEST.txt...: the rows of PREVIOUS's *positions.csv (eval.py's loss by
+    # position, a checkpoint named by its run folder) of the runs listed, a file each into OUT-N.csv -> --runs=...
+    local out=$1 names folder file n=0
+    shift
+    names=$(cat "$@" | xargs -r -n1 basename)
+    for folder in $PREVIOUS; do
+        for file in "$folder"/*positions.csv; do
+            [[ -f $file ]] || continue
+            n=$(( n + 1 ))
+            awk -F, -v names="$names" 'BEGIN { split(names, list, "\n"); for (i in list) wanted[list[i]] = 1 }
+                NR == 1 || $1 in wanted' "$file" > "$out-$n.csv"
+            if (( $(wc -l < "$out-$n.csv") > 1 )); then echo "--runs=$out-$n.csv"; else rm "$out-$n.csv"; fi
+        done
+    done
 }
 
 tenth() {  # tenth LR: LR / 10, the min_lr of a run at LR
     awk -v lr="$1" 'BEGIN { printf "%g", lr / 10 }'
 }
 
-lr_runs() {  # lr_runs SUBSET/NAME MODEL SEED train.py-arguments...: a run line at each learning rate of MODEL's grid
-    local name=$1 model=$2 seed=$3 lrs lr
-    shift 3
-    case $model in
+rates() {  # rates MODEL RATES: RATES (commas between them) or, where set, the LRS_ variable of MODEL's family
+    local lrs
+    case $1 in
         transformer) lrs=$LRS_TRANSFORMER;;
         mamba2) lrs=$LRS_MAMBA2;;
-        fm*-gate|fm*-conv|fm*-block) lrs=$LRS_FM_BLOCK;;
+        fm*-gate|fm*-conv|fm*-block|lever) lrs=$LRS_FM_BLOCK;;
         fm*) lrs=$LRS_FM;;
     esac
-    for lr in $lrs; do
+    echo "${lrs:-${2//,/ }}"
+}
+
+lr_runs() {  # lr_runs SUBSET/NAME MODEL SEED RATES train.py-arguments...: a run line at each learning rate
+    local name=$1 model=$2 seed=$3 lrs=$4 lr
+    shift 4
+    for lr in $(rates "$model" "$lrs"); do
         echo "$name-lr$lr-s$seed $* --learning_rate=$lr --min_lr=$(tenth "$lr") --seed=$seed"
     done
 }
@@ -161,18 +206,20 @@ extrapolation_model() {  # extrapolation_model MODEL: its train.py arguments (th
     esac
 }
 
-extrapolation_models() {  # MODEL SEEDS...: Mamba-2, the paper's layer and the best variant with 3 seeds, the rest 2
+extrapolation_models() {  # MODEL RATES SEEDS (commas between several): the runs of the README's quality table
+    # (docs/results/2026-11-25/; the gate's best 1e-3 and the conv's 4e-3 are at an edge: their 5e-4 and 8e-3 runs of
+    # that day survive only as means in docs/kernel_log.md, LRS_FM_BLOCK trains them)
     cat <<'EOF'
-transformer 1 2
-mamba2 1 2 3
-fm-k16 1 2 3
-fm-dense 1 2
-fm-k4 1 2
-fm-k16-gate 1 2
-fm-k16-conv 1 2
-fm-k16-block 1 2 3
-fm-dense-block 1 2
-fm-k4-block 1 2
+transformer    2e-3                    1,2
+mamba2         4e-3                    1,2
+fm-k16         5e-4,1e-3,2e-3          1,2,3
+fm-dense       5e-4,1e-3,2e-3          1,2
+fm-k4          5e-4,1e-3,2e-3          1,2
+fm-k16-gate    1e-3,2e-3,4e-3          1,2
+fm-k16-conv    1e-3,2e-3,4e-3          1,2
+fm-k16-block   1e-3,2e-3,4e-3          1,2,3
+fm-dense-block 1e-3,2e-3,4e-3          1,2
+fm-k4-block    1e-3,2e-3,4e-3          1,2
 EOF
 }
 
@@ -180,14 +227,14 @@ selected() {  # selected MODEL: whether MODELS (empty: all) names it
     [[ -z $MODELS || " $MODELS " == *" $1 "* ]]
 }
 
-extrapolation_runs() {  # each model at each learning rate of its grid, each of its seeds in SEEDS
-    local model seeds seed
-    extrapolation_models | while read -r model seeds; do
+extrapolation_runs() {  # each model at each of its learning rates, each of its seeds in SEEDS
+    local model lrs seeds seed
+    extrapolation_models | while read -r model lrs seeds; do
         selected "$model" || continue
-        for seed in $seeds; do
+        for seed in ${seeds//,/ }; do
             [[ " $SEEDS " == *" $seed "* ]] || continue
             # shellcheck disable=SC2046  # the config and its arguments: several words
-            lr_runs "extrapolation/$model" "$model" "$seed" $(extrapolation_model "$model")
+            lr_runs "extrapolation/$model" "$model" "$seed" "$lrs" $(extrapolation_model "$model")
         done
     done
 }
@@ -198,45 +245,74 @@ positions_of_best() {  # positions_of_best OUT BEST.txt...: eval.py's loss by po
     local out=$1 runs
     shift
     runs=$(cat "$@" | while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
-    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: see its results"; return 0; }
+    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: their loss by position from PREVIOUS"; \
+                        return 0; }
     # shellcheck disable=SC2086  # several --out_dir
     python eval.py $runs --max_len=32768 --out="$RESULTS/$out"
 }
 
-extrapolation() {
+positions_runs() {  # positions_runs POSITIONS SWEEP...: --runs= for the loss by position of the sweeps' best-rate runs:
+    # POSITIONS.json (eval.py's, of those trained here) and PREVIOUS's rows of them
+    local positions=$1 sweep
+    shift
+    for sweep; do previous_positions "$RESULTS/previous_${sweep##*/}_positions" "${sweep}_best.txt"; done
+    [[ -f $positions.json ]] && echo "--runs=$positions.json"
+    return 0
+}
+
+table() {  # table NAME POSITIONS SWEEP...: the README's table of the sweeps (SWEEP.csv) and the loss by position of
+    # their best-rate runs: each model at its best rate, its seeds' range, the loss so far at 1x, 8x and 64x its
+    # context, into RESULTS/NAME.csv; their loss by position plotted into POSITIONS.png
+    local name=$1 positions=$2 sweep runs="" csvs=""
+    shift 2
+    for sweep; do csvs+=" --runs=$sweep.csv"; done
+    runs=$(positions_runs "$positions" "$@")
+    [[ -z ${runs// /} ]] && { echo "no loss by position to tabulate yet"; return 0; }
+    # shellcheck disable=SC2086  # several --runs
+    python research/analysis.py table $csvs $runs --out="$RESULTS/$name"
+    # shellcheck disable=SC2086
+    python research/analysis.py positions $runs --out="$positions"
+}
+
+extrapolation() {  # the README's quality table (quality: the same)
     extrapolation_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     local runs
-    runs="$(extrapolation_runs | finished) $(previous extrapolation_lr.csv)"
+    runs="$(extrapolation_runs | finished) $(extrapolation_runs | previous "$RESULTS/previous_extrapolation")"
     [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
     python research/analysis.py sweep $runs --out="$RESULTS/extrapolation_lr"
-    # each model at its best learning rate, every seed (those trained here; an earlier machine's are in its results)
-    positions_of_best extrapolation "$RESULTS/extrapolation_lr_best.txt"
+    positions_of_best extrapolation "$RESULTS/extrapolation_lr_best.txt"  # the best-rate runs trained here
+    table quality "$RESULTS/extrapolation" "$RESULTS/extrapolation_lr"
 }
 
-frontier_sizes() {  # SIZE MODEL train.py-arguments after extrapolation_model MODEL's, the slowest first
+quality() {
+    extrapolation
+}
+
+frontier_sizes() {  # SIZE MODEL RATES train.py-arguments after extrapolation_model MODEL's, the slowest first
     # Parameters without the embedding (num_params), FM: 8.27M, 4.14M, 2.27M, 1.13M; the Transformer and Mamba-2
     # within 0.3% of FM's (their SwiGLU width d_ff). 4M is the extrapolation models as they are: the frontier's runs
-    # at 4M are the extrapolation subset's seed-1 runs (the same folders and arguments), trained once for both.
+    # at 4M are the quality table's seed-1 runs (the same folders and arguments), trained once for both. The rates:
+    # each model's best of the 2026-11-24 sweep (4 to 6 rates, docs/results/2026-11-24/) and one each side.
     cat <<'EOF'
-8M transformer --n_layer=12
-8M mamba2      --n_layer=12
-8M fm-k16      --n_layer=12
-4M transformer
-4M mamba2
-4M fm-k16
-2M transformer --n_layer=12 --d_model=128 --n_head=2 --n_kv_head=1 --d_ff=364
-2M mamba2      --n_layer=12 --d_model=128 --d_ff=316
-2M fm-k16      --n_layer=12 --d_model=128
-1M transformer --n_layer=6 --d_model=128 --n_head=2 --n_kv_head=1 --d_ff=364
-1M mamba2      --n_layer=6 --d_model=128 --d_ff=316
-1M fm-k16      --n_layer=6 --d_model=128
-8M fm-k16-block --n_layer=12
-4M fm-k16-block
-2M fm-k16-block --n_layer=12 --d_model=128
-1M fm-k16-block --n_layer=6 --d_model=128
-8M fm-k16-rowrates-block --n_layer=12
+8M transformer 5e-4,1e-3,2e-3   --n_layer=12
+8M mamba2      2e-3,4e-3,8e-3   --n_layer=12
+8M fm-k16      5e-4,1e-3,2e-3   --n_layer=12
+4M transformer 1e-3,2e-3,4e-3
+4M mamba2      2e-3,4e-3,8e-3
+4M fm-k16      5e-4,1e-3,2e-3
+2M transformer 4e-3,8e-3,1.6e-2 --n_layer=12 --d_model=128 --n_head=2 --n_kv_head=1 --d_ff=364
+2M mamba2      2e-3,4e-3,8e-3   --n_layer=12 --d_model=128 --d_ff=316
+2M fm-k16      2e-3,4e-3,8e-3   --n_layer=12 --d_model=128
+1M transformer 2e-3,4e-3,8e-3   --n_layer=6 --d_model=128 --n_head=2 --n_kv_head=1 --d_ff=364
+1M mamba2      4e-3,8e-3,1.6e-2 --n_layer=6 --d_model=128 --d_ff=316
+1M fm-k16      2e-3,4e-3,8e-3   --n_layer=6 --d_model=128
+8M fm-k16-block 1e-3,2e-3,4e-3  --n_layer=12
+4M fm-k16-block 1e-3,2e-3,4e-3
+2M fm-k16-block 1e-3,2e-3,4e-3  --n_layer=12 --d_model=128
+1M fm-k16-block 1e-3,2e-3,4e-3  --n_layer=6 --d_model=128
+8M fm-k16-rowrates-block 5e-4,1e-3,2e-3,4e-3 --n_layer=12
 EOF
 }
 
@@ -245,15 +321,15 @@ frontier_lever() {  # frontier_lever MODEL: whether MODEL is frontier_sizes' las
     [[ $1 == fm-k16-rowrates-block && " $MODELS " != *" $1 "* ]]
 }
 
-frontier_runs() {  # each model of SIZES at each learning rate of its grid, seed 1
-    local size model args
-    frontier_sizes | while read -r size model args; do
+frontier_runs() {  # each model of SIZES at each of its learning rates, seed 1
+    local size model lrs args
+    frontier_sizes | while read -r size model lrs args; do
         [[ " $SIZES " == *" $size "* ]] && selected "$model" && ! frontier_lever "$model" || continue
         # shellcheck disable=SC2046,SC2086  # the config and its arguments: several words
         if [[ -z $args ]]; then
-            lr_runs "extrapolation/$model" "$model" 1 $(extrapolation_model "$model")
+            lr_runs "extrapolation/$model" "$model" 1 "$lrs" $(extrapolation_model "$model")
         else
-            lr_runs "frontier/$model-$size" "$model" 1 $(extrapolation_model "$model") $args
+            lr_runs "frontier/$model-$size" "$model" 1 "$lrs" $(extrapolation_model "$model") $args
         fi
     done
 }
@@ -262,32 +338,34 @@ frontier() {
     frontier_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     local runs
-    runs="$(frontier_runs | finished) $(previous frontier.csv)"
+    runs="$(frontier_runs | previous "$RESULTS/previous_frontier") $(frontier_runs | finished)"
     [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
     python research/analysis.py frontier $runs --out="$RESULTS/frontier"
 }
 
-routing() {  # the extrapolation subset's FM runs at their best rates (run it first)
+routing() {  # the quality table's FM runs at their best rates (run quality first)
     local runs
     runs=$(grep -s '/extrapolation/fm-' "$RESULTS/extrapolation_lr_best.txt" | while read -r dir; do
                if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
-    [[ -z $runs ]] && { echo "no FM runs of the extrapolation subset here: run it first"; return 0; }
+    [[ -z $runs ]] && { echo "no FM runs of the quality table here: run quality first"; return 0; }
     # shellcheck disable=SC2086  # several --out_dir
     python eval.py routing $runs --out="$RESULTS/routing"
 }
 
 scaling() {
-    local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant=
+    local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant= previous="" folder
     if [[ -n $VARIANT && $VARIANT != block ]] && ! grep -q "^class $VARIANT(" research/levers.py; then
         echo "VARIANT=$VARIANT: give block or a class of research/levers.py" >&2
         return 2
     fi
     [[ -n $VARIANT ]] && variant="--fm_conv=4 --fm_gate=True"
     [[ -n $VARIANT && $VARIANT != block ]] && variant+=" --mixer=research.levers:$VARIANT"  # a lever on the block
-    [[ -n $PREVIOUS && -f $PREVIOUS/$subset.csv ]] &&
-        done_before=" $(awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) column[$i] = i; next}
-                                 $column["iter_num"] == $column["max_iters"] {printf "%s ", $1}' "$PREVIOUS/$subset.csv")"
+    for folder in $PREVIOUS; do
+        [[ -f $folder/$subset.csv ]] && previous+=" --runs=$folder/$subset.csv" && done_before+="$(awk -F, '
+            NR == 1 {for (i = 1; i <= NF; i++) column[$i] = i; next}
+            $column["iter_num"] == $column["max_iters"] {printf "%s ", $1}' "$folder/$subset.csv")"
+    done
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
     # about 5 GB each, so only a few of those at a time
     for tau in $TAUS; do
@@ -304,77 +382,90 @@ scaling() {
     done | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     mkdir -p "$RUNS/$subset"
-    # shellcheck disable=SC2046  # previous: one argument or none
-    python research/analysis.py scaling $(previous "$subset.csv") --runs="$RUNS/$subset" --out="$RESULTS/$subset"
+    # shellcheck disable=SC2086  # previous: --runs for each earlier machine's
+    python research/analysis.py scaling $previous --runs="$RUNS/$subset" --out="$RESULTS/$subset"
 }
 
 # ----------------------------------------------------------------------------- levers (issue 39)
 # bash research/reproduce.sh levers: levers for long-range memory (research/levers.py): FM's block at 4.1M
-# parameters (the extrapolation subset's fm-k16-block runs, trained once for both) and each lever on it
-# (fm-k16-block's arguments and --mixer=research.levers:CLASS; ctx2048: the block trained at a context of 2048, the
-# same tokens a step; conv16: a convolution of 16 taps), each at LRS_FM_BLOCK x SEEDS (MODELS: some of
-# levers_models). Writes levers.txt, levers_lr.csv, _best.txt (the 512 runs), levers_ctx2048_lr.csv, _best.txt (its
-# validation loss is at 2048), and levers.csv, .json, .png: loss by position of each model at its best rate. With
-# PREVIOUS, its levers*_lr.csv runs and fm-k16-block's of its extrapolation_lr.csv are not trained again (their loss
-# by position: its results).
+# parameters (the quality table's fm-k16-block runs, trained once for both) and each lever on it (fm-k16-block's
+# arguments and --mixer=research.levers:CLASS; ctx2048: the block trained at a context of 2048, the same tokens a
+# step; conv16: a convolution of 16 taps), each at its rates x seeds (levers_models; MODELS: some of them), and
+# Mamba-2 beside (levers_peer_runs). Writes levers.txt, levers_lr.csv, _best.txt (the 512 runs),
+# levers_ctx2048_lr.csv, _best.txt (its validation loss is at 2048), levers.csv, .json (loss by position of each
+# model at its best rate, those trained here), levers.png and levers_table.csv (with PREVIOUS's), levers_gap.png.
 
-levers_models() {  # MODEL train.py-arguments after fm-k16-block's (extrapolation_model's)
+levers_models() {  # MODEL RATES SEEDS train.py-arguments after fm-k16-block's: the README's levers (2026-11-27;
+    # SlowWriteFM, conv16 and both on a second start with 2 seeds and 2 rates, best at the higher: 4e-3 untrained)
     cat <<'EOF'
-fm-k16-block
-LowWriteFM --mixer=research.levers:LowWriteFM
-RowRatesFM --mixer=research.levers:RowRatesFM
-HeadsFM --mixer=research.levers:HeadsFM
-Heads16FM --mixer=research.levers:Heads16FM
-ctx2048 --batch_size=8 --block_size=2048
-SlowWriteFM --mixer=research.levers:SlowWriteFM
-conv16 --fm_conv=16
-SlowWriteFM-conv16 --mixer=research.levers:SlowWriteFM --fm_conv=16
+fm-k16-block       1e-3,2e-3,4e-3 1,2,3
+LowWriteFM         1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:LowWriteFM
+RowRatesFM         1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:RowRatesFM
+HeadsFM            1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:HeadsFM
+Heads16FM          1e-3,2e-3,4e-3 1,2,3 --mixer=research.levers:Heads16FM
+ctx2048            1e-3,2e-3,4e-3 1,2,3 --batch_size=8 --block_size=2048
+SlowWriteFM        1e-3,2e-3      1,2   --mixer=research.levers:SlowWriteFM
+conv16             1e-3,2e-3      1,2   --fm_conv=16
+SlowWriteFM-conv16 1e-3,2e-3      1,2   --mixer=research.levers:SlowWriteFM --fm_conv=16
 EOF
 }
 
-levers_runs() {  # each model at each rate of LRS_FM_BLOCK, each seed of SEEDS; less the runs PREVIOUS lists
-    local model args seed name rest
-    levers_models | while read -r model args; do
+levers_runs() {  # each lever at each of its rates, each of its seeds in SEEDS (the block: the quality table's runs)
+    local model lrs seeds args seed
+    levers_models | while read -r model lrs seeds args; do
         selected "$model" || continue
-        for seed in $SEEDS; do
+        for seed in ${seeds//,/ }; do
+            [[ " $SEEDS " == *" $seed "* ]] || continue
             # shellcheck disable=SC2046,SC2086  # the config and its arguments: several words
             if [[ $model == fm-k16-block ]]; then
-                lr_runs "extrapolation/$model" "$model" "$seed" $(extrapolation_model "$model")
+                lr_runs "extrapolation/$model" "$model" "$seed" "$lrs" $(extrapolation_model "$model")
             else
-                lr_runs "levers/$model" fm-block "$seed" $(extrapolation_model fm-k16-block) $args
+                lr_runs "levers/$model" lever "$seed" "$lrs" $(extrapolation_model fm-k16-block) $args
             fi
         done
-    done | while read -r name rest; do
-        [[ -n $PREVIOUS ]] && grep -qs "/$name," "$PREVIOUS"/levers*_lr.csv && continue
-        echo "$name $rest"
+    done
+}
+
+levers_peer_runs() {  # Mamba-2 beside the levers, at 3 rates x SEEDS (the quality table's Mamba-2 runs among them)
+    local seed
+    selected mamba2 || return 0
+    for seed in $SEEDS; do
+        # shellcheck disable=SC2046  # the config: one word
+        lr_runs extrapolation/mamba2 mamba2 "$seed" 2e-3,4e-3,8e-3 $(extrapolation_model mamba2)
     done
 }
 
 levers() {
-    levers_runs | train_all
+    { levers_peer_runs; levers_runs; } | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
-    local runs block_csv=$RESULTS/levers_block_previous.csv
-    runs="$(levers_runs | grep -v '^levers/ctx2048' | finished) $(previous levers_lr.csv)"
-    if [[ -n $PREVIOUS ]] && grep -qs '/extrapolation/fm-k16-block-lr' "$PREVIOUS/extrapolation_lr.csv"; then
-        { head -1 "$PREVIOUS/extrapolation_lr.csv"; grep '/extrapolation/fm-k16-block-lr' \
-            "$PREVIOUS/extrapolation_lr.csv"; } > "$block_csv"  # the block's runs of an earlier machine
-        runs+=" --runs=$block_csv"
-    fi
+    local runs at_512 at_2048 sweeps="$RESULTS/levers_lr"
+    at_512=$({ levers_peer_runs; levers_runs; } | grep -v '^levers/ctx2048')
+    at_2048=$(levers_runs | grep '^levers/ctx2048' || true)
+    runs="$(previous "$RESULTS/previous_levers" <<< "$at_512") $(finished <<< "$at_512")"
     [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
     # shellcheck disable=SC2086  # several --runs
     python research/analysis.py sweep $runs --out="$RESULTS/levers_lr"
-    runs="$(levers_runs | grep '^levers/ctx2048' | finished) $(previous levers_ctx2048_lr.csv)"
-    # shellcheck disable=SC2086  # several --runs
-    [[ -z ${runs// /} ]] || python research/analysis.py sweep $runs --out="$RESULTS/levers_ctx2048_lr"
-    positions_of_best levers "$RESULTS"/levers*_lr_best.txt
+    if [[ -n $at_2048 ]]; then
+        runs="$(previous "$RESULTS/previous_levers_ctx2048" <<< "$at_2048") $(finished <<< "$at_2048")"
+        # shellcheck disable=SC2086  # several --runs
+        [[ -z ${runs// /} ]] || { python research/analysis.py sweep $runs --out="$RESULTS/levers_ctx2048_lr" &&
+                                  sweeps+=" $RESULTS/levers_ctx2048_lr"; }
+    fi
+    # shellcheck disable=SC2086  # several sweeps
+    positions_of_best levers ${sweeps// /_best.txt }_best.txt
+    # shellcheck disable=SC2086
+    table levers_table "$RESULTS/levers" $sweeps
+    # shellcheck disable=SC2046,SC2086  # several --runs
+    selected mamba2 && python research/analysis.py gap $(positions_runs "$RESULTS/levers" $sweeps) \
+        --reference=mamba2 --out="$RESULTS/levers_gap"
+    return 0
 }
 
 # ----------------------------------------------------------------------------- the subset named
 
 case ${1:-} in
-    extrapolation|frontier|routing|scaling) subset=$1;;
-    levers) subset=$1;;  # research/levers.py: see levers() above
-    *) echo "usage: bash research/reproduce.sh extrapolation|frontier|routing|scaling  (see research/README.md)" >&2
+    quality|extrapolation|frontier|routing|scaling|levers) subset=$1;;
+    *) echo "usage: bash research/reproduce.sh quality|frontier|routing|scaling|levers  (see research/README.md)" >&2
        exit 2;;
 esac
 mkdir -p "$RESULTS"

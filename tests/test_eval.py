@@ -282,7 +282,7 @@ def test_frontier_sizes_match_in_parameters():
     within 1%, about the size's name; the 4M runs are the extrapolation subset's seed-1 runs, the same lines. At 8M
     also the best lever of research/levers.py (issue 39)."""
     sizes = {}
-    for line in reproduce_sh('frontier_sizes | while read -r size model args; do '
+    for line in reproduce_sh('frontier_sizes | while read -r size model lrs args; do '
                              'echo "$size $model $(extrapolation_model "$model") $args"; done').splitlines():
         size, model, *args = line.split()
         c, built = build(*args)
@@ -315,20 +315,22 @@ def test_frontier_sizes_match_in_parameters():
 
 def test_extrapolation_models_match_in_parameters():
     """Every model of reproduce.sh's extrapolation subset (the variants of FM's block through d_ff) has the
-    non-embedding parameters of FM k = 16 within 0.3%; Mamba-2, the paper's layer and the block have three seeds."""
-    params, seeds = {}, {}
-    for line in reproduce_sh('extrapolation_models | while read -r model seeds; do '
+    non-embedding parameters of FM k = 16 within 0.3%; its runs are the README's quality table's: the paper's layer
+    and the block with three seeds, the others two, the Transformer and Mamba-2 at one rate."""
+    params, seeds, rates = {}, {}, {}
+    for line in reproduce_sh('extrapolation_models | while read -r model lrs seeds; do '
                              'echo "$model $(extrapolation_model "$model")"; done').splitlines():
         model, *args = line.split()
         params[model] = build(*args)[1].num_params()
     for line in reproduce_sh('extrapolation_models').splitlines():
-        model, *model_seeds = line.split()
-        seeds[model] = model_seeds
+        model, model_rates, model_seeds = line.split()
+        seeds[model], rates[model] = model_seeds.split(','), model_rates.split(',')
     assert {'fm-k16-gate', 'fm-k16-conv', 'fm-k16-block', 'fm-dense-block', 'fm-k4-block'} <= set(params)
     for model, n in params.items():
         assert abs(n / params['fm-k16'] - 1) < 0.003, (model, n)
-    assert seeds['mamba2'] == seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3']
-    assert seeds['fm-k16-gate'] == ['1', '2']
+    assert seeds['fm-k16'] == seeds['fm-k16-block'] == ['1', '2', '3']
+    assert seeds['mamba2'] == seeds['transformer'] == seeds['fm-k16-gate'] == ['1', '2']
+    assert (rates['transformer'], rates['mamba2'], rates['fm-k16']) == (['2e-3'], ['4e-3'], ['5e-4', '1e-3', '2e-3'])
 
 
 def test_reproduce_frontier_dry_run(repo_corpus, tmp_path):
@@ -352,12 +354,13 @@ def test_reproduce_frontier_dry_run(repo_corpus, tmp_path):
 
 def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
     """Runs as checkpoints and as the .csv of an earlier machine (without a seed column: train.py's 1337): each
-    series keeps, per m, its tau of lowest mean loss over seeds (m = 16, k = 4 is in both sparse series); unfinished
-    runs are left out."""
+    series keeps, per m, its tau of lowest mean loss over seeds among those with the most seeds (m = 16, k = 4 is in
+    both sparse series); unfinished runs are left out."""
     runs = tmp_path / 'runs'
     cases = {'m16-k4-tau1-s1': (16, 4, 1.0, 1, 2.0, 10), 'm16-k4-tau1-s2': (16, 4, 1.0, 2, 1.7, 10),
              'm16-k4-tau0.5-s1': (16, 4, 0.5, 1, 1.6, 10), 'm16-k4-tau0.5-s2': (16, 4, 0.5, 2, 2.3, 10),
-             'm16-dense-tau1-s1': (16, None, 1.0, 1, 1.8, 10), 'm64-k16-tau1-s1': (64, 16, 1.0, 1, 1.5, 4)}
+             'm16-dense-tau1-s1': (16, None, 1.0, 1, 1.8, 10), 'm16-dense-tau1-s2': (16, None, 1.0, 2, 1.9, 10),
+             'm16-dense-tau0.5-s1': (16, None, 0.5, 1, 1.0, 10), 'm64-k16-tau1-s1': (64, 16, 1.0, 1, 1.5, 4)}
     for name, (m, k, tau, seed, loss, iters) in cases.items():
         model = Model(tiny_config(n_memory=m, top_k=k, tau=tau))
         save_model_checkpoint(model, runs / name, best_val_loss=loss, iter_num=iters,
@@ -367,10 +370,11 @@ def test_scaling_takes_each_m_at_its_best_tau(tmp_path):
                        'm64-k16-tau0.25,64,16,0.25,1.6,10,10\nm16-k4-tau1-s1,16,4,1.0,9.9,10,10\n')
     rows, best = analysis.main(['scaling', f'--runs={earlier}', f'--runs={runs}', f'--out={tmp_path / "s"}'])
     by_run = {r['run']: r for r in rows}
-    assert len(rows) == 7 and by_run['m16-k4-tau1-s1']['val_loss'] == 2.0  # the later source
+    assert len(rows) == 9 and by_run['m16-k4-tau1-s1']['val_loss'] == 2.0  # the later source
     assert by_run['m64-k16-tau0.25']['seed'] == 1337 and by_run['m16-k4-tau1-s2']['seed'] == 2
     assert {name: {m: (p['tau'], p['losses']) for m, p in series.items()} for name, series in best.items()} == {
-        'dense (k = m)': {16: (1.0, [1.8])}, 'k = m/4': {16: (1.0, [2.0, 1.7]), 64: (0.25, [1.6])},
+        'dense (k = m)': {16: (1.0, [1.8, 1.9])},  # not tau 0.5's one seed, 1.0
+        'k = m/4': {16: (1.0, [2.0, 1.7]), 64: (0.25, [1.6])},
         'k = 4': {16: (1.0, [2.0, 1.7])}}  # tau 1: mean 1.85 against tau 0.5's 1.95 (whose lowest seed, 1.6, is lower)
     again, _ = analysis.main(['scaling', f'--runs={tmp_path / "s.csv"}', f'--out={tmp_path / "t"}'])
     assert again == rows
@@ -413,6 +417,33 @@ def test_gap_takes_each_model_against_the_reference_mean_over_seeds(tmp_path, ca
     third.write_text('{"run": 1}')
     with pytest.raises(evaluation.EvalError, match=r"c.json: not a .json of eval.py's loss by position \(KeyError\)"):
         analysis.main(['gap', f'--runs={third}', out])
+
+
+def test_positions_and_gap_read_evals_csv_as_its_json(tmp_path):
+    """eval.py's loss-by-position .csv gives analysis.py gap the same table as its .json, and positions its curves
+    (the plot redrawn from the .csv alone); a .csv whose runs are not named NAME-lrLR-sSEED is refused."""
+    results = []
+    for name, model, seed, losses in (('mamba2', '6x256 mamba2', 1, (1.5, 1.4)),
+                                      ('mamba2', '6x256 mamba2', 2, (1.7, 1.6)),
+                                      ('fm-k16-block', '6x256 fm m=64', 1, (1.9, 1.5))):
+        label = f'{name}-lr2e-3-s{seed}'
+        results.append({**positions_result(model, seed, dict(zip((512, 4096), losses))), 'checkpoint': label,
+                        'label': label, 'val_loss': losses[0],
+                        'buckets': [{'start': 1, 'end': 2, 'loss': 3.0, 'positions': 3, 'documents': 3}]})
+        for row in results[-1]['loss_so_far']:
+            row['documents'] = 3
+    evaluation.write_positions(results, [], {}, str(tmp_path / 'p'))
+    tables = [analysis.main(['gap', f'--runs={tmp_path / f"p.{kind}"}', f'--out={tmp_path / kind}'])
+              for kind in ('json', 'csv')]
+    assert tables[0] == tables[1] and tables[1]['6x256 fm m=64, context 512, lr 0.002 (seeds: 1)'] == pytest.approx(
+        {512: 0.3, 4096: 0.0})
+    redrawn = analysis.main(['positions', f'--runs={tmp_path / "p.csv"}', f'--out={tmp_path / "redrawn"}'])
+    assert [(r['label'], r['block_size'], r['val_loss'], r['loss_so_far'], r['buckets']) for r in redrawn] == [
+        (r['label'], 512, r['val_loss'], [{'t': s['t'], 'loss': s['loss']} for s in r['loss_so_far']],
+         [{'start': 1, 'end': 2, 'loss': 3.0}]) for r in results]
+    (tmp_path / 'q.csv').write_text((tmp_path / 'p.csv').read_text().replace('mamba2-lr2e-3-s2', 'mamba2-two'))
+    with pytest.raises(evaluation.EvalError, match="q.csv: not a .csv of eval.py's loss by position of reproduce.sh"):
+        analysis.main(['gap', f'--runs={tmp_path / "q.csv"}', f'--out={tmp_path / "q"}'])
 
 
 def sweep_record(model, lr, seed, loss, finished=True):
@@ -721,6 +752,38 @@ def test_reproduce_skips_the_runs_of_an_earlier_machine(repo_corpus, tmp_path):
     assert (old['run'], old['val_loss'], old['loss_so_far_8x']) == (earlier['run'], '3.5', '3.125')
     for row in rows.values():
         assert row['best_lr'] == '1' and float(row['loss_so_far_8x']) > 0
+
+
+def test_reproduce_regenerates_a_table_from_previous_alone(tmp_path):
+    """bash research/reproduce.sh quality with PREVIOUS (two folders, the later's record of a run winning) and no time
+    to train: nothing trained, and quality.csv is the table of PREVIOUS's records of the quality runs alone (an
+    earlier folder's same-named run, and a run of no quality model, left out)."""
+    old, new = tmp_path / 'old', tmp_path / 'new'
+    fields = analysis.SWEEP_FIELDS
+    record = dict(model='6x256 mamba2 (4.13M)', parameters=1, non_embedding_parameters=1, min_lr=4e-4, seed=1,
+                  best_lr=1, iter_num=640, max_iters=640, block_size=512, tokens=1, forward_flops=1.0)
+    analysis.write_records([{**record, 'run': 'x/extrapolation/mamba2-lr4e-3-s1', 'learning_rate': 4e-3,
+                             'val_loss': 9.0}], fields, old / 'extrapolation_lr.csv')
+    analysis.write_records([{**record, 'run': 'y/extrapolation/mamba2-lr4e-3-s1', 'learning_rate': 4e-3,
+                             'val_loss': 1.5},
+                            {**record, 'run': 'y/extrapolation/mamba2-lr4e-3-s2', 'learning_rate': 4e-3,
+                             'val_loss': 1.7, 'seed': 2},
+                            {**record, 'run': 'y/other/mamba2-lr4e-3-s3', 'learning_rate': 4e-3, 'val_loss': 0.1,
+                             'seed': 3}], fields, new / 'extrapolation_lr.csv')
+    (new / 'extrapolation_positions.csv').write_text(
+        'checkpoint,model,measure,start,end,loss,positions,documents\n'
+        + ''.join(f'mamba2-lr4e-3-s{seed},6x256 mamba2,so_far,1,{t},{loss},{t},1\n'
+                  for seed, loss in ((1, 2.0), (2, 3.0)) for t in (512, 4096, 32768)))
+    env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=f'{old} {new}',
+               TRAIN_SECONDS='1', MODELS='mamba2')
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'quality'], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not (tmp_path / 'runs').exists() and 'not started' not in run.stdout
+    with open(tmp_path / 'results' / 'quality.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert [(r['name'], r['seeds'], float(r['val_loss']), float(r['so_far_1x']), float(r['so_far_64x']))
+            for r in rows] == [('mamba2', '2', 1.6, 2.5, 2.5)]
 
 
 @pytest.mark.parametrize('device, message', [
