@@ -6,15 +6,11 @@ replay on a GPU. sample.py is its command line; in Python:
     new_tokens = generator.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=200)
 """
 import math
-import types
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-import fm_kernel
-from model import FactorizationMemory, SwiGLU, compute_dtype, write_state
+from model import write_state
 
 
 @dataclass
@@ -66,38 +62,6 @@ def sample_next(logits, sampling):
 STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
 
 
-class TritonDownProj(nn.Linear):
-    """SwiGLU's down product, whose one-row product (a decoding step at batch 1 in half precision) runs as a Triton
-    custom op: its input silu(gate) * up is then computed once, where inductor would recompute it in every program
-    of its own reduction (38% of the copy bandwidth; fm_1b's batch-1 step 70-100 us faster, docs/kernel_log.md).
-    Other shapes: F.linear."""
-
-    def forward(self, x):
-        return fm_kernel.decode_linear(x, self.weight)
-
-
-def step_scores(layer, x):  # x (B, d_model) -> (B, M + 2); a parallel pass (B, T, d_model) as the model writes it
-    """FactorizationMemory.router_scores of a compiled decoding step as one reduction, (x W^T) written out, which
-    inductor fuses with the weights' cast and concatenation (as two products: cast and concatenation kernels and
-    two cuBLAS calls, fm_1b's step 0.83 -> 1.01 ms at batch 1 and 1.12 -> 1.46 ms at batch 64 on an H200)."""
-    if x.dim() != 2 or not torch.compiler.is_compiling():  # eager, or a parallel pass: the model's own
-        return type(layer).router_scores(layer, x)
-    dtype = compute_dtype(x.dtype)
-    weight = torch.cat([layer.router.weight, layer.rates.weight]).to(dtype)  # (M + 2, d_model)
-    return (x.to(dtype)[:, None, :] * weight).sum(-1) + F.pad(layer.rates.bias.to(dtype), (layer.n_memory, 0))
-
-
-def speed_up_decoding(model, compiled):
-    """Swap in decoding's speed tricks, which change no result beyond rounding: TritonDownProj (same weights) and,
-    in a compiled step, step_scores for the FM layers whose router the step's kernel fuses (an edited router stays
-    as written)."""
-    for module in model.modules():
-        if isinstance(module, SwiGLU) and type(module.down_proj) is nn.Linear:
-            module.down_proj.__class__ = TritonDownProj
-        if compiled and isinstance(module, FactorizationMemory) and module.fused_router:
-            module.router_scores = types.MethodType(step_scores, module)  # a copy binds to its own
-
-
 class Generator:
     """Batched generation from a Model with static buffers. The prompts are prefilled in parallel passes (right-
     padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
@@ -110,8 +74,6 @@ class Generator:
         sampling.validate()
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
-        if self.device.type == 'cuda':
-            speed_up_decoding(model, compiled=compile is not None)
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
         self.compiled_step, self.hidden = self._step, model.hidden
         if compile is not None:  # inductor, imported only then: seconds

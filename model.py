@@ -14,10 +14,7 @@ around its scan): fm_conv, a short causal convolution + SiLU on the values, W_i 
 output gate, y = W_o (read-out * silu(W_z x)).
 """
 
-import functools
-import hashlib
 import importlib
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -164,7 +161,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # the down product is F.linear, but for one row on CUDA in half precision (a decoding step at batch 1) a Triton
+        # kernel: its input is then computed once, where inductor recomputes it in every program (docs/kernel_log.md)
+        return fm_kernel.decode_linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 def real_positions(lengths, T):
@@ -175,8 +174,8 @@ def real_positions(lengths, T):
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
-    """Parallel FM recurrence from h0 (None: zeros) -> (y, hT): Triton on CUDA (up to fm_kernel.MAX_ROWS memory
-    rows), chunked PyTorch elsewhere."""
+    """The FM recurrence that the loop fm_kernel.fm_scan_naive computes, in parallel from h0 (None: zeros) -> (y, hT):
+    Triton on CUDA (up to fm_kernel.MAX_ROWS memory rows), chunked PyTorch elsewhere."""
     if xbar.is_cuda and xbar.dtype != torch.float64 and theta.shape[-1] <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
@@ -185,22 +184,6 @@ def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
 def triton_step(h):
     """Whether a decoding step on the memory h (B, M, D) runs as a Triton kernel."""
     return h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and h.shape[1] <= fm_kernel.MAX_ROWS
-
-
-# The hash of the source of FactorizationMemory.route and .router_scores as fm_kernel.fm_route_step computes them
-# (route_naive of the scores, inside its kernel). A decoding step takes that kernel only while both read exactly so:
-# a router edited in place, overridden in a subclass or given new parameters decodes through route itself.
-FUSED_ROUTER = '53b30c0b08165db9'
-
-
-@functools.cache  # a class's source is read once, not once a layer
-def routes_as_the_kernel(cls):
-    """Whether an FM class routes as fm_route_step does: its route and router_scores hash to FUSED_ROUTER."""
-    try:
-        source = ''.join(inspect.getsource(getattr(cls, name)) for name in ('route', 'router_scores'))
-    except (OSError, TypeError):  # no source to compare (e.g. a frozen build): route as written
-        return False
-    return hashlib.sha256(source.encode()).hexdigest()[:16] == FUSED_ROUTER
 
 
 class FactorizationMemory(nn.Module):
@@ -213,11 +196,11 @@ class FactorizationMemory(nn.Module):
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
         nn.init.zeros_(self.rates.bias)  # eta and mu start near 0.5 for every token
-        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_i (then W_z)
+        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_in (then W_z)
         dim = self.d_memory
-        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on the values
+        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on xbar
         self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
-        self.fused_router = routes_as_the_kernel(type(self))
+        self.fused_router = False  # whether step routes in the fused kernel: init_state asks routes_as_the_kernel
 
     def router_scores(self, x):
         """x (..., d_model) -> (..., M + 2): W_alpha x, then the logits of eta and mu, in at least float32 (so that
@@ -228,38 +211,75 @@ class FactorizationMemory(nn.Module):
         return torch.cat([F.linear(x, self.router.weight.to(dtype)), rates], dim=-1)
 
     def route(self, x):
-        """The router, in at least float32: x (..., d_model) -> idx (..., K) of the rows each token writes and reads
-        (None when dense), alpha (..., K) summing to 1, eta and mu (..., 1) (or (..., K): a rate a row). The one
-        definition for training, prefill and decoding."""
+        """The paper's router, in at least float32: x (..., d_model) -> idx (..., K) of the rows each token writes and
+        reads (None when dense), alpha (..., K) summing to 1, eta and mu (..., 1). The one definition for training,
+        prefill and decoding."""
         with torch.autocast(x.device.type, enabled=False):
-            return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
+            logits, eta_logit, mu_logit = self.router_scores(x).split([self.n_memory, 1, 1], dim=-1)
+            alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
+            idx = None
+            if self.top_k < self.n_memory:  # sparse: the top k of alpha, renormalised to sum to 1
+                alpha, idx = alpha.sort(dim=-1, descending=True)  # compiled: a kernel (topk: a library call)
+                alpha, idx = alpha[..., :self.top_k], idx[..., :self.top_k]
+                alpha = alpha / alpha.sum(-1, keepdim=True)
+            return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)  # eta, mu = sigmoid(w.x + b)
+
+    def weights(self, idx, alpha, eta, mu):
+        """route's output -> theta = eta alpha and phi = mu alpha (..., M), zero outside the rows idx."""
+        theta, phi = eta * alpha, mu * alpha
+        if idx is None:  # dense: every row
+            return theta, phi
+        return [w.new_zeros(*w.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi)]
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         """-> y (B, T, d_model), state {'h'} (and 'conv' with a convolution) after each row's last real token
         (lengths (B,); None: all T)."""
-        idx, alpha, eta, mu = self.route(x)
-        theta, phi = eta * alpha, mu * alpha  # (B, T, K)
-        if idx is not None:  # the scan takes dense (B, T, M) weights, zero outside the top-k
-            theta, phi = (w.new_zeros(*x.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi))
+        theta, phi = self.weights(*self.route(x))  # (B, T, M)
         if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
         state = {} if state is None else state
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, T, d_memory)
         new_state = {}
-        if self.conv is not None:  # the values through the convolution, from the last inputs of the one before
+        if self.conv is not None:  # xbar through the convolution, from the last inputs of the one before
             xbar, new_state['conv'] = fm_kernel.causal_conv(xbar, state.get('conv'), self.conv.weight[:, 0],
                                                              self.conv.bias, lengths)
         y, new_state['h'] = memory_scan(xbar, theta, phi, state.get('h'), self.eps, self.chunk_size)
         return self.out_proj(y if z is None else y * F.silu(z)), new_state
 
+    def kernel_scores(self, x, reduce):  # x (B, d_model) -> (B, M + 2)
+        """The scores the fused kernel routes from, as router_scores writes them; reduce (a compiled step): as one
+        reduction, x W^T written out, which inductor fuses with the weights' casts (as products: more kernels and
+        two cuBLAS calls, fm_1b's step 0.83 -> 1.01 ms at batch 1 on an H200)."""
+        with torch.autocast(x.device.type, enabled=False):
+            if not reduce:
+                return self.router_scores(x)
+            dtype = compute_dtype(x.dtype)
+            weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model)
+            return (x.to(dtype)[..., None, :] * weight).sum(-1) + F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))
+
+    def routes_as_the_kernel(self):
+        """Whether the fused kernel (fm_route_step: fm_kernel.route_naive of kernel_scores) gives route's theta and
+        phi within rounding, eager and compiled, on probe inputs at scales 0.01 to 100 in float64: a router edited in
+        place or in a subclass that routes otherwise decodes through route as written."""
+        device = self.router.weight.device
+        dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
+        probe = torch.randn(5, 8, self.router.in_features, generator=torch.Generator().manual_seed(0), dtype=dtype)
+        probe = (probe * torch.logspace(-2, 2, 5, dtype=dtype)[:, None, None]).flatten(0, 1).to(device)  # (40, d_model)
+        with torch.no_grad():
+            want = self.weights(*self.route(probe))
+            for reduce in (False, True):
+                got = self.weights(*fm_kernel.route_naive(self.kernel_scores(probe, reduce), self.top_k, self.tau))
+                if not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(got, want)):
+                    return False
+        return True
+
     def step(self, x, state):  # x (B, d_model)
-        """One token: updates the state's buffers in place -> y (B, d_model). With the router as written here, one
-        kernel (fm_route_step) routes, convolves, updates the rows and gates; another router runs as written."""
+        """One token: updates the state's buffers in place -> y (B, d_model). Where the router routes as the fused
+        kernel (fm_route_step), it routes, convolves, updates the rows and gates; another router runs as written."""
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
         conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
         if self.fused_router:
-            with torch.autocast(x.device.type, enabled=False):
-                scores = self.router_scores(x)  # (B, M + 2)
+            scores = self.kernel_scores(x, reduce=torch.compiler.is_compiling())  # (B, M + 2)
             route_step = fm_kernel.fm_route_step if triton_step(state['h']) else fm_kernel.fm_route_step_naive
             return self.out_proj(route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z=z, conv=conv))
         if conv is not None:
@@ -272,6 +292,8 @@ class FactorizationMemory(nn.Module):
         return self.out_proj(y if z is None else y * F.silu(z))
 
     def init_state(self, batch_size, max_len, device):
+        """Empty buffers; and whether step takes the fused kernel, for the router as it now is."""
+        self.fused_router = self.routes_as_the_kernel()
         dtype, width = self.in_proj.weight.dtype, self.conv.kernel_size[0] if self.conv else 0
         h = torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)
         state = {'h': h}
@@ -583,16 +605,6 @@ class Model(nn.Module):
         for block, layer_state in zip(self.blocks, state):
             x = block.step(x, layer_state)
         return self.logits(x)
-
-    def prefill(self, idx, lengths=None, max_len=None):
-        """One parallel pass over right-padded prompts idx (B, T) of real lengths (B,) (None: all T) -> logits (B, V)
-        after each row's last real token, and the decoding state, in buffers for max_len tokens a row (None: T)."""
-        B, T = idx.shape
-        x, states = self.hidden(idx, lengths=lengths)
-        last = torch.full((B,), T - 1, device=idx.device) if lengths is None else lengths - 1
-        state = self.init_state(B, T if max_len is None else max_len, idx.device)
-        write_state(state, states)
-        return self.logits(x[torch.arange(B, device=idx.device), last]), state
 
     def num_params(self, non_embedding=True):
         """Parameter count; non_embedding leaves out the token embedding and the LM head (tied or not)."""
