@@ -7,11 +7,12 @@ Factorization Memory ("Language Modeling With Factorization Memory", Section 3),
     alpha = softmax(W_alpha x / tau)        (m)  router; sparse keeps the top-k, renormalised to sum 1
     eta, mu = sigmoid(w_eta.x + b_eta), sigmoid(w_mu.x + b_mu)
     theta, phi = eta * alpha, mu * alpha     (m)  write and read weights, zero outside the top-k
-    h[i] = (1 - theta[i]) h[i] + theta[i] W_i x                 for each memory row i
+    xbar = W_in x                                 the input a row takes
+    h[i] = (1 - theta[i]) h[i] + theta[i] xbar    for each memory row i
     y = W_o sum_i phi[i] h[i] / rms(h[i])
-The recurrence itself lives in fm_kernel.py. Two optional parts around it, not in the paper (the block Mamba-2 puts
-around its scan): fm_conv, a short causal convolution + SiLU on the values, W_i x -> silu(conv(W_i x)); fm_gate, an
-output gate, y = W_o (read-out * silu(W_z x)).
+FactorizationMemory.route is the router; the recurrence is fm_kernel.py's (the loop fm_scan_naive). Two optional
+parts around it, not in the paper (the block Mamba-2 puts around its scan): fm_conv, a short causal convolution + SiLU
+on xbar, xbar -> silu(conv(xbar)); fm_gate, an output gate, y = W_o (read-out * silu(W_z x)).
 """
 
 import importlib
@@ -52,7 +53,7 @@ class ModelConfig:
     d_memory: int | None = None  # width of a memory row; None: d_model
     tau: float = 1.0  # router softmax temperature
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
-    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on the values W_i x; 0: none (the paper's layer)
+    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar = W_in x; 0: none (the paper's layer)
     fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
     chunk_size: int = 64  # tokens a chunk of the PyTorch FM scan and of the Mamba-2 scan (a power of 2)
     # attn

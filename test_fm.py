@@ -564,7 +564,7 @@ def hand_forward_flops(name, seq_len):
         k = 3 if name.endswith('sparse') else 8
         per_layer += d * 8 + (2 * d + 2) + 2 * d * d  # router, rates (eta, mu; biased), in_proj, out_proj
         if name.startswith('fm_block'):
-            per_layer += d * 4 + d + d * d  # a conv of 4 over the values (and its bias), the gate's W_z
+            per_layer += d * 4 + d + d * d  # a conv of 4 over xbar (and its bias), the gate's W_z
         work = k * (9 * d + 5)  # paper App. FLOPS: the recurrence costs 9 d_memory + 5 per row read and written
     params = layers * per_layer + d  # and the final norm
     return params, 2 * (params + d * vocab) + layers * work
@@ -611,10 +611,10 @@ def fm_reference(layer, x):
 def block_reference(layer, x):
     """FM with its two parts beside the paper written out: xbar = silu(causal conv of W_in x) (a loop over the taps,
     zeros before the start), the read-out gated by silu(W_z x) before W_o."""
-    values, z = F.linear(x, layer.in_proj.weight).chunk(2, dim=-1)  # W_in x, W_z x (B, T, D)
+    xbar, z = F.linear(x, layer.in_proj.weight).chunk(2, dim=-1)  # W_in x, W_z x (B, T, D)
     taps = layer.conv.weight[:, 0]  # (D, W)
     W = taps.shape[1]
-    conv = sum(F.pad(values, (0, 0, W - 1 - j, 0))[:, :x.shape[1]] * taps[:, j] for j in range(W)) + layer.conv.bias
+    conv = sum(F.pad(xbar, (0, 0, W - 1 - j, 0))[:, :x.shape[1]] * taps[:, j] for j in range(W)) + layer.conv.bias
     y, h = fm_kernel.fm_scan_naive(F.silu(conv), *paper_weights(layer, x), eps=layer.eps)
     return layer.out_proj(y * F.silu(z)), h
 
@@ -632,8 +632,8 @@ def test_fm_block_matches_its_equations(top_k):
     y, state = layer(x)
     y_ref, h_ref = block_reference(layer, x)
     assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10, PAPERS
-    values = F.linear(x, layer.in_proj.weight[:32])  # W_in x, the convolution's input
-    assert rel_err(state['conv'], values[:, -3:].transpose(1, 2)) < 1e-15
+    xbar = F.linear(x, layer.in_proj.weight[:32])  # W_in x, the convolution's input
+    assert rel_err(state['conv'], xbar[:, -3:].transpose(1, 2)) < 1e-15
 
 
 @core

@@ -71,7 +71,7 @@ d_model = 128  # width of the residual stream
 n_memory = 32  # m, memory rows
 top_k = 8  # k rows read and written per token; None: dense
 tau = 1.0  # router softmax temperature
-fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on the values (0: none; config/paper_layer.py)
+fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on xbar = W_in x (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
 chunk_size = 16  # tokens a chunk of the parallel scans (Mamba-2's too): 16 is fastest for FM's PyTorch scan on a CPU
 
