@@ -42,7 +42,7 @@ class ModelConfig:
     block_size: int = 256  # training context in tokens; the model itself has no length limit
     n_layer: int = 4  # blocks
     d_model: int = 256  # width of the residual stream
-    mixer: str = 'fm'  # every block's sequence mixer: 'fm', 'attn', 'mamba2', or 'module:Class' extending one
+    mixer: str = 'fm'  # every block's sequence mixer: a key of MIXER_CLASSES, or 'module:Class' extending one
     d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block; 0: no MLP
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head shares the embedding's weight
@@ -55,7 +55,7 @@ class ModelConfig:
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
     fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar = W_in x; 0: none (the paper's layer)
     fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
-    chunk_size: int = 64  # tokens a chunk of the PyTorch FM scan and of the Mamba-2 scan (a power of 2)
+    chunk_size: int = 64  # tokens a chunk of the parallel scans (FM's in PyTorch, Mamba-2's; a power of 2)
     # attn
     n_head: int = 8  # query heads
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
@@ -108,9 +108,8 @@ class ModelConfig:
         except Exception as e:  # an import of module:Class fails in any way
             check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)}, or module:Class extending "
                                   f"one of theirs, e.g. research.levers:RowRatesFM ({type(e).__name__}: {e})")
-        if family in ('fm', 'mamba2'):
-            positive('chunk_size')
-            check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
+        positive('chunk_size')  # every mixer's: a mixer of one's own may chunk its scan too
+        check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
         if family == 'fm':
             positive('n_memory', 'fm_eps')
             positive('d_memory', optional=True)
@@ -292,6 +291,13 @@ class FactorizationMemory(nn.Module):
         y = step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
         return self.out_proj(y if z is None else y * F.silu(z))
 
+    def step_state_bytes(self, context):
+        """Bytes of state a decoding step reads and writes for one sequence (bench.py): k rows, the convolution's
+        window; the same after any context."""
+        dtype = self.in_proj.weight.dtype
+        window = self.d_memory * (self.conv.kernel_size[0] - 1) * dtype.itemsize if self.conv else 0
+        return 2 * (self.top_k * self.d_memory * compute_dtype(dtype).itemsize + window)
+
     def init_state(self, batch_size, max_len, device):
         """Empty buffers; and whether step takes the fused kernel, for the router as it now is."""
         self.fused_router = self.routes_as_the_kernel()
@@ -366,6 +372,10 @@ class Attention(nn.Module):
         probs = torch.softmax(scores.masked_fill(~filled[:, None, None], -math.inf), dim=-1)
         y = probs.to(v.dtype) @ state['v']  # (B, Hkv, H / Hkv, hd)
         return self.merge_heads(y.view(B, self.n_head, 1, hd))[:, 0]
+
+    def step_state_bytes(self, context):
+        """Bytes of state a decoding step reads for one sequence after context tokens: its KV cache (bench.py)."""
+        return 2 * context * self.n_kv_head * self.head_dim * self.qkv_proj.weight.element_size()
 
     def init_state(self, batch_size, max_len, device):
         cache = self.qkv_proj.weight.new_zeros(batch_size, self.n_kv_head, max_len, self.head_dim, device=device)
@@ -484,6 +494,10 @@ class Mamba2(nn.Module):
                                       D=self.D[:, None].expand(H, P), dt_bias=self.dt_bias[:, None].expand(H, P),
                                       dt_softplus=True)
 
+    def step_state_bytes(self, context):
+        """Bytes of state a decoding step reads and writes for one sequence, all of it, after any context (bench.py)."""
+        return 2 * sum(t.numel() * t.element_size() for t in self.init_state(1, 1, 'meta').values())
+
     def init_state(self, batch_size, max_len, device):
         dtype, window = self.in_proj.weight.dtype, self.conv.kernel_size[0] - 1
         return {'conv': torch.zeros(batch_size, self.conv_dim, window, dtype=dtype, device=device),
@@ -494,7 +508,7 @@ class Mamba2(nn.Module):
 # ----------------------------------------------------------------------------- the model
 
 MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # add a new one here and to
-# Model.flops_per_token; a variant of one of them needs neither: name it as 'module:Class' (research/levers.py)
+# Model.flops_per_token (the README's Changing the model); a variant of one needs neither: 'module:Class' names it
 
 
 def mixer_class(name):

@@ -729,14 +729,19 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
 
 
 @core
-@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'fm_block_dense', 'fm_block_sparse', 'mamba2'])
+@pytest.mark.parametrize('name', MIXER_CASES)
 def test_chunked_pass_carries_the_state(name):
-    """Recurrent mixers run a long text in chunks, each continuing from the last one's state: the same hidden
-    states and final state as one pass (eval.py relies on this for bounded memory at any length)."""
+    """A mixer whose state does not grow runs a long text in chunks, each continuing from the last one's state: the
+    same hidden states and final state as one pass (eval.py relies on this for bounded memory at any length).
+    Attention refuses (test_attention_refuses_a_parallel_pass_from_a_state)."""
     torch.manual_seed(2)
     model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
     idx = torch.randint(0, 64, (2, 50))
     whole, whole_state = model.hidden(idx)
+    if model.config.family == 'attn':
+        with pytest.raises(ValueError, match='one token at a time'):
+            model.hidden(idx, whole_state)
+        return
     parts, state = [], None
     for start in (0, 7, 30):  # chunks of 7, 23 and 20 tokens, none a multiple of the scan's chunk of 16
         x, state = model.hidden(idx[:, start:start + {0: 7, 7: 23, 30: 20}[start]], state)
@@ -946,6 +951,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
     (dict(mixer='mamba2', d_state=0), 'd_state'),
     (dict(fm_conv=1000), 'fm_conv'),
     (dict(tau=1e-30), 'tau'),
+    (dict(mixer='attn', chunk_size=0), 'chunk_size'),  # every mixer's (one of one's own may chunk)
 ])
 def test_bad_config_raises_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
@@ -972,15 +978,36 @@ def test_num_params(tie):
     assert model.num_params() == total - embedding * (1 if tie else 2) > 0
 
 
-def test_flops_per_token():
-    names = ('fm_dense', 'fm_sparse', 'attn', 'mamba2')
-    fm_dense, fm_sparse, attn, mamba2 = (Model(tiny_config(**MIXER_CASES[name])) for name in names)
-    for model in (fm_dense, fm_sparse, attn, mamba2):
-        assert model.flops_per_token(48) > 6 * model.num_params()
-    assert fm_dense.flops_per_token(48) == fm_dense.flops_per_token(4096)  # recurrent: no context term
-    assert mamba2.flops_per_token(48) == mamba2.flops_per_token(4096)
-    assert attn.flops_per_token(4096) - attn.flops_per_token(48) == 12 * 2 * (4096 - 48) * 32
-    assert fm_dense.flops_per_token(48) - fm_sparse.flops_per_token(48) == 3 * 2 * (8 - 3) * (9 * 32 + 5)
+@pytest.mark.parametrize('name', MIXER_CASES)
+def test_flops_per_token(name):
+    """Above 6 N; attention's term grows with the context (QK^T and AV), a recurrent mixer's does not; sparse FM
+    saves 3 (9 d_memory + 5) FLOPs a row it skips."""
+    model = Model(tiny_config(**MIXER_CASES[name]))
+    assert model.flops_per_token(48) > 6 * model.num_params()
+    context = 12 * 2 * (4096 - 48) * 32 if name == 'attn' else 0
+    assert model.flops_per_token(4096) - model.flops_per_token(48) == context
+    if name == 'fm_sparse':
+        dense = Model(tiny_config(**MIXER_CASES['fm_dense']))
+        assert dense.flops_per_token(48) - model.flops_per_token(48) == 3 * 2 * (8 - 3) * (9 * 32 + 5)
+
+
+@pytest.mark.parametrize('name', MIXER_CASES)
+def test_step_state_bytes(name):
+    """bench.py's decoding floor: each mixer's bytes of state a step reads and writes for one sequence after 100
+    tokens, with float32 and bfloat16 weights: at most its whole state twice, and by hand: FM's k rows of 32 (float32)
+    and the convolution's window of 3, Mamba-2's conv (80 channels x 3) and SSM (4 heads x 16 x 8, float32) states,
+    attention's cache of 2 x 16 a token."""
+    rows = 2 * (3 if name.endswith('sparse') else 8) * 32 * 4
+    hand = {4: {'fm_dense': rows, 'fm_sparse': rows, 'fm_block_dense': rows + 2 * 32 * 3 * 4,
+                'fm_block_sparse': rows + 2 * 32 * 3 * 4, 'attn': 2 * 100 * 16 * 4, 'mamba2': 2 * (80 * 3 + 512) * 4},
+            2: {'fm_dense': rows, 'fm_sparse': rows, 'fm_block_dense': rows + 2 * 32 * 3 * 2,
+                'fm_block_sparse': rows + 2 * 32 * 3 * 2, 'attn': 2 * 100 * 16 * 2, 'mamba2': 2 * (80 * 3 * 2 + 512 * 4)}}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = Model(tiny_config(**MIXER_CASES[name])).to(dtype)
+        counts = [block.mixer.step_state_bytes(100) for block in model.blocks]
+        assert 0 < counts[0] <= 2 * sum(t.numel() * t.element_size() for t in model.init_state(1, 101)[0].values())
+        if name in hand[dtype.itemsize]:
+            assert counts == [hand[dtype.itemsize][name]] * 2
 
 
 def test_estimate_mfu():

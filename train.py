@@ -1,5 +1,5 @@
 """
-Train a language model whose mixer is Factorization Memory ('fm'), attention ('attn') or Mamba-2 ('mamba2').
+Train a language model of model.py: Factorization Memory, or another mixer (--help lists them).
 
     python train.py                                   # small FM model, default corpus, a few minutes on a CPU
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
@@ -64,7 +64,7 @@ batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
 vocab_multiple = 64  # pad the model's vocab up to a multiple of this when the tokenizer has more than 256 tokens
 # model: these, and every other ModelConfig field of model.py at its default, can be set
-mixer = 'fm'  # 'fm', 'attn', 'mamba2', or module:Class extending one (e.g. research.levers:RowRatesFM)
+mixer = 'fm'  # one of the mixers listed below, or module:Class extending one (e.g. research.levers:RowRatesFM)
 n_layer = 4  # blocks
 d_model = 128  # width of the residual stream
 # fm
@@ -118,8 +118,9 @@ def model_args(cfg):
 def settings(argv):
     """The run's settings from argv -> a namespace (None for --help); ConfigError for one out of range."""
     if '-h' in argv or '--help' in argv:
+        mixers = ', '.join(f'{name} ({cls.__name__})' for name, cls in model_file.MIXER_CLASSES.items())
         return print(__doc__ + '\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
-                     + help_text(default_config(), __file__, model_file.__file__))
+                     + help_text(default_config(), __file__, model_file.__file__) + f'\nmixers: {mixers}')
     cfg = SimpleNamespace(**load_config(default_config(), argv, optional_types(ModelConfig)))
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     for refused, message in (

@@ -24,7 +24,7 @@ from conftest import REPO, build, defaults, reproduce_sh, save_model_checkpoint,
 from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import get_tokenizer
 from research import analysis
-from test_fm import MIXER_CASES
+from test_fm import MIXER_CASES, ContrarianFM
 
 
 # ----------------------------------------------------------------------------- eval.py
@@ -54,7 +54,7 @@ def test_position_buckets_and_loss_so_far():
     assert [s['loss'] for s in so_far] == pytest.approx([(1 + 10) / 2, (1 + 2 + 10 + 20) / 4, (1 + 2 + 3 + 4) / 4])
 
 
-@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'mamba2'])
+@pytest.mark.parametrize('name', MIXER_CASES)
 def test_loss_by_position_chunked_equals_one_pass(name):
     """eval.py's document_losses in chunks of 7 (each from the last one's state) gives the losses of one pass,
     which are the model's forward cross-entropy."""
@@ -555,6 +555,22 @@ def test_routing_stats_of_uniform_and_token_independent_routers():
     assert same['logit_bias_share'] == pytest.approx(1, abs=1e-9) and same['input_mean_share'] == pytest.approx(1)
     assert same['usage'].count(1.0) == 3 and same['dead_rows'] == 5 and same['busiest_row'] == 1.0
     assert spread['logit_bias_share'] < 0.01 and spread['input_mean_share'] < 0.01
+
+
+def test_routing_stats_read_route():
+    """An edited router (test_fm.ContrarianFM: the rows the standard router likes least) is measured as it routes:
+    the entropy of its own softmax and the usage of its own rows."""
+    torch.manual_seed(0)
+    mixer = ContrarianFM(tiny_config(top_k=3))
+    torch.nn.init.normal_(mixer.router.weight, std=0.5)
+    x = torch.randn(2, 50, 32)
+    stats = evaluation.RoutingStats(8, 3, 32)
+    stats.add(mixer, x)
+    layer = stats.summary()
+    probs = torch.softmax(-mixer.router(x.flatten(0, 1)).detach().double(), -1)  # (100, 8)
+    usage = torch.zeros(8, dtype=torch.float64).scatter_add_(0, probs.topk(3).indices.flatten(), torch.ones(300, dtype=torch.float64))
+    assert layer['entropy'] == pytest.approx(float(-(probs * probs.log()).sum(-1).mean()), abs=1e-6)
+    assert layer['usage'] == pytest.approx((usage / 100).tolist(), abs=1e-12)
 
 
 def sweep_run(folder, lr, loss, block_size=48, **model):
