@@ -657,13 +657,14 @@ def test_fm_layer_matches_paper_equations(top_k):
 @pytest.mark.parametrize('top_k', [3, None])
 def test_the_kernels_router_is_route(top_k):
     """fm_kernel.route_naive, the twin of the fused kernel's router (test_triton_route_step_matches_naive), routes as
-    route: float64, every parameter random; so the probe sends the paper's router to the fused kernel."""
+    route: float64, every parameter random; so the probe sends the paper's router to the fused kernel, also with
+    bfloat16 weights on the device (a decoding model's)."""
     torch.manual_seed(0)
     layer = randomized(FactorizationMemory(tiny_config(top_k=top_k, tau=0.5))).double()
     x = torch.randn(2, 37, 32, dtype=torch.float64)
     twin = layer.weights(*fm_kernel.route_naive(layer.router_scores(x), layer.top_k, layer.tau))
     assert max(rel_err(a, b) for a, b in zip(twin, layer.weights(*layer.route(x)))) < 1e-15, PAPERS
-    assert layer.routes_as_the_kernel(), PAPERS
+    assert layer.routes_as_the_kernel() and layer.to(DEVICE, torch.bfloat16).routes_as_the_kernel(), PAPERS
 
 
 @pytest.mark.parametrize('top_k', [1, 2, 5, 8])

@@ -24,7 +24,7 @@ from conftest import REPO, build, defaults, reproduce_sh, save_model_checkpoint,
 from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import get_tokenizer
 from research import analysis
-from test_fm import MIXER_CASES, ContrarianFM
+from test_fm import MIXER_CASES, PAPERS, ContrarianFM
 
 
 # ----------------------------------------------------------------------------- eval.py
@@ -472,19 +472,19 @@ def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
     for (name, model), result in zip(models.items(), results):
         k = 3 if name == 'sparse' else 1
         assert result['tokens'] == 130 and len(result['layers']) == 2
-        for layer, want in zip(result['layers'], routing_by_hand(model, tokens)):
+        for layer, want in zip(result['layers'], routing_by_hand(model, tokens)):  # the paper's router, by hand
             usage = torch.tensor(layer['usage'], dtype=torch.float64)
-            assert (usage - want['usage']).abs().max() < 1e-9, name
+            assert (usage - want['usage']).abs().max() < 1e-9, f'{name}: {PAPERS}'
             assert abs(usage.sum() - k) < 1e-9
             assert usage[0] == 0 if name == 'sparse' else usage[0] < 1e-3
-            assert layer['dead_rows'] == int((want['usage'] < 1 / 80).sum()) >= 1
-            assert layer['entropy'] == pytest.approx(want['entropy'], abs=1e-9)
-            assert layer['eta_mean'] == pytest.approx(want['eta_mean'], abs=1e-6)
+            assert layer['dead_rows'] == int((want['usage'] < 1 / 80).sum()) >= 1, PAPERS
+            assert layer['entropy'] == pytest.approx(want['entropy'], abs=1e-9), PAPERS
+            assert layer['eta_mean'] == pytest.approx(want['eta_mean'], abs=1e-6), PAPERS
             weight = torch.tensor(layer['weight_usage'], dtype=torch.float64)
-            assert (weight - want['weight_usage']).abs().max() < 1e-9 and abs(weight.sum() - 1) < 1e-9
+            assert (weight - want['weight_usage']).abs().max() < 1e-9 and abs(weight.sum() - 1) < 1e-9, PAPERS
             entropy = -torch.special.xlogy(want['weight_usage'], want['weight_usage']).sum()  # 0 log 0 = 0
-            assert layer['weight_effective_rows'] == pytest.approx(float(torch.exp(entropy)))
-            assert layer['busiest_row_theta'] == pytest.approx(want['busiest_row_theta'], abs=1e-6)
+            assert layer['weight_effective_rows'] == pytest.approx(float(torch.exp(entropy))), PAPERS
+            assert layer['busiest_row_theta'] == pytest.approx(want['busiest_row_theta'], abs=1e-6), PAPERS
             assert layer['busiest_row_ablation'] == 0  # the planted blocks add nothing: no read-out reaches the loss
         saved = json.loads((tmp_path / name / 'routing.json').read_text())
         keys = ('usage', 'dead_rows', 'entropy', 'eta_mean')
