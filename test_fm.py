@@ -684,12 +684,12 @@ def test_router_weights_sum_to_one_over_k_rows(top_k):
 
 
 def test_router_reduction_of_a_compiled_step_matches_the_product():
-    """kernel_scores as a compiled step takes them, one float32 reduction, gives the rows and weights of
-    router_scores' products."""
+    """kernel_scores as a compiled step takes them, one float32 reduction, gives the rows and weights of the paper's
+    scores as products, W_alpha x and the rates' w.x + b."""
     layer = randomized(FactorizationMemory(tiny_config(top_k=3)))
     x = torch.randn(17, 32)
     assert torch.equal(layer.kernel_scores(x, reduce=False), layer.router_scores(x))
-    idx, *weights = fm_kernel.route_naive(layer.router_scores(x), 3, layer.tau)
+    idx, *weights = fm_kernel.route_naive(torch.cat([layer.router(x), layer.rates(x)], -1).detach(), 3, layer.tau)
     idx_reduced, *weights_reduced = fm_kernel.route_naive(layer.kernel_scores(x, reduce=True), 3, layer.tau)
     assert torch.equal(idx, idx_reduced)
     for got, want in zip(weights, weights_reduced):
@@ -896,7 +896,7 @@ def test_a_router_edited_in_place_decodes_as_it_trains(edit, tmp_path, monkeypat
     on by one was 1.04.)"""
     source = (Path(REPO) / 'model.py').read_text()
     line, replacement = IN_PLACE_EDITS[edit]
-    assert source.count(line) == 1
+    assert source.count(line) == 1, PAPERS  # the line this edit replaces
     (tmp_path / 'model.py').write_text(source.replace(line, replacement))
     spec = importlib.util.spec_from_file_location('edited_model', tmp_path / 'model.py')
     edited = importlib.util.module_from_spec(spec)
