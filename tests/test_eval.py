@@ -567,7 +567,7 @@ def test_routing_stats_read_route():
     stats = evaluation.RoutingStats(8, 3, 32)
     stats.add(mixer, x)
     layer = stats.summary()
-    probs = torch.softmax(-mixer.router(x.flatten(0, 1)).detach().double(), -1)  # (100, 8)
+    probs = torch.softmax(-mixer.router_scores(x.flatten(0, 1)).detach().double()[:, :-2], -1)  # (100, 8), tau 1
     usage = torch.zeros(8, dtype=torch.float64).scatter_add_(0, probs.topk(3).indices.flatten(), torch.ones(300, dtype=torch.float64))
     assert layer['entropy'] == pytest.approx(float(-(probs * probs.log()).sum(-1).mean()), abs=1e-6)
     assert layer['usage'] == pytest.approx((usage / 100).tolist(), abs=1e-12)

@@ -91,7 +91,7 @@ def test_heads_route_within_each_group(heads, top_k):
     H, M, K = heads.HEADS, 8, top_k or 8
     x = torch.randn(2, 5, 32, dtype=torch.float64)
     idx, alpha, eta, mu = layer.route(x)
-    groups = torch.softmax((x @ layer.router.weight.T).unflatten(-1, (H, M // H)), -1)  # (2, 5, H, M/H)
+    groups = torch.softmax(layer.router_scores(x)[..., :-2].unflatten(-1, (H, M // H)), -1)  # (2, 5, H, M/H)
     per_head = alpha.unflatten(-1, (H, K // H))
     assert rel_err(per_head.sum(-1), torch.full((2, 5, H), 1 / H, dtype=torch.float64)) < 1e-14
     if top_k is None:
