@@ -456,18 +456,9 @@ VOCAB_SIZES = {"cl100k_base": 100288, "gpt-neox": 50288}  # the tokenizers' size
 
 
 def step_state_bytes(model, context):
-    """Bytes of decoding state one step reads and writes for one sequence after `context` tokens: the k memory
-    rows of FM (read and written, float32), Mamba-2's SSM and conv states, attention's filled KV cache (read)."""
-    c, total = model.config, 0
-    for block in model.blocks:
-        state = block.mixer.init_state(1, 1, "meta")
-        if c.family == "fm":
-            total += 2 * c.top_k * c.d_memory * state["h"].element_size()
-        elif c.family == "mamba2":
-            total += 2 * sum(t.numel() * t.element_size() for t in state.values())
-        else:
-            total += 2 * context * state["k"][0, :, 0].numel() * state["k"].element_size()
-    return total
+    """Bytes of decoding state one step reads and writes for one sequence after `context` tokens, as each mixer counts
+    them (step_state_bytes): FM's k memory rows and window, Mamba-2's states, attention's filled KV cache."""
+    return sum(block.mixer.step_state_bytes(context) for block in model.blocks)
 
 
 def decode_ms(generator, n_tokens):

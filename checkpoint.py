@@ -1,4 +1,4 @@
-"""Checkpoints of train.py: atomic saves; loads that verify the CRC-32s torch.save writes (0.5 s a GB) and weights."""
+"""train.py's checkpoints: atomic saves; loads that check torch.save's CRC-32s (0.5 s a GB) and the weights."""
 import errno
 import math
 import os
@@ -17,12 +17,11 @@ CKPT_KEYS = ('model', 'optimizer', 'model_config', 'train_config', 'iter_num', '
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, unreadable or does not fit this code; the message says what to do."""
+    """A checkpoint missing, unreadable or not of this code: the message says what to do."""
 
 
 def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=True):
-    """Write ckpt whole to path.tmp, flushed to disk, then rename it to path (rename=False: the caller will), so path
-    is never half-written. A failed write removes path.tmp and raises CheckpointError; path stays as it was."""
+    """ckpt whole to path.tmp, then renamed to path (rename=False: by the caller); CheckpointError if it fails."""
     tmp = Path(f'{path}.tmp')
     try:
         with open(tmp, 'wb') as f:
@@ -31,7 +30,7 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
             os.fsync(f.fileno())
         if rename:
             os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+    except (OSError, RuntimeError) as e:  # torch.save's failed write: a RuntimeError
         tmp.unlink(missing_ok=True)
         cause, kept = e.__context__ or e, f'{path if os.path.exists(path) else "Nothing"} is unchanged'
         full = getattr(cause, 'errno', None) in (errno.ENOSPC, errno.EDQUOT)
@@ -44,15 +43,13 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
 
 
 def nonfinite(tensors):
-    """The names of the floating-point tensors of a {name: tensor} dict that hold a NaN or an infinity: one sum a
-    tensor, all launched before the first waits; an exact check only where a sum is not finite."""
+    """The names of the {name: tensor} dict's float tensors holding a NaN or an infinity (a sum each, then exact)."""
     sums = {name: t.sum(dtype=torch.float32) for name, t in tensors.items() if t.is_floating_point()}
     return [name for name, total in sums.items() if not math.isfinite(total) and not tensors[name].isfinite().all()]
 
 
 def load_checkpoint(path, advise=True):
-    """The checkpoint at path on the CPU (memory-mapped: DDP ranks share the pages); CheckpointError in one line, and
-    what to use instead, if it is missing, unreadable, damaged (a CRC-32 fails) or holds weights that are not finite."""
+    """The checkpoint at path; CheckpointError if missing, unreadable, damaged or not finite, naming what to use."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f'{path} is a folder, not a checkpoint file: give the folder as --out_dir and a file in '
@@ -60,9 +57,9 @@ def load_checkpoint(path, advise=True):
                               f'train one first (python train.py), or point --out_dir at the folder that holds it')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-        with zipfile.ZipFile(path) as archive:  # a damaged file can unpickle to anything: checked before its contents
+        with zipfile.ZipFile(path) as archive:  # checked before the contents: damaged, they can be anything
             checked = any(record.CRC for record in archive.infolist() if record.file_size)  # torch.save wrote CRCs
-            bad = archive.testzip() if checked else None  # the first record whose bytes fail their CRC-32
+            bad = archive.testzip() if checked else None  # the first record failing its CRC-32
         if not checked:
             print(f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
         missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
@@ -71,13 +68,13 @@ def load_checkpoint(path, advise=True):
                    f'is not a checkpoint of this train.py (missing {", ".join(missing)})' if missing else
                    f'holds weights that are not finite (NaN or infinity in {", ".join(broken[:3])}): it was saved by '
                    f'a run that diverged' if broken else None)
-    except Exception as e:  # a changed byte can make torch.load or zipfile raise almost anything
+    except Exception as e:  # a changed byte makes torch.load or zipfile raise almost anything
         problem = f'is not a readable checkpoint: it is empty, cut short, damaged or not written by torch.save ' \
                   f'({type(e).__name__})'
     if problem is None:
         return ckpt
-    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # the other checkpoint of its run
-    way = ' Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)'  # a file of no run: no advice on runs
+    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # its run's other checkpoint
+    way = ' Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)'
     if advise and path.name in ('ckpt.pt', 'best.pt'):
         try:
             way = f' {partner} beside it loads (step {load_checkpoint(partner, False)["iter_num"]}): use it instead ' \
@@ -88,14 +85,14 @@ def load_checkpoint(path, advise=True):
 
 
 def model_from_checkpoint(ckpt, path, device='cpu'):
-    """The model of a checkpoint (device 'meta': shapes only); CheckpointError if it cannot be built or loaded."""
+    """A checkpoint's model (device 'meta': shapes only); CheckpointError if it cannot be built or loaded."""
     try:
         with torch.device(device):
             model = Model(ModelConfig(**ckpt['model_config']))
         keys = model.load_state_dict(ckpt['model'], strict=False) if device != 'meta' else ([], [])
         problem = '; '.join(f'{what} {", ".join(names[:3])}{", ..." * (len(names) > 3)}'
                             for what, names in zip(('missing', 'unexpected'), keys) if names)
-    except (TypeError, ValueError, RuntimeError) as e:  # a setting model.py lacks; a weight of another shape
+    except (TypeError, ValueError, RuntimeError) as e:  # a setting model.py lacks, a weight of another shape
         problem = ' '.join(str(e).split())[:300]
     if problem:
         raise CheckpointError(f'{path} holds a model this model.py cannot build or load ({problem}): use the version '
@@ -104,7 +101,7 @@ def model_from_checkpoint(ckpt, path, device='cpu'):
 
 
 def tokenizer_of(ckpt, path):
-    """The tokenizer a checkpoint was trained with; CheckpointError if it cannot be loaded here."""
+    """A checkpoint's tokenizer; CheckpointError if it cannot be loaded here."""
     try:
         return get_tokenizer(ckpt['tokenizer'])
     except Exception as e:

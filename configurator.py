@@ -1,5 +1,5 @@
-"""Settings in nanoGPT's style, `python train.py config/fm_small.py --batch_size=32`: a config file is Python that sets
-known keys; --key=value sets one, as the type of its default (of types[key] for a key whose default is None)."""
+"""nanoGPT's settings, `python train.py config/fm_small.py --batch_size=32`: a config file is Python setting known keys;
+--key=value sets one, of its default's type (types[key] where the default is None)."""
 import ast
 import contextlib
 import dataclasses
@@ -13,17 +13,16 @@ import typing
 
 
 class ConfigError(ValueError):
-    """A setting, argument or config file that cannot be taken; the message says what to pass instead."""
+    """A setting, argument or config file refused: the message says what to pass instead."""
 
 
 def quit_on_ctrl_c():
-    """A script's first step: a Ctrl-C while torch loads (seconds) is one line and exit code 130, not a traceback."""
+    """A script's first step: a Ctrl-C while torch loads is one line and exit code 130, not a traceback."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
 
 
 def run_main(main, *errors):
-    """main(sys.argv[1:]) as a script's: a Ctrl-C is one line and exit code 130; a ConfigError or one of errors is
-    one line, 'error: ...', and exit code 1 (one write: the lines of DDP ranks sharing stderr do not interleave)."""
+    """main(sys.argv[1:]): a Ctrl-C, a ConfigError or one of errors is one line (one write), exit code 130 or 1."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main(sys.argv[1:])
@@ -34,8 +33,7 @@ def run_main(main, *errors):
         sys.exit(1)
 
 def load_config(config, argv, types=None, config_files=True, program=None):
-    """A copy of config with argv's config files and --key=value settings applied in order (config_files=False: the
-    program, sys.argv[0] by default, takes settings alone); ConfigError naming what to pass instead."""
+    """config with argv's config files and --key=value settings applied in order; ConfigError naming the fix."""
     config, types, program = dict(config), types or {}, program or os.path.basename(sys.argv[0])
     for arg in argv:
         key, eq, text = arg.removeprefix('--').partition('=')
@@ -65,8 +63,8 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 hint = f". Did you mean {' or '.join(close)}?" if close else ''
                 raise ConfigError(f"{where}unknown config key '{key}'{hint}")
             want = type(config[key]) if config[key] is not None else types.get(key)
-            if not where:  # --key=value's text: a string without its quotes, True/False in any case, a Python literal
-                with contextlib.suppress(ValueError, SyntaxError):  # or else the text itself, refused below
+            if not where:  # --key=value's text: a string without quotes, True/False in any case, a Python literal
+                with contextlib.suppress(ValueError, SyntaxError):  # else the text itself
                     value = value.strip('\'"') if want is str else ast.literal_eval(
                         value.title() if value.lower() in ('true', 'false') else value)
             if want is None or value is None and (config[key] is None or key in types):
@@ -81,7 +79,7 @@ def load_config(config, argv, types=None, config_files=True, program=None):
 
 
 def not_a_setting(arg, config, config_files, program):
-    """What an argument that is neither --key=value nor a config file was meant to be, and what to pass."""
+    """What an argument neither --key=value nor a config file was meant to be, and what to pass."""
     key, eq, _ = arg.removeprefix('--').partition('=')
     if arg.startswith('--'):
         return f'expected --key=value, got {arg!r}'
@@ -97,13 +95,12 @@ def not_a_setting(arg, config, config_files, program):
 
 
 def help_text(config, *sources):
-    """`  --key=default  comment` a key: the comment on the line that sets it (`key = value  # ...`) in the first of
-    sources that has one, a line setting the default first; [fm] for a key after a line `# fm`, before a blank line."""
-    notes = {}  # key -> (whether its line sets the default, '[section] comment') of the line taken
+    """`  --key=default  comment` a key: the comment of `key = value  # comment` in sources ([fm] after `# fm`)."""
+    notes = {}  # key -> (whether its line sets the default, '[section] comment')
     for source in sources:
         section = ''
         for line in open(source, encoding='utf-8'):
-            header = re.fullmatch(r'\s*# ([a-z0-9]+)\s*', line)  # e.g. model.py's '# fm': a section to a blank line
+            header = re.fullmatch(r'\s*# ([a-z0-9]+)\s*', line)  # e.g. model.py's '# fm'
             section = header[1] if header else section if line.strip() else ''
             m = re.match(r'''\s*(\w+)\s*(?::[^=]*)?=\s*((?:'[^']*'|"[^"]*"|[^'"#])+?),?\s+#\s*(.*)''', line)
             default = m and m[2] == repr(config.get(m[1]))
@@ -115,6 +112,6 @@ def help_text(config, *sources):
 
 
 def optional_types(cls):
-    """For the fields of a dataclass that default to None (e.g. top_k: int | None), the type a value must have."""
+    """The type of a value of each dataclass field that defaults to None (top_k: int | None -> int)."""
     return {f.name: typing.get_args(f.type)[0] for f in dataclasses.fields(cls)
             if type(None) in typing.get_args(f.type)}

@@ -131,10 +131,21 @@ def randomized(model, seed=0):
     return model
 
 
+def prefill(model, idx, lengths=None, max_len=None):
+    """One parallel pass over right-padded prompts idx (B, T) of real lengths (B,) (None: all T) -> logits (B, V)
+    after each row's last real token, and the decoding state, in buffers for max_len tokens a row (None: T)."""
+    B, T = idx.shape
+    x, states = model.hidden(idx, lengths=lengths)
+    last = torch.full((B,), T - 1, device=idx.device) if lengths is None else lengths - 1
+    state = model.init_state(B, T if max_len is None else max_len, idx.device)
+    model_module.write_state(state, states)
+    return model.logits(x[torch.arange(B, device=idx.device), last]), state
+
+
 def decodes_as_it_trains(model, idx, prompt):
     """The relative gap between model's forward logits and prefill(prompt tokens) + one step a token after them."""
     logits, _ = model(idx)
-    last, state = model.prefill(idx[:, :prompt], max_len=idx.shape[1])
+    last, state = prefill(model, idx[:, :prompt], max_len=idx.shape[1])
     stepped = [last] + [model.step(idx[:, t], state) for t in range(prompt, idx.shape[1])]
     return rel_err(torch.stack(stepped, 1), logits[:, prompt - 1:])
 

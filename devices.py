@@ -1,5 +1,4 @@
-"""What a device can hold, checked before any work: train.py's and sample.py's --device, a training micro-batch, the
-decoding buffers of a sample."""
+"""What a device holds, checked before any work: --device, a training micro-batch, a sample's decoding buffers."""
 import contextlib
 import os
 
@@ -11,7 +10,7 @@ DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # --dtype's choices
 
 
 def resolve_dtype(dtype, device):
-    """--dtype's 'auto': bfloat16 on CUDA, float32 elsewhere; another dtype as it is."""
+    """--dtype's 'auto': bfloat16 on CUDA, else float32."""
     return dtype if dtype != 'auto' else 'bfloat16' if torch.device(device).type == 'cuda' else 'float32'
 
 
@@ -22,7 +21,7 @@ def check_device(name):
     except RuntimeError:
         raise ConfigError(f"--device={name} is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
     count = {'cpu': 1, 'cuda': torch.cuda.device_count(), 'mps': int(torch.backends.mps.is_available())}.get(
-        device.type, 0)  # devices of its type here
+        device.type, 0)
     if (device.index or 0) >= count:
         use = f'{device.type}:0 to {device.type}:{count - 1}' if count > 1 else device.type if count else 'cpu'
         raise ConfigError(f'--device={name}, but this machine has {count or "no"} {device.type} device'
@@ -30,18 +29,17 @@ def check_device(name):
 
 
 def memory(device, free=False):
-    """Bytes of memory of a device (free: available to new allocations): a GPU's, or the machine's RAM."""
+    """Bytes of a GPU's memory, or the machine's RAM (free: available to new allocations)."""
     if device.type == 'cuda':
         return torch.cuda.mem_get_info(device)[0] if free else torch.cuda.get_device_properties(device).total_memory
-    if free:  # Linux's MemAvailable (the page cache counts as free), else all of the RAM
+    if free:  # Linux's MemAvailable (page cache counts as free), else all of it
         with contextlib.suppress(OSError, StopIteration), open('/proc/meminfo') as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
     return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
 def check_batch_fits(batch_size, block_size, config, device):
-    """ConfigError if a training micro-batch cannot fit the device, by a lower bound of its memory: the tokens, the
-    logits and their gradient in float32, and one float32 activation of every layer's input."""
+    """ConfigError if a micro-batch cannot fit (tokens, float32 logits and gradient, an activation a layer)."""
     need = batch_size * block_size * (16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model)
     if need > memory(device):
         raise ConfigError(f'--batch_size={batch_size} x --block_size={block_size} tokens a micro-batch need more than '
@@ -50,8 +48,7 @@ def check_batch_fits(batch_size, block_size, config, device):
 
 
 def check_generation_fits(model, batch, prompt_len, max_new_tokens):
-    """ConfigError if the decoding buffers of batch rows (every layer's state: a KV cache grows with the length, FM's
-    and Mamba-2's memories do not; the new tokens; the logits) exceed the device's free memory."""
+    """ConfigError if the decoding buffers of batch rows (states, new tokens, logits) exceed the free memory."""
     device = model.embed.weight.device
     state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
     need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())

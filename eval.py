@@ -26,6 +26,7 @@ and .png of all of them.
 The small-scale reproduction's analyses (learning-rate sweep, loss frontier, memory scaling): research/analysis.py.
 Each mode's settings: python eval.py --help, python eval.py harness --help, python eval.py routing --help.
 """
+import copy
 import csv
 import difflib
 import errno
@@ -672,9 +673,10 @@ class RoutingStats:
         """Add the tokens of x (..., d_model), the layer's input (after its norm)."""
         x = x.flatten(0, -2).double()  # (N, d_model)
         idx, alpha, eta, mu = mixer.route(x)
-        with torch.autocast(x.device.type, enabled=False):
-            logits = mixer.router_scores(x)[:, :-2] / mixer.tau  # (N, M)
-        probs = torch.softmax(logits, -1)  # (N, M)
+        dense = copy.copy(mixer)  # the same router keeping every row: its alpha is the full softmax
+        dense.top_k = mixer.n_memory
+        probs = dense.route(x)[1]  # (N, M)
+        logits = probs.clamp_min(1e-300).log()  # W_alpha x / tau, less a constant a token (centred below)
         weight, theta = ((w if idx is None else torch.zeros_like(probs).scatter_(-1, idx, w))  # (N, M)
                          for w in (alpha, eta * alpha))  # eta: a token's (N, 1), or a rate a selected row (N, K)
         self.usage += (probs if idx is None else (weight > 0).double()).sum(0).cpu()

@@ -33,7 +33,7 @@ scan: its references (fm_scan_naive, then fm_scan_torch after its helpers _pad_t
 _ChunkDecays); the Triton device helpers and launch settings; the forward pass, then the backward pass, each kernel
 beside the function that launches it; the custom ops fm::scan_forward and fm::scan_backward, _check_scan_args and
 fm_scan. The decode step: its references (fm_step_naive, route_naive, conv_step_naive, fm_route_step_naive); the
-device functions _values, _gate, _gated, _step_rows and _route, _step_kernel and _step_meta; _unit_stride, the
+device functions _xbar, _gate, _gated, _step_rows and _route, _step_kernel and _step_meta; _unit_stride, the
 custom ops fm::step and fm::route_step, the checks _check_step_state and _check_block, fm_step and fm_route_step.
 Then causal_conv, conv_step_naive's parallel twin, and the decode product: decode_product_naive, its kernel, the
 custom op fm::decode_product, decode_product and decode_linear (which takes it at batch 1).
@@ -1224,7 +1224,7 @@ def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6, z=None, conv=None
 if triton is not None:
 
     @triton.jit
-    def _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD: tl.constexpr, TAPS: tl.constexpr,
+    def _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD: tl.constexpr, TAPS: tl.constexpr,
                 BW: tl.constexpr):
         """xbar's columns offs_d (BD,) in float32: x, or with TAPS > 0 conv_step_naive's silu(sum_j w_j u_j + bias)
         over the window u of the TAPS - 1 inputs before x and x itself; the window (D, TAPS - 1, padded to BW
@@ -1316,7 +1316,7 @@ if triton is not None:
         y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route; rows
         S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
         and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows.
-        FM's block: TAPS > 0 convolves x first (_values), GATE multiplies y by silu(z) (_gate, _gated)."""
+        FM's block: TAPS > 0 convolves x first (_xbar), GATE multiplies y by silu(z) (_gate, _gated)."""
         bi = tl.program_id(0)
         x_ptr += bi * X_STRIDE
         if GATE:
@@ -1325,7 +1325,7 @@ if triton is not None:
             window_ptr += bi * D * (TAPS - 1)
         if ONE_PASS:  # the window first: the loads after its barrier (z, the router's scores) are issued together
             offs_d = tl.arange(0, BD)
-            x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
+            x = _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
             gate = _gate(z_ptr, offs_d, D, GATE)
         offs_k = tl.arange(0, BK)
         k_ok = offs_k < K
@@ -1344,7 +1344,7 @@ if triton is not None:
             sq_norm = tl.zeros([BK], dtype=tl.float32)
             for d0 in range(0, D, BD):
                 offs_d = d0 + tl.arange(0, BD)
-                x = _values(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
+                x = _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
                 h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
                 sq_norm += tl.sum(h * h, axis=1)
             tl.debug_barrier()  # the second pass reads rows that other threads stored

@@ -1,20 +1,16 @@
 """
-Generation from a Model (model.py): sampling, and batched decoding with static buffers, each step one CUDA-graph
-replay on a GPU. sample.py is its command line; in Python:
+Batched decoding from a Model (model.py) in static buffers, a step one CUDA-graph replay on a GPU; sample.py is its
+command line. In Python:
 
     generator = Generator(model, Sampling(temperature=0.8, top_p=0.95), eot=tokenizer.eot)
     new_tokens = generator.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=200)
 """
 import math
-import types
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-import fm_kernel
-from model import FactorizationMemory, SwiGLU, compute_dtype, write_state
+from model import write_state
 
 
 @dataclass
@@ -22,11 +18,11 @@ class Sampling:
     """How the next token is drawn from the logits."""
     temperature: float = 1.0  # 0: greedy (the most likely token)
     top_k: int | None = None  # only the k most likely tokens
-    top_p: float = 1.0  # only the smallest set of most likely tokens whose probability reaches top_p (nucleus)
-    n_tokens: int | None = None  # only ids below this (the tokenizer's size when the model's vocabulary is padded)
+    top_p: float = 1.0  # only the smallest set of most likely tokens reaching probability top_p (nucleus)
+    n_tokens: int | None = None  # only ids below this (the tokenizer's size, where the vocab is padded)
 
     def validate(self):
-        """Raise ValueError naming the first bad field and its range."""
+        """ValueError naming the first bad field and its range."""
         if not self.temperature >= 0:
             raise ValueError(f'temperature={self.temperature!r}: must be >= 0 (0 is greedy decoding)')
         if self.top_k is not None and not self.top_k >= 1:
@@ -36,7 +32,7 @@ class Sampling:
 
 
 def nucleus(logits, top_p):
-    """Keep the smallest set of most likely tokens whose probability reaches top_p: logits (B, V), the rest -inf."""
+    """logits (B, V), -inf but for the smallest set of most likely tokens reaching probability top_p."""
     ranked, order = logits.sort(-1, descending=True)
     probs = torch.softmax(ranked, -1)
     dropped = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
@@ -44,8 +40,7 @@ def nucleus(logits, top_p):
 
 
 def sample_next(logits, sampling):
-    """logits (B, V) in float32 or more -> token ids (B,). Draws from torch's default generator (torch.manual_seed)
-    without a host sync, so that a CUDA graph can hold it."""
+    """logits (B, V) -> token ids (B,), from torch's default generator without a host sync (a CUDA graph holds it)."""
     logits = logits[:, :sampling.n_tokens]
     if sampling.temperature == 0:
         return logits.argmax(-1)
@@ -60,70 +55,31 @@ def sample_next(logits, sampling):
     return (probs / race).argmax(-1)  # argmax p_i / E_i, E_i ~ Exp(1), is i with probability p_i
 
 
-# inductor options of the compiled decoding step, on top of the mode's. Coordinate-descent tuning (gpt-fast's
-# setting) makes inductor write a product with one row (batch 1) as a reduction tuned for this GPU instead of a
-# cuBLAS GEMV, whose 64-row tiles leave most SMs idle at 2048 outputs (docs/kernel_log.md).
+# inductor options of the compiled step: coordinate descent (gpt-fast's) writes a one-row product (batch 1) as a
+# reduction tuned for the GPU, not a cuBLAS GEMV whose 64-row tiles idle most SMs at 2048 outputs (docs/kernel_log.md)
 STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
 
 
-class TritonDownProj(nn.Linear):
-    """SwiGLU's down product, whose one-row product (a decoding step at batch 1 in half precision) runs as a Triton
-    custom op: its input silu(gate) * up is then computed once, where inductor would recompute it in every program
-    of its own reduction (38% of the copy bandwidth; fm_1b's batch-1 step 70-100 us faster, docs/kernel_log.md).
-    Other shapes: F.linear."""
-
-    def forward(self, x):
-        return fm_kernel.decode_linear(x, self.weight)
-
-
-def step_scores(layer, x):  # x (B, d_model) -> (B, M + 2); a parallel pass (B, T, d_model) as the model writes it
-    """FactorizationMemory.router_scores of a compiled decoding step as one reduction, (x W^T) written out, which
-    inductor fuses with the weights' cast and concatenation (as two products: cast and concatenation kernels and
-    two cuBLAS calls, fm_1b's step 0.83 -> 1.01 ms at batch 1 and 1.12 -> 1.46 ms at batch 64 on an H200)."""
-    if x.dim() != 2 or not torch.compiler.is_compiling():  # eager, or a parallel pass: the model's own
-        return type(layer).router_scores(layer, x)
-    dtype = compute_dtype(x.dtype)
-    weight = torch.cat([layer.router.weight, layer.rates.weight]).to(dtype)  # (M + 2, d_model)
-    return (x.to(dtype)[:, None, :] * weight).sum(-1) + F.pad(layer.rates.bias.to(dtype), (layer.n_memory, 0))
-
-
-def speed_up_decoding(model, compiled):
-    """Swap in decoding's speed tricks, which change no result beyond rounding: TritonDownProj (same weights) and,
-    in a compiled step, step_scores for the FM layers whose router the step's kernel fuses (an edited router stays
-    as written)."""
-    for module in model.modules():
-        if isinstance(module, SwiGLU) and type(module.down_proj) is nn.Linear:
-            module.down_proj.__class__ = TritonDownProj
-        if compiled and isinstance(module, FactorizationMemory) and module.fused_router:
-            module.router_scores = types.MethodType(step_scores, module)  # a copy binds to its own
-
-
 class Generator:
-    """Batched generation from a Model with static buffers. The prompts are prefilled in parallel passes (right-
-    padded; no padding enters a state), then each step (every layer, the head and sampling) updates the buffers
-    in place; on CUDA a step is one CUDA-graph replay, captured once per batch size and length."""
+    """Batched generation: the prompts prefilled in parallel, then each step updates static buffers in place."""
 
     def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
-        """compile: None (the model as written) or a torch.compile mode ('default', 'max-autotune-no-cudagraphs'):
-        the step (with STEP_COMPILE_OPTIONS) and the prefill's parallel pass are compiled, which fuses their small
-        kernels at the cost of a compilation per batch size (step) and prompt shape (prefill)."""
+        """compile: None, or a torch.compile mode for the step (with STEP_COMPILE_OPTIONS) and the prefill."""
         sampling.validate()
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
-        if self.device.type == 'cuda':
-            speed_up_decoding(model, compiled=compile is not None)
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
         self.compiled_step, self.hidden = self._step, model.hidden
-        if compile is not None:  # inductor, imported only then: seconds
+        if compile is not None:  # inductor's import takes seconds
             import torch._inductor
             options = {**torch._inductor.list_mode_options(compile), **STEP_COMPILE_OPTIONS}
             self.compiled_step = torch.compile(self._step, options=options)
             self.hidden = torch.compile(model.hidden, mode=compile)
-        self.prefill_tokens = prefill_tokens  # tokens of one prefill pass, at least a prompt's (bounds memory)
+        self.prefill_tokens = prefill_tokens  # tokens of a prefill pass, at least a prompt's (bounds memory)
         self.shape = self.graph = None
 
     def _allocate(self, batch_size, max_len):
-        """Static buffers (state, next tokens, finished rows) for batch_size rows of max_len tokens, and the graph."""
+        """Static buffers (state, next tokens, finished rows) for batch_size rows of max_len tokens; the graph."""
         self.shape, self.graph = (batch_size, max_len), None
         self.state = self.model.init_state(batch_size, max_len, self.device)
         self.tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -132,8 +88,8 @@ class Generator:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             device = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            with torch.random.fork_rng(devices=[device]), torch.cuda.stream(stream):  # warm-up outside the capture
-                for _ in range(2):  # (kernel compilation, library handles), drawing nothing from the seeded RNG
+            with torch.random.fork_rng(devices=[device]), torch.cuda.stream(stream):  # warm-up, outside the capture
+                for _ in range(2):  # and the seeded RNG
                     self.compiled_step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
@@ -148,8 +104,7 @@ class Generator:
 
     @torch.no_grad()
     def start(self, prompts, max_new_tokens):
-        """Prefill prompts (lists of token ids) into buffers with room for max_new_tokens more -> the first new
-        token of each row (B,), a buffer that the next step overwrites."""
+        """Prefill prompts (lists of ids), with room for max_new_tokens more -> each row's first new token (B,)."""
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max_new_tokens < 1:
             raise ValueError('every prompt needs at least one token, and max_new_tokens must be at least 1')
@@ -168,8 +123,7 @@ class Generator:
         return self.tokens
 
     def _prefill(self, prompts):
-        """Parallel passes over right-padded prompts -> the hidden state after each one's last token (B, d_model)
-        and the per-layer states; a recurrent model takes a long prompt in pieces of prefill_tokens (bounded memory)."""
+        """Passes over right-padded prompts -> the hidden state after each one's end (B, d_model), the states."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
         width = int(lengths.max())
         idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)
@@ -181,8 +135,7 @@ class Generator:
 
     @torch.no_grad()
     def step(self):
-        """Decode one token a row -> the next tokens (B,), a buffer that the next step overwrites. At most
-        max_new_tokens - 1 steps follow a start (the buffers hold no more)."""
+        """Decode a token a row -> the next tokens (B,); up to max_new_tokens - 1 steps after a start."""
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -190,9 +143,8 @@ class Generator:
         return self.tokens
 
     def generate(self, prompts, max_new_tokens, on_tokens=None, on_progress=None):
-        """New tokens for each prompt: up to max_new_tokens, a row ending at its end-of-text token (not returned).
-        on_tokens(list of B ids), if given, gets each step's tokens as they come (streaming; a host sync a token);
-        on_progress(n), if given, the number of tokens a row so far, every 16 steps (no sync)."""
+        """Up to max_new_tokens new tokens a prompt, each before its end-of-text. on_tokens(B ids): each step's
+        tokens; on_progress(n): the tokens so far, every 16 steps."""
         if max_new_tokens < 1:
             return [[] for _ in prompts]
         out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=self.device)  # (B, max_new_tokens)

@@ -1,23 +1,18 @@
 """
-A LLaMA-style decoder whose sequence mixer is Factorization Memory ('fm'), causal attention ('attn') or Mamba-2
-('mamba2'). Every mixer has a parallel path (training, prefill) and a one-token step (decoding) that agree to
-rounding; generate.py runs the steps.
+A LLaMA-style decoder whose mixer is Factorization Memory ('fm'), attention ('attn') or Mamba-2 ('mamba2'), each
+with a parallel path (training, prefill) and a one-token step (decoding) that agree to rounding.
 
-Factorization Memory ("Language Modeling With Factorization Memory", Section 3), per token x:
-    alpha = softmax(W_alpha x / tau)        (m)  router; sparse keeps the top-k, renormalised to sum 1
+Factorization Memory (the paper's Section 3), per token x:
+    alpha = softmax(W_alpha x / tau)      (m)  the router (route); sparse: its top k, renormalised to sum 1
     eta, mu = sigmoid(w_eta.x + b_eta), sigmoid(w_mu.x + b_mu)
-    theta, phi = eta * alpha, mu * alpha     (m)  write and read weights, zero outside the top-k
-    h[i] = (1 - theta[i]) h[i] + theta[i] W_i x                 for each memory row i
+    theta, phi = eta alpha, mu alpha       (m)  write and read weights, zero outside the top k
+    xbar = W_in x
+    h[i] = (1 - theta[i]) h[i] + theta[i] xbar    each memory row i: the loop fm_kernel.fm_scan_naive
     y = W_o sum_i phi[i] h[i] / rms(h[i])
-The recurrence itself lives in fm_kernel.py. Two optional parts around it, not in the paper (the block Mamba-2 puts
-around its scan): fm_conv, a short causal convolution + SiLU on the values, W_i x -> silu(conv(W_i x)); fm_gate, an
-output gate, y = W_o (read-out * silu(W_z x)).
+FM's block, not in the paper: fm_conv, a causal convolution + SiLU on xbar; fm_gate, y = W_o (read-out * silu(W_z x)).
 """
 
-import functools
-import hashlib
 import importlib
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -27,7 +22,7 @@ import torch.nn.functional as F
 
 import fm_kernel
 
-try:  # optional fused Mamba-2 scan and decode step for CUDA tensors; the pure PyTorch ones below are the reference
+try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 except ImportError:
@@ -38,26 +33,25 @@ PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per
 
 @dataclass
 class ModelConfig:
-    """Model hyper-parameters, checked and resolved on construction (a None field takes the value its comment
-    names; so dataclasses.replace keeps resolved values: build a new ModelConfig from the settings instead)."""
-    vocab_size: int = 256  # tokens the embedding holds (train.py sets it from the tokenizer)
-    block_size: int = 256  # training context in tokens; the model itself has no length limit
+    """Model settings, checked and resolved when built: a None field takes the value its comment names."""
+    vocab_size: int = 256  # tokens the embedding holds (train.py: the tokenizer's)
+    block_size: int = 256  # training context in tokens (the model has no length limit)
     n_layer: int = 4  # blocks
     d_model: int = 256  # width of the residual stream
-    mixer: str = 'fm'  # every block's sequence mixer: 'fm', 'attn', 'mamba2', or 'module:Class' extending one
+    mixer: str = 'fm'  # the blocks' mixer: a key of MIXER_CLASSES, or 'module:Class' extending one
     d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block; 0: no MLP
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head shares the embedding's weight
-    init_std: float = 0.02  # std of the normal initialisation of every matrix
+    init_std: float = 0.02  # std of every matrix's normal initialisation
     # fm
     n_memory: int = 64  # m, memory rows
     top_k: int | None = None  # k rows read and written per token; None: m (dense)
     d_memory: int | None = None  # width of a memory row; None: d_model
     tau: float = 1.0  # router softmax temperature
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
-    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on the values W_i x; 0: none (the paper's layer)
+    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar = W_in x; 0: none (the paper's layer)
     fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
-    chunk_size: int = 64  # tokens a chunk of the PyTorch FM scan and of the Mamba-2 scan (a power of 2)
+    chunk_size: int = 64  # tokens a chunk of the parallel scans (FM's in PyTorch, Mamba-2's; a power of 2)
     # attn
     n_head: int = 8  # query heads
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
@@ -69,15 +63,13 @@ class ModelConfig:
     d_conv: int = 4  # taps of the causal depthwise convolution
 
     def __post_init__(self):
-        """Check the fields, then resolve the None ones: each setting has one name, and a checkpoint records the
-        values its model was built with."""
-        self.validate()
+        self.validate()  # then the None fields resolved (a checkpoint records the values)
         if self.family == 'fm':
             self.top_k = self.n_memory if self.top_k is None else self.top_k
             self.d_memory = self.d_model if self.d_memory is None else self.d_memory
         if self.family == 'attn':
             self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
-        if self.d_ff is None:  # 8/3 d_model in 64s; FM's block takes its weights (W_z, the convolution's) from it
+        if self.d_ff is None:  # FM's block takes its weights (W_z, the convolution's) from the MLP's
             block = 0 if self.family != 'fm' else self.d_memory * (
                 self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1))
             self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64) - round(block / (3 * self.d_model))
@@ -88,17 +80,17 @@ class ModelConfig:
     mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
     mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
 
-    family = property(lambda self: mixer_family(self.mixer))  # 'fm', 'attn' or 'mamba2': the settings mixer takes
+    family = property(lambda self: mixer_family(self.mixer))  # the built-in mixer whose settings it takes
 
     def validate(self):
-        """Raise ValueError naming the first bad field and what to change (checks the chosen mixer's fields only)."""
+        """ValueError naming the first bad field and what to change (of the chosen mixer's fields)."""
         def check(ok, field, hint):
             if not ok:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {hint}")
 
-        def positive(*fields, optional=False):
+        def positive(*fields):  # a field that defaults to None may be None
             for field in fields:
-                value = getattr(self, field)
+                value, optional = getattr(self, field), ModelConfig.__dataclass_fields__[field].default is None
                 check((optional and value is None) or (isinstance(value, (int, float)) and value > 0), field,
                       'must be positive' + (' or None' if optional else ''))
 
@@ -110,22 +102,18 @@ class ModelConfig:
         except Exception as e:  # an import of module:Class fails in any way
             check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)}, or module:Class extending "
                                   f"one of theirs, e.g. research.levers:RowRatesFM ({type(e).__name__}: {e})")
-        if family in ('fm', 'mamba2'):
-            positive('chunk_size')
-            check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
+        positive('chunk_size')  # any mixer's (one of one's own may chunk)
+        check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
         if family == 'fm':
-            positive('n_memory', 'fm_eps')
-            positive('d_memory', optional=True)
+            positive('n_memory', 'fm_eps', 'd_memory')
             check(isinstance(self.tau, (int, float)) and self.tau >= 1e-3, 'tau',
                   'must be at least 1e-3 (below it, W_alpha x / tau overflows float32; 1 is the paper\'s)')
             check(isinstance(self.fm_conv, int) and 0 <= self.fm_conv <= 16, 'fm_conv',
-                  'must be 0 (no convolution) to 16 taps: a short convolution, whose window the decoding step '
-                  'holds in registers (4 is Mamba-2\'s)')
+                  'must be 0 (no convolution) to 16 taps (the step kernel holds the window; 4 is Mamba-2\'s)')
             check(self.top_k is None or 1 <= self.top_k <= self.n_memory, 'top_k',
                   f"must be between 1 and n_memory={self.n_memory} (None means dense, k = m)")
         if family == 'attn':
-            positive('n_head', 'rope_theta')
-            positive('n_kv_head', optional=True)
+            positive('n_head', 'rope_theta', 'n_kv_head')
             check(self.d_model % self.n_head == 0, 'd_model', f"must be divisible by n_head={self.n_head}")
             check((self.d_model // self.n_head) % 2 == 0, 'n_head',
                   f"d_model/n_head must be even for RoPE; change n_head or d_model={self.d_model}")
@@ -137,7 +125,7 @@ class ModelConfig:
 
 
 def compute_dtype(dtype):
-    """float32 for half precision inputs, the input dtype otherwise (float64 stays float64)."""
+    """float32 for half precision, else the dtype itself (float64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -155,56 +143,40 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up as one product (one launch, one weight read when decoding)."""
+    """down(silu(gate(x)) * up(x)), gate and up as one product."""
 
     def __init__(self, config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)  # gate's rows, then up's
+        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)  # gate's rows, up's
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # F.linear, but a Triton kernel for one row in half precision on CUDA (a decoding step at batch 1)
+        return fm_kernel.decode_linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 def real_positions(lengths, T):
-    """lengths (B,) of right-padded rows -> (B, T) bool, True at the real (non-padding) positions."""
+    """lengths (B,) of right-padded rows -> (B, T), True at the real positions."""
     return torch.arange(T, device=lengths.device) < lengths[:, None]
 
 
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
-    """Parallel FM recurrence from h0 (None: zeros) -> (y, hT): Triton on CUDA (up to fm_kernel.MAX_ROWS memory
-    rows), chunked PyTorch elsewhere."""
+    """The loop fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT), in Triton on CUDA, else chunked PyTorch."""
     if xbar.is_cuda and xbar.dtype != torch.float64 and theta.shape[-1] <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
 
 
 def triton_step(h):
-    """Whether a decoding step on the memory h (B, M, D) runs as a Triton kernel."""
+    """Whether a decoding step on the memory h (B, M, D) runs in Triton."""
     return h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and h.shape[1] <= fm_kernel.MAX_ROWS
 
 
-# The hash of the source of FactorizationMemory.route and .router_scores as fm_kernel.fm_route_step computes them
-# (route_naive of the scores, inside its kernel). A decoding step takes that kernel only while both read exactly so:
-# a router edited in place, overridden in a subclass or given new parameters decodes through route itself.
-FUSED_ROUTER = '53b30c0b08165db9'
-
-
-@functools.cache  # a class's source is read once, not once a layer
-def routes_as_the_kernel(cls):
-    """Whether an FM class routes as fm_route_step does: its route and router_scores hash to FUSED_ROUTER."""
-    try:
-        source = ''.join(inspect.getsource(getattr(cls, name)) for name in ('route', 'router_scores'))
-    except (OSError, TypeError):  # no source to compare (e.g. a frozen build): route as written
-        return False
-    return hashlib.sha256(source.encode()).hexdigest()[:16] == FUSED_ROUTER
-
-
 class FactorizationMemory(nn.Module):
-    """FM mixer: m memory rows of width d_memory, each token writes and reads its top-k rows."""
+    """FM: m memory rows of width d_memory; each token writes and reads its top-k rows."""
 
     def __init__(self, config):
         super().__init__()
@@ -212,66 +184,102 @@ class FactorizationMemory(nn.Module):
         self.tau, self.eps, self.chunk_size, self.gated = config.tau, config.fm_eps, config.chunk_size, config.fm_gate
         self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
-        nn.init.zeros_(self.rates.bias)  # eta and mu start near 0.5 for every token
-        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_i (then W_z)
+        nn.init.zeros_(self.rates.bias)  # eta and mu start near 0.5
+        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_in (then W_z)
         dim = self.d_memory
-        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on the values
+        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on xbar
         self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
-        self.fused_router = routes_as_the_kernel(type(self))
+        self.fused_router = False  # step routes in the fused kernel (init_state sets it)
 
     def router_scores(self, x):
-        """x (..., d_model) -> (..., M + 2): W_alpha x, then the logits of eta and mu, in at least float32 (so that
-        the top-k is exact); call with autocast off."""
+        """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2), in at least float32."""
         dtype = compute_dtype(x.dtype)
         x = x.to(dtype)
         rates = F.linear(x, self.rates.weight.to(dtype), self.rates.bias.to(dtype))  # (..., 2)
         return torch.cat([F.linear(x, self.router.weight.to(dtype)), rates], dim=-1)
 
     def route(self, x):
-        """The router, in at least float32: x (..., d_model) -> idx (..., K) of the rows each token writes and reads
-        (None when dense), alpha (..., K) summing to 1, eta and mu (..., 1) (or (..., K): a rate a row). The one
-        definition for training, prefill and decoding."""
+        """The paper's router: x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
         with torch.autocast(x.device.type, enabled=False):
-            return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
+            logits, eta_logit, mu_logit = self.router_scores(x).split([self.n_memory, 1, 1], dim=-1)
+            alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
+            idx = None
+            if self.top_k < self.n_memory:  # sparse: the top k, renormalised
+                alpha, idx = alpha.sort(dim=-1, descending=True)  # compiled, a kernel (topk: a library call)
+                alpha, idx = alpha[..., :self.top_k], idx[..., :self.top_k]
+                alpha = alpha / alpha.sum(-1, keepdim=True)
+            return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)  # eta, mu = sigmoid(w.x + b)
+
+    def weights(self, idx, alpha, eta, mu):
+        """route's output -> theta = eta alpha, phi = mu alpha (..., M), zero outside the rows idx."""
+        theta, phi = eta * alpha, mu * alpha
+        if idx is None:
+            return theta, phi
+        return [w.new_zeros(*w.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi)]
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h'} (and 'conv' with a convolution) after each row's last real token
-        (lengths (B,); None: all T)."""
-        idx, alpha, eta, mu = self.route(x)
-        theta, phi = eta * alpha, mu * alpha  # (B, T, K)
-        if idx is not None:  # the scan takes dense (B, T, M) weights, zero outside the top-k
-            theta, phi = (w.new_zeros(*x.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi))
-        if lengths is not None:  # padding writes nothing: theta = 0 leaves every row as it is
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,); None: T)."""
+        theta, phi = self.weights(*self.route(x))  # (B, T, M)
+        if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
         state = {} if state is None else state
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, T, d_memory)
         new_state = {}
-        if self.conv is not None:  # the values through the convolution, from the last inputs of the one before
+        if self.conv is not None:  # from the last inputs of the pass before
             xbar, new_state['conv'] = fm_kernel.causal_conv(xbar, state.get('conv'), self.conv.weight[:, 0],
                                                              self.conv.bias, lengths)
         y, new_state['h'] = memory_scan(xbar, theta, phi, state.get('h'), self.eps, self.chunk_size)
         return self.out_proj(y if z is None else y * F.silu(z)), new_state
 
+    def kernel_scores(self, x, reduce):  # x (B, d_model) -> (B, M + 2)
+        """The fused kernel's scores: router_scores's, or (reduce, a compiled step) as one reduction that inductor fuses
+        with the weights' casts (as products: fm_1b's step 0.83 -> 1.01 ms at batch 1, docs/kernel_log.md)."""
+        with torch.autocast(x.device.type, enabled=False):
+            if not reduce:
+                return self.router_scores(x)
+            dtype = compute_dtype(x.dtype)
+            weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model)
+            return (x.to(dtype)[..., None, :] * weight).sum(-1) + F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))
+
+    def routes_as_the_kernel(self):
+        """Whether the fused kernel (fm_kernel.route_naive of kernel_scores) gives route's theta and phi, eager and
+        compiled, on float64 inputs at scales 0.01 to 100: a router edited otherwise decodes through route."""
+        device = self.router.weight.device
+        dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
+        probe = torch.randn(5, 8, self.router.in_features, generator=torch.Generator().manual_seed(0), dtype=dtype)
+        probe = (probe * torch.logspace(-2, 2, 5, dtype=dtype)[:, None, None]).flatten(0, 1).to(device)  # (40, d_model)
+        with torch.no_grad():
+            want = self.weights(*self.route(probe))
+            fused = [self.weights(*fm_kernel.route_naive(self.kernel_scores(probe, reduce), self.top_k, self.tau))
+                     for reduce in (False, True)]  # eager, compiled
+        return all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for got in fused for a, b in zip(got, want))
+
     def step(self, x, state):  # x (B, d_model)
-        """One token: updates the state's buffers in place -> y (B, d_model). With the router as written here, one
-        kernel (fm_route_step) routes, convolves, updates the rows and gates; another router runs as written."""
+        """One token: updates the state in place -> y (B, d_model); fused_router: in one kernel (fm_route_step)."""
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
         conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
         if self.fused_router:
-            with torch.autocast(x.device.type, enabled=False):
-                scores = self.router_scores(x)  # (B, M + 2)
+            scores = self.kernel_scores(x, reduce=torch.compiler.is_compiling())  # (B, M + 2)
             route_step = fm_kernel.fm_route_step if triton_step(state['h']) else fm_kernel.fm_route_step_naive
             return self.out_proj(route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z=z, conv=conv))
         if conv is not None:
             xbar = fm_kernel.conv_step_naive(xbar, *conv)
         idx, alpha, eta, mu = self.route(x)
-        if idx is None:  # dense: every row
+        if idx is None:
             idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
         step = fm_kernel.fm_step if triton_step(state['h']) else fm_kernel.fm_step_naive
         y = step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
         return self.out_proj(y if z is None else y * F.silu(z))
 
+    def step_state_bytes(self, context):
+        """Bytes of state a decoding step reads and writes for a sequence (bench.py): k rows, the window."""
+        dtype = self.in_proj.weight.dtype
+        window = self.d_memory * (self.conv.kernel_size[0] - 1) * dtype.itemsize if self.conv else 0
+        return 2 * (self.top_k * self.d_memory * compute_dtype(dtype).itemsize + window)
+
     def init_state(self, batch_size, max_len, device):
+        """Empty buffers; and whether step takes the fused kernel, for the router as it is now."""
+        self.fused_router = self.routes_as_the_kernel()
         dtype, width = self.in_proj.weight.dtype, self.conv.kernel_size[0] if self.conv else 0
         h = torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)
         state = {'h': h}
@@ -283,9 +291,7 @@ class FactorizationMemory(nn.Module):
 # ----------------------------------------------------------------------------- attention
 
 def rotate(x, positions, rope_theta):
-    """RoPE, rotating the two halves of the head dim: x (B, H, T, hd), positions (B or 1, T) -> (B, H, T, hd).
-    The frequencies and angles are float32 whatever the model's dtype (in bf16 they would be off by radians at
-    thousands of positions), and x's dtype computes the rotation where it is float32 or more."""
+    """RoPE on the halves of x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are off by radians)."""
     hd = x.shape[-1]
     inv_freq = rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # (hd/2,)
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
@@ -296,7 +302,7 @@ def rotate(x, positions, rope_theta):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; decoding writes into a static KV cache."""
+    """Causal grouped-query attention with RoPE; decoding fills a static KV cache."""
 
     def __init__(self, config):
         super().__init__()
@@ -307,7 +313,7 @@ class Attention(nn.Module):
         self.rope_theta = config.rope_theta
 
     def project(self, x, positions):
-        """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd), from one product."""
+        """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd)."""
         B, T, _ = x.shape
         heads = self.qkv_proj(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
@@ -319,30 +325,33 @@ class Attention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'k', 'v' (B, Hkv, T, hd), 'pos' (B,): tokens in the cache}."""
+        """-> y (B, T, d_model), state {'k', 'v' (B, Hkv, T, hd), 'pos' (B,): tokens cached}."""
         if state is not None:
             raise ValueError('attention continues from a KV cache one token at a time (step), not in a parallel pass')
         B, T, _ = x.shape
-        q, k, v = self.project(x, torch.arange(T, device=x.device)[None])  # one table of angles for the batch
+        q, k, v = self.project(x, torch.arange(T, device=x.device)[None])
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
         pos = torch.full((B,), T, device=x.device) if lengths is None else lengths.clone()
         return self.merge_heads(y), {'k': k, 'v': v, 'pos': pos}
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: writes its key and value at each row's position in the static cache (in place) and attends
-        over the filled part through a length mask -> y (B, d_model)."""
+        """One token: its key and value into each row's place in the cache, attention over the filled part."""
         pos = state['pos']  # (B,)
         q, k, v = self.project(x[:, None], pos[:, None])  # q (B, H, 1, hd), k, v (B, Hkv, 1, hd)
         rows = torch.arange(len(pos), device=pos.device)
         state['k'][rows, :, pos], state['v'][rows, :, pos] = k[:, :, 0], v[:, :, 0]
         pos += 1
         B, Hkv, L, hd = state['k'].shape
-        q = q.view(B, Hkv, self.n_head // Hkv, hd)  # query head h reads KV head h // (H / Hkv), as SDPA's GQA
+        q = q.view(B, Hkv, self.n_head // Hkv, hd)  # query head h reads KV head h // (H / Hkv), as SDPA's
         scores = (q @ state['k'].transpose(-1, -2)).to(compute_dtype(q.dtype)) / math.sqrt(hd)  # (B, Hkv, H/Hkv, L)
         filled = torch.arange(L, device=pos.device) < pos[:, None]  # (B, L)
         probs = torch.softmax(scores.masked_fill(~filled[:, None, None], -math.inf), dim=-1)
         y = probs.to(v.dtype) @ state['v']  # (B, Hkv, H / Hkv, hd)
         return self.merge_heads(y.view(B, self.n_head, 1, hd))[:, 0]
+
+    def step_state_bytes(self, context):
+        """Bytes of state a decoding step reads for a sequence after context tokens (bench.py): its cache."""
+        return 2 * context * self.n_kv_head * self.head_dim * self.qkv_proj.weight.element_size()
 
     def init_state(self, batch_size, max_len, device):
         cache = self.qkv_proj.weight.new_zeros(batch_size, self.n_kv_head, max_len, self.head_dim, device=device)
@@ -352,29 +361,24 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- Mamba-2
 
 def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
-    """Mamba-2 SSD in chunks, from h0 (None: zeros): h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
-
-    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) negative, B, C (b, T, N), h0 (b, H, P, N)
-    -> y (b, T, H, P), hT (b, H, P, N).
-    Inside a chunk the output is a masked (C B^T * decay) matrix product; the state is carried between chunks.
-    """
+    """Mamba-2's SSD from h0 (None: zeros), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t, in chunks: a
+    masked (C B^T * decay) product inside, the state carried between. x (b, T, H, P), dt (b, T, H) after softplus,
+    A (H,) negative, B, C (b, T, N), h0 (b, H, P, N) -> y (b, T, H, P), hT (b, H, P, N)."""
     out_dtype, dtype = x.dtype, compute_dtype(x.dtype)
     b, T, H, P = x.shape
     L = min(chunk_size, T)
     pad = -T % L  # padded steps have dt = 0: no decay, no input
-    x, dt, B, C = (F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))  # time, at the end
+    x, dt, B, C = (F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
     n_chunks = (T + pad) // L
     x, dt = x.view(b, n_chunks, L, H, P), dt.view(b, n_chunks, L, H)
     B, C = B.view(b, n_chunks, L, -1), C.view(b, n_chunks, L, -1)  # (b, c, L, N)
-    log_decay = torch.cumsum(dt * A.to(dtype), dim=2)  # (b, c, L, H) from the chunk start to t, inclusive
+    log_decay = torch.cumsum(dt * A.to(dtype), dim=2)  # (b, c, L, H) from the chunk's start to t
     x_dt = x * dt[..., None]  # (b, c, L, H, P)
-
     causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[..., None]  # (t, s, 1)
     log_decay_ts = log_decay[:, :, :, None] - log_decay[:, :, None]  # (b, c, t, s, H) from step s to step t
     decay_ts = log_decay_ts.masked_fill(~causal, -math.inf).exp()
     weights = torch.einsum('bctn,bcsn->bcts', C, B)[..., None] * decay_ts  # (b, c, t, s, H)
-    y = torch.einsum('bctsh,bcshp->bcthp', weights, x_dt)  # within-chunk part
-
+    y = torch.einsum('bctsh,bcshp->bcthp', weights, x_dt)  # within a chunk
     decay_to_end = (log_decay[:, :, -1:] - log_decay).exp()  # (b, c, L, H)
     chunk_states = torch.einsum('bclh,bclhp,bcln->bchpn', decay_to_end, x_dt, B)  # each chunk's own end state
     h = x.new_zeros(b, H, P, B.shape[-1]) if h0 is None else h0.to(dtype)
@@ -388,8 +392,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
 
 
 class Mamba2(nn.Module):
-    """Mamba-2 block: in_proj -> (z, x, B, C, dt), causal depthwise conv + SiLU on (x, B, C), SSD scan with
-    D skip, gated RMSNorm norm(y * silu(z)), out_proj. One group for B and C."""
+    """Mamba-2: in_proj -> z, x, B, C, dt; conv + SiLU on (x, B, C); SSD scan, D skip; norm(y * silu(z)); out_proj."""
 
     def __init__(self, config):
         super().__init__()
@@ -397,8 +400,8 @@ class Mamba2(nn.Module):
         self.head_dim, self.d_state, self.chunk_size = config.mamba_head_dim, config.d_state, config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
         self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)  # fm_kernel.causal_conv's
-        dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform in [1e-3, 0.1]
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)
+        dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)
         self.D = nn.Parameter(torch.ones(self.n_heads))
@@ -414,7 +417,7 @@ class Mamba2(nn.Module):
         return ssd_scan(x, dt, A, B, C, self.chunk_size, h0)
 
     def forward(self, u, state=None, lengths=None):  # u (b, T, d_model)
-        """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token (lengths (b,); None: T)."""
+        """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token."""
         b, T, _ = u.shape
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC, conv_state = fm_kernel.causal_conv(xBC, None if state is None else state['conv'], self.conv.weight[:, 0],
@@ -422,7 +425,7 @@ class Mamba2(nn.Module):
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(b, T, self.n_heads, self.head_dim)
         dt = F.softplus(dt + self.dt_bias)  # (b, T, H)
-        if lengths is not None:  # padding changes nothing: dt = 0 is no decay and no input
+        if lengths is not None:  # padding: dt = 0, no decay and no input
             dt = dt * real_positions(lengths, T)[..., None]
         y, ssm_state = self.ssd(x, dt, B, C, None if state is None else state['ssm'])
         y = y + self.D[:, None] * x  # (b, T, H, P)
@@ -430,7 +433,7 @@ class Mamba2(nn.Module):
         return self.out_proj(y), {'conv': conv_state, 'ssm': ssm_state}
 
     def step(self, u, state):  # u (b, d_model)
-        """One token: updates state['conv'] and state['ssm'] in place -> y (b, d_model)."""
+        """One token: updates the state in place -> y (b, d_model)."""
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC = fm_kernel.conv_step_naive(xBC, state['conv'], self.conv.weight[:, 0], self.conv.bias)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
@@ -452,14 +455,17 @@ class Mamba2(nn.Module):
         return torch.einsum('bhpn,bn->bhp', ssm, C.to(dtype)).to(x.dtype) + self.D[:, None] * x
 
     def fused_ssm_step(self, ssm, x, dt, B, C):
-        """ssm_step through mamba-ssm's fused Triton kernel (selective_state_update), which takes per-head values
-        expanded over (P, N)."""
+        """ssm_step in mamba-ssm's kernel (selective_state_update), the per-head values expanded over (P, N)."""
         b, H, P = x.shape
         N = self.d_state
         A = -torch.exp(self.A_log.float())[:, None, None].expand(H, P, N)
         return selective_state_update(ssm, x, dt[..., None].expand(b, H, P), A, B[:, None], C[:, None],
                                       D=self.D[:, None].expand(H, P), dt_bias=self.dt_bias[:, None].expand(H, P),
                                       dt_softplus=True)
+
+    def step_state_bytes(self, context):
+        """Bytes of state a decoding step reads and writes for a sequence (bench.py): all of it."""
+        return 2 * sum(t.numel() * t.element_size() for t in self.init_state(1, 1, 'meta').values())
 
     def init_state(self, batch_size, max_len, device):
         dtype, window = self.in_proj.weight.dtype, self.conv.kernel_size[0] - 1
@@ -470,12 +476,11 @@ class Mamba2(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # add a new one here and to
-# Model.flops_per_token; a variant of one of them needs neither: name it as 'module:Class' (research/levers.py)
+MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # a new one: README, Changing the model
 
 
 def mixer_class(name):
-    """The class ModelConfig.mixer names: a key of MIXER_CLASSES, or 'module:Class' (imported)."""
+    """The class a key of MIXER_CLASSES or 'module:Class' names."""
     if name in MIXER_CLASSES:
         return MIXER_CLASSES[name]
     module, colon, cls = str(name).partition(':')
@@ -485,7 +490,7 @@ def mixer_class(name):
 
 
 def mixer_family(name):
-    """The built-in mixer ('fm', 'attn', 'mamba2') that the mixer name is or extends."""
+    """The key of MIXER_CLASSES whose class the mixer is or extends."""
     cls = mixer_class(name)
     for family, base in MIXER_CLASSES.items():
         if isinstance(cls, type) and issubclass(cls, base):
@@ -517,7 +522,7 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    """Decoder LM: embedding, n_layer Blocks, final RMSNorm, LM head (tied to the embedding by default)."""
+    """Embedding, n_layer Blocks, a final RMSNorm, the LM head (tied to the embedding by default)."""
 
     def __init__(self, config):
         super().__init__()
@@ -534,12 +539,12 @@ class Model(nn.Module):
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
 
-    def _init_weights(self, module):  # the weights; a bias is its own module's (FM's rates: zero)
+    def _init_weights(self, module):  # a bias is its module's (FM's rates: zero)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     def head(self, x):
-        """Final norm and LM head: logits in the head's dtype (bfloat16 under autocast)."""
+        """Final norm and LM head: logits in the head's dtype."""
         return self.lm_head(self.norm(x))
 
     def logits(self, x):
@@ -548,20 +553,16 @@ class Model(nn.Module):
         return logits.to(compute_dtype(logits.dtype))
 
     def hidden(self, idx, state=None, lengths=None):
-        """idx (B, T) -> last hidden states (B, T, d_model) and the per-layer states after each row's last real token.
-        state: per-layer states to continue from (fm, mamba2; None: a fresh start); lengths (B,): the real length of
-        each right-padded row (None: all T), so that no padding enters a state."""
-        x = self.embed(idx)
-        states = []
-        for i, block in enumerate(self.blocks):
-            x, layer_state = block(x, None if state is None else state[i], lengths)
+        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the layers' states after each row's
+        last real token (lengths (B,) of right-padded rows; None: T)."""
+        x, states = self.embed(idx), []
+        for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
+            x, layer_state = block(x, layer_state, lengths)
             states.append(layer_state)
         return x, states
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> logits (B, T, V) in the head's dtype, and when targets is given the mean cross-entropy
-        over targets != -1, in at least float32. (A float32 copy of the logits would be 6.6 GB at 16K tokens and a 100K
-        vocabulary; compiled, the upcast happens inside the loss kernels.)"""
+        """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets the mean loss over targets != -1."""
         logits = self.head(self.hidden(idx)[0])
         loss = None
         if targets is not None:
@@ -570,32 +571,19 @@ class Model(nn.Module):
         return logits, loss
 
     def init_state(self, batch_size, max_len, device=None):
-        """Empty decoding states in static buffers for up to max_len tokens a row, one dict a layer: fm {'h'} (and
-        'conv', its convolution's window), attn {'k', 'v' (a KV cache of max_len positions), 'pos'}, mamba2 {'conv',
-        'ssm'}."""
+        """Empty decoding states, static buffers for max_len tokens a row: a dict a layer, its mixer's."""
         device = self.embed.weight.device if device is None else device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def step(self, tokens, state):
-        """Decode one token: tokens (B,) -> logits (B, V). Updates the static buffers of state in place, so a CUDA
-        graph of this call can be replayed token after token."""
+        """Decode one token: tokens (B,) -> logits (B, V), the state's buffers updated in place (a CUDA graph)."""
         x = self.embed(tokens)  # (B, d_model)
         for block, layer_state in zip(self.blocks, state):
             x = block.step(x, layer_state)
         return self.logits(x)
 
-    def prefill(self, idx, lengths=None, max_len=None):
-        """One parallel pass over right-padded prompts idx (B, T) of real lengths (B,) (None: all T) -> logits (B, V)
-        after each row's last real token, and the decoding state, in buffers for max_len tokens a row (None: T)."""
-        B, T = idx.shape
-        x, states = self.hidden(idx, lengths=lengths)
-        last = torch.full((B,), T - 1, device=idx.device) if lengths is None else lengths - 1
-        state = self.init_state(B, T if max_len is None else max_len, idx.device)
-        write_state(state, states)
-        return self.logits(x[torch.arange(B, device=idx.device), last]), state
-
     def num_params(self, non_embedding=True):
-        """Parameter count; non_embedding leaves out the token embedding and the LM head (tied or not)."""
+        """Parameters; non_embedding: without the embedding and the LM head."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.embed.weight.numel()
@@ -604,13 +592,9 @@ class Model(nn.Module):
         return n
 
     def flops_per_token(self, seq_len):
-        """Training (forward + backward = 3 x forward) FLOPs per token at context seq_len, 2 FLOPs a multiply-add:
-            6 * N_nonembedding + 6 * d_model * vocab_size    every weight matmul, LM head included
-            + n_layer * mixer term:
-              attn    12 * seq_len * d_model     QK^T and AV, no causal discount (nanoGPT / PaLM)
-              fm      3 * k * (9 * d_memory + 5) paper App. FLOPS: 9 d_memory + 5 a row read and written (k = m dense)
-              mamba2  3 * 5 * d_inner * d_state  per state element: decay, input outer product, add, C readout (2)
-        """
+        """Training FLOPs (3 x forward) a token at context seq_len: 6 (N_nonembedding + d_model vocab_size) for the
+        weights, and n_layer times a mixer term: attn 12 seq_len d_model (QK^T, AV; no causal discount, as nanoGPT),
+        fm 3 k (9 d_memory + 5) (the paper's App. FLOPS), mamba2 3 * 5 d_inner d_state (decay, x B^T, add, C)."""
         c = self.config
         if c.family == 'attn':
             mixer = 12 * seq_len * c.d_model
@@ -623,20 +607,15 @@ class Model(nn.Module):
         return float(6 * (self.num_params() + c.d_model * c.vocab_size) + c.n_layer * mixer)
 
     def estimate_mfu(self, tokens_per_sec, device_name=None):
-        """Model FLOPs utilisation of one GPU processing tokens_per_sec at block_size context, against its bf16
-        dense peak (PEAK_BF16_FLOPS). device_name None -> the GPU holding the model; CPU or an unknown GPU -> 0.0."""
-        if device_name is None:
-            device = next(self.parameters()).device
-            if device.type != 'cuda':
-                return 0.0
+        """Model FLOPs utilisation of a GPU (None: the model's) at tokens_per_sec, against PEAK_BF16_FLOPS (else 0)."""
+        device = self.embed.weight.device
+        if device_name is None and device.type == 'cuda':
             device_name = torch.cuda.get_device_name(device)
-        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name.upper()), None)
-        if peak is None:
-            return 0.0
+        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in (device_name or '').upper()), math.inf)
         return self.flops_per_token(self.config.block_size) * tokens_per_sec / peak
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on matrices and embeddings (>= 2-D) only; fused on CUDA."""
+        """AdamW, weight decay on matrices and embeddings only; fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
                   {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
@@ -644,8 +623,7 @@ class Model(nn.Module):
 
 
 def write_state(static, states, rows=slice(None)):
-    """Copy per-layer states (as a parallel pass returns them) into rows of static decoding buffers; each tensor
-    lands in the leading part of every dimension (a KV cache of T positions in one of max_len)."""
+    """Copy a parallel pass's states into rows of static decoding buffers, each at the start of every dimension."""
     for static_layer, layer in zip(static, states):
         for name, tensor in layer.items():
             static_layer[name][rows][tuple(slice(0, n) for n in tensor.shape)] = tensor

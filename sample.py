@@ -1,7 +1,6 @@
 """
-Sample from a model trained by train.py: one parallel pass over the prompt, then a constant-memory step a token
-(fm, mamba2) or a static KV cache (attn); on CUDA each step is one CUDA-graph replay. A single sample streams to
-the terminal as it is generated; several are generated as one batch.
+Sample from a model trained by train.py (generate.py: a parallel pass over the prompt, then a step a token, on CUDA a
+CUDA-graph replay). One sample streams to the terminal; several are generated as one batch.
     python sample.py                                   # out/ckpt.pt
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --max_new_tokens=300 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
@@ -26,23 +25,22 @@ from prepare_data import read_utf8
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the training run's folder
 ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: the best validation loss), or a path
-start = '\n'  # the prompt, or FILE:path to read it from a file
+start = '\n'  # the prompt, or FILE:path to read it from
 num_samples = 3  # generated together, as one batch
-max_new_tokens = 500  # or fewer: a sample ends at end-of-text where the tokenizer has one (bytes has none)
+max_new_tokens = 500  # or fewer: a sample ends at end-of-text (bytes has none)
 temperature = 0.8  # below 1: more conservative; above 1: more random; 0: always the most likely token
 top_k = None  # sample from the k most likely tokens only; None: all
 top_p = 1.0  # sample from the smallest set of most likely tokens whose probability reaches top_p; 1.0: all
-seed = 1337  # seed of the sampling: the same seed gives the same samples
+seed = 1337  # of the sampling: the same seed, the same samples
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, float32 elsewhere
+dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, else float32
 # -----------------------------------------------------------------------------
 _DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 _DEFAULTS['top_k'] = None
 
 
 def load(argv):
-    """The settings of argv, checked, and the checkpoint's model (on the device, in the dtype, eval mode), tokenizer
-    and prompt's ids; ConfigError or CheckpointError naming what to change."""
+    """argv's settings, checked; the checkpoint's model (on the device, in the dtype), tokenizer and prompt's ids."""
     cfg = load_config(_DEFAULTS, argv, types={'top_k': int}, config_files=False, program='sample.py')
     if cfg['dtype'] not in DTYPES or min(cfg['num_samples'], cfg['max_new_tokens']) < 1:
         raise ConfigError(f"--dtype={cfg['dtype']!r}, --num_samples={cfg['num_samples']}, --max_new_tokens="
@@ -59,7 +57,7 @@ def load(argv):
         raise ConfigError(f"--top_k={cfg['top_k']} is more than the {tok.vocab_size} tokens of "
                           f"{checkpoint['tokenizer']}: give at most {tok.vocab_size}, or None for every token")
     dtype = getattr(torch, resolve_dtype(cfg['dtype'], cfg['device']))
-    model = model.eval().to(cfg['device'], dtype)  # the memory states stay float32
+    model = model.eval().to(cfg['device'], dtype)
     prompt = read_prompt(cfg['start'])
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
     if max(ids) >= model.config.vocab_size:
@@ -103,7 +101,7 @@ def main(argv=()):
     torch.manual_seed(cfg['seed'])
     begin = last = time.perf_counter()
 
-    def progress(n):  # to stderr, every 5 seconds of a long generation of several samples
+    def progress(n):  # every 5 seconds of a long batch, to stderr
         nonlocal last
         if time.perf_counter() - last >= 5:
             last = time.perf_counter()
@@ -120,7 +118,7 @@ def main(argv=()):
 
 
 class Stream:
-    """Prints one sample's text as its tokens arrive (holding back an incomplete UTF-8 character)."""
+    """Prints a sample's text as its tokens arrive (an incomplete UTF-8 character held back)."""
 
     def __init__(self, tok, prompt):
         self.tok, self.ids, self.shown, self.ended = tok, [], '', False
@@ -128,10 +126,10 @@ class Stream:
 
     def __call__(self, tokens):
         self.ended = self.ended or (self.tok.eot is not None and tokens[0] == self.tok.eot)
-        if not self.ended:  # the row decodes on until the batch stops; its text ended there
+        if not self.ended:  # the batch decodes on; this text ended
             self.ids.append(tokens[0])
             text = self.tok.decode(self.ids)
-            if not text.endswith('\ufffd'):  # an incomplete UTF-8 character waits for its next bytes
+            if not text.endswith('\ufffd'):  # an incomplete UTF-8 character waits
                 print(text[len(self.shown):], end='', flush=True)
                 self.shown = text
 

@@ -12,8 +12,6 @@ prepare_data.py), test_eval.py (eval.py, research/), test_readme.py (the README'
 fixtures and helpers: conftest.py.
 """
 
-import copy
-import functools
 import importlib.util
 import os
 import sys
@@ -22,12 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from conftest import (CUDA, DEVICE, REPO, core, decodes_as_it_trains, default_workers, needs_triton,  # first: sets
+from conftest import (CUDA, DEVICE, REPO, core, decodes_as_it_trains, default_workers, needs_triton, prefill,  # first
                       randomized, rel_err, save_model_checkpoint, tiny_config, using_scan)  # TRITON_INTERPRET
 import pytest
 
 import fm_kernel
-import generate
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
 from generate import Generator, Sampling
@@ -191,13 +188,15 @@ def test_triton_scan_matches_loop(case, poisoned_outputs):
 
 
 @needs_triton
-@pytest.mark.parametrize("groups, h0", [(2, True), (5, False)])  # 5 chunks: groups of 3 and 2, and of 1
-def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, h0, monkeypatch, poisoned_outputs):
-    """With few sequences the state kernel splits the chunks into groups and joins them by a scan over groups."""
+@pytest.mark.parametrize("groups, h0, T", [pytest.param(2, True, 130, marks=core),  # 3 chunks: groups of 2 and 1
+                                           (2, True, 300), (5, False, 300)])  # 5 chunks: groups of 3 and 2, and of 1
+def test_triton_scan_walks_groups_of_chunks_in_parallel(groups, h0, T, monkeypatch, poisoned_outputs):
+    """With few sequences the state kernel splits the chunks into groups and joins them by a scan over groups (a GPU
+    of many SMs takes this path; -m core forces it on the CPU)."""
     monkeypatch.setattr(fm_kernel, "_state_groups", lambda x, NC, columns: groups)
     monkeypatch.setattr(fm_kernel, "_state_columns", lambda M: 64)  # D = 80: two column blocks, the second masked
     torch.manual_seed(8)
-    assert_close_all(*triton_and_loop(scan_inputs(2, 300, 80, 12, 3, h0=h0)), 2e-5)
+    assert_close_all(*triton_and_loop(scan_inputs(2, T, 80, 12, 3, h0=h0)), 2e-5)
 
 
 @needs_triton
@@ -386,6 +385,7 @@ def test_triton_route_step_with_the_block_in_bfloat16(poisoned_outputs):
     assert torch.allclose(h, h_naive, rtol=1e-5, atol=1e-5) and torch.equal(conv[0], conv_naive[0])
 
 
+@core
 @needs_triton
 def test_route_step_breaks_ties_by_row_and_keeps_nan_in_its_sequence():
     """Equal logits: the first rows, equal weights. A NaN score: that sequence's y is NaN, every other sequence's
@@ -567,7 +567,7 @@ def hand_forward_flops(name, seq_len):
         k = 3 if name.endswith('sparse') else 8
         per_layer += d * 8 + (2 * d + 2) + 2 * d * d  # router, rates (eta, mu; biased), in_proj, out_proj
         if name.startswith('fm_block'):
-            per_layer += d * 4 + d + d * d  # a conv of 4 over the values (and its bias), the gate's W_z
+            per_layer += d * 4 + d + d * d  # a conv of 4 over xbar (and its bias), the gate's W_z
         work = k * (9 * d + 5)  # paper App. FLOPS: the recurrence costs 9 d_memory + 5 per row read and written
     params = layers * per_layer + d  # and the final norm
     return params, 2 * (params + d * vocab) + layers * work
@@ -592,28 +592,33 @@ def test_training_flops_match_a_hand_count(name, tmp_path):
 
 # ----------------------------------------------------------------------------- FM routing
 
-def fm_reference(layer, x):
-    """The paper's equations written out: softmax router, top-k mask and renormalisation, naive scan."""
+PAPERS = "the router is no longer the paper's: expected after editing route or router_scores"
+
+
+def paper_weights(layer, x):
+    """The paper's router written out: alpha = softmax(W_alpha x / tau), masked to the top k and renormalised;
+    -> theta = eta alpha, phi = mu alpha (B, T, M), eta and mu = sigmoid(w.x + b)."""
     alpha = torch.softmax(layer.router(x) / layer.tau, dim=-1)  # (B, T, M)
     mask = torch.zeros_like(alpha).scatter(-1, alpha.topk(layer.top_k, dim=-1).indices, 1.0)
     alpha = mask * alpha / (mask * alpha).sum(-1, keepdim=True)
     eta, mu = torch.sigmoid(layer.rates(x)).unbind(-1)  # (B, T)
-    y, h = fm_kernel.fm_scan_naive(layer.in_proj(x), eta[..., None] * alpha, mu[..., None] * alpha, eps=layer.eps)
+    return eta[..., None] * alpha, mu[..., None] * alpha
+
+
+def fm_reference(layer, x):
+    """The paper's equations written out: the router (paper_weights), xbar = W_in x, the naive scan."""
+    y, h = fm_kernel.fm_scan_naive(layer.in_proj(x), *paper_weights(layer, x), eps=layer.eps)
     return layer.out_proj(y), h
 
 
 def block_reference(layer, x):
-    """FM with its two parts beside the paper written out: values silu(causal conv of W_i x) (a loop over the taps,
+    """FM with its two parts beside the paper written out: xbar = silu(causal conv of W_in x) (a loop over the taps,
     zeros before the start), the read-out gated by silu(W_z x) before W_o."""
-    values, z = F.linear(x, layer.in_proj.weight).chunk(2, dim=-1)  # (B, T, D)
+    xbar, z = F.linear(x, layer.in_proj.weight).chunk(2, dim=-1)  # W_in x, W_z x (B, T, D)
     taps = layer.conv.weight[:, 0]  # (D, W)
     W = taps.shape[1]
-    conv = sum(F.pad(values, (0, 0, W - 1 - j, 0))[:, :x.shape[1]] * taps[:, j] for j in range(W)) + layer.conv.bias
-    alpha = torch.softmax(layer.router(x) / layer.tau, dim=-1)
-    mask = torch.zeros_like(alpha).scatter(-1, alpha.topk(layer.top_k, dim=-1).indices, 1.0)
-    alpha = mask * alpha / (mask * alpha).sum(-1, keepdim=True)
-    eta, mu = torch.sigmoid(layer.rates(x)).unbind(-1)
-    y, h = fm_kernel.fm_scan_naive(F.silu(conv), eta[..., None] * alpha, mu[..., None] * alpha, eps=layer.eps)
+    conv = sum(F.pad(xbar, (0, 0, W - 1 - j, 0))[:, :x.shape[1]] * taps[:, j] for j in range(W)) + layer.conv.bias
+    y, h = fm_kernel.fm_scan_naive(F.silu(conv), *paper_weights(layer, x), eps=layer.eps)
     return layer.out_proj(y * F.silu(z)), h
 
 
@@ -629,9 +634,9 @@ def test_fm_block_matches_its_equations(top_k):
     x = torch.randn(2, 37, 32, dtype=torch.float64)
     y, state = layer(x)
     y_ref, h_ref = block_reference(layer, x)
-    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10
-    values = F.linear(x, layer.in_proj.weight[:32])  # W_i x, the convolution's input
-    assert rel_err(state['conv'], values[:, -3:].transpose(1, 2)) < 1e-15
+    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10, PAPERS
+    xbar = F.linear(x, layer.in_proj.weight[:32])  # W_in x, the convolution's input
+    assert rel_err(state['conv'], xbar[:, -3:].transpose(1, 2)) < 1e-15
 
 
 @core
@@ -645,8 +650,21 @@ def test_fm_layer_matches_paper_equations(top_k):
     x = torch.randn(2, 37, 32, dtype=torch.float64)
     y, state = layer(x)
     y_ref, h_ref = fm_reference(layer, x)
-    assert rel_err(y, y_ref) < 1e-10
-    assert rel_err(state['h'], h_ref) < 1e-10
+    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10, PAPERS
+
+
+@core
+@pytest.mark.parametrize('top_k', [3, None])
+def test_the_kernels_router_is_route(top_k):
+    """fm_kernel.route_naive, the twin of the fused kernel's router (test_triton_route_step_matches_naive), routes as
+    route: float64, every parameter random; so the probe sends the paper's router to the fused kernel, also with
+    bfloat16 weights on the device (a decoding model's)."""
+    torch.manual_seed(0)
+    layer = randomized(FactorizationMemory(tiny_config(top_k=top_k, tau=0.5))).double()
+    x = torch.randn(2, 37, 32, dtype=torch.float64)
+    twin = layer.weights(*fm_kernel.route_naive(layer.router_scores(x), layer.top_k, layer.tau))
+    assert max(rel_err(a, b) for a, b in zip(twin, layer.weights(*layer.route(x)))) < 1e-15, PAPERS
+    assert layer.routes_as_the_kernel() and layer.to(DEVICE, torch.bfloat16).routes_as_the_kernel(), PAPERS
 
 
 @pytest.mark.parametrize('top_k', [1, 2, 5, 8])
@@ -661,24 +679,21 @@ def test_router_weights_sum_to_one_over_k_rows(top_k):
     assert ((alpha > 0).sum(-1) == top_k).all()
     torch.testing.assert_close(alpha.sum(-1), torch.ones(3, 10))
     kept = torch.softmax(layer.router(x), -1).topk(top_k, dim=-1).indices  # the k largest affinities
-    assert (alpha.gather(-1, kept) > 0).all()
+    assert (alpha.gather(-1, kept) > 0).all(), PAPERS
     assert ((eta > 0) & (eta < 1) & (mu > 0) & (mu < 1)).all()
 
 
-def test_router_reduction_of_a_compiled_step_matches_the_product(monkeypatch):
-    """generate.step_scores, the router's scores as one float32 reduction for a compiled decoding step, gives the rows
-    and weights of router_scores' products (and a parallel pass goes to the products)."""
+def test_router_reduction_of_a_compiled_step_matches_the_product():
+    """kernel_scores as a compiled step takes them, one float32 reduction, gives the rows and weights of the paper's
+    scores as products, W_alpha x and the rates' w.x + b."""
     layer = randomized(FactorizationMemory(tiny_config(top_k=3)))
     x = torch.randn(17, 32)
-    reduced = functools.partial(generate.step_scores, layer)
-    assert torch.equal(reduced(x), layer.router_scores(x))  # eager: the model's own products
-    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)  # as in a compiled step: the reduction
-    idx, *weights = fm_kernel.route_naive(layer.router_scores(x), 3, layer.tau)
-    idx_reduced, *weights_reduced = fm_kernel.route_naive(reduced(x), 3, layer.tau)
+    assert torch.equal(layer.kernel_scores(x, reduce=False), layer.router_scores(x))
+    idx, *weights = fm_kernel.route_naive(torch.cat([layer.router(x), layer.rates(x)], -1).detach(), 3, layer.tau)
+    idx_reduced, *weights_reduced = fm_kernel.route_naive(layer.kernel_scores(x, reduce=True), 3, layer.tau)
     assert torch.equal(idx, idx_reduced)
     for got, want in zip(weights, weights_reduced):
         assert got.dtype == torch.float32 and (got - want).abs().max() < 1e-6
-    assert torch.equal(reduced(x[None]), layer.router_scores(x[None]))
 
 
 # ----------------------------------------------------------------------------- every mixer
@@ -695,7 +710,7 @@ def test_step_and_prefill_match_forward(name):
     stepped = torch.stack([model.step(idx[:, t], state) for t in range(idx.shape[1])], 1)
     assert rel_err(stepped, logits) < 1e-12
 
-    last_logits, state = model.prefill(idx[:, :21], max_len=40)  # a cache with room to spare
+    last_logits, state = prefill(model, idx[:, :21], max_len=40)  # a cache with room to spare
     continued = [last_logits] + [model.step(idx[:, t], state) for t in range(21, idx.shape[1])]
     assert rel_err(torch.stack(continued, 1), logits[:, 20:]) < 1e-12
 
@@ -709,7 +724,7 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
     model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
     idx = torch.randint(0, 64, (3, 37))
     lengths = torch.tensor([37, 5, 20])
-    logits, state = model.prefill(idx, lengths, max_len=45)
+    logits, state = prefill(model, idx, lengths, max_len=45)
     following = torch.randint(0, 64, (3, 6))
     stepped = torch.stack([logits] + [model.step(following[:, t], state) for t in range(6)], 1)  # (3, 7, V)
     for row, n in enumerate(lengths.tolist()):
@@ -718,14 +733,19 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
 
 
 @core
-@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'fm_block_dense', 'fm_block_sparse', 'mamba2'])
+@pytest.mark.parametrize('name', MIXER_CASES)
 def test_chunked_pass_carries_the_state(name):
-    """Recurrent mixers run a long text in chunks, each continuing from the last one's state: the same hidden
-    states and final state as one pass (eval.py relies on this for bounded memory at any length)."""
+    """A mixer whose state does not grow runs a long text in chunks, each continuing from the last one's state: the
+    same hidden states and final state as one pass (eval.py relies on this for bounded memory at any length).
+    Attention refuses (test_attention_refuses_a_parallel_pass_from_a_state)."""
     torch.manual_seed(2)
     model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
     idx = torch.randint(0, 64, (2, 50))
     whole, whole_state = model.hidden(idx)
+    if model.config.family == 'attn':
+        with pytest.raises(ValueError, match='one token at a time'):
+            model.hidden(idx, whole_state)
+        return
     parts, state = [], None
     for start in (0, 7, 30):  # chunks of 7, 23 and 20 tokens, none a multiple of the scan's chunk of 16
         x, state = model.hidden(idx[:, start:start + {0: 7, 7: 23, 30: 20}[start]], state)
@@ -750,7 +770,7 @@ def test_static_kv_cache_ignores_capacity_and_stale_entries():
     idx = torch.randint(0, 64, (2, 30))
     runs = []
     for max_len, garbage in ((30, False), (64, True)):
-        logits, state = model.prefill(idx[:, :10], max_len=max_len)
+        logits, state = prefill(model, idx[:, :10], max_len=max_len)
         if garbage:
             for layer in state:
                 layer['k'][:, :, 10:], layer['v'][:, :, 10:] = 1e3, -1e3
@@ -801,7 +821,19 @@ class TemperatureFM(FactorizationMemory):
             return fm_kernel.route_naive(torch.cat([logits, scores[..., -2:]], -1), self.top_k, self.tau)
 
 
-ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM}
+class KernelRouterFM(FactorizationMemory):
+    """The fused kernel's router by construction, whatever model.py's route reads: route_naive (the kernel's twin) of
+    the scores as a compiled step reduces them."""
+
+    def router_scores(self, x):
+        return self.kernel_scores(x, reduce=True)
+
+    def route(self, x):
+        return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
+
+
+ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
+           'kernel': KernelRouterFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -810,86 +842,99 @@ def fm_model(router='standard', **overrides):
     return Model(tiny_config(mixer=mixer, **overrides))
 
 
+def fused(model):
+    """Whether model's FM layers decode through the fused kernel (as the probe of its last init_state found)."""
+    return [block.mixer.fused_router for block in model.blocks]
+
+
+@core
+@pytest.mark.parametrize('top_k', [3, None])
+def test_fused_and_unfused_decoding_agree(top_k):
+    """A router that the probe sends to the fused kernel decodes as it trains through the fused step and through
+    route as written (fused_router off): float64, every parameter random, with FM's block."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('kernel', top_k=top_k, fm_conv=4, fm_gate=True)).double().eval()
+    idx = torch.randint(0, 64, (2, 20))
+    logits, _ = model(idx)
+    for fused_router in (True, False):
+        last, state = prefill(model, idx[:, :9], max_len=20)
+        assert fused(model) == [True, True]  # the probe's choice
+        for block in model.blocks:
+            block.mixer.fused_router = fused_router
+        stepped = torch.stack([last] + [model.step(idx[:, t], state) for t in range(9, 20)], 1)
+        assert rel_err(stepped, logits[:, 8:]) < 1e-12, fused_router
+
+
 @core
 @pytest.mark.parametrize('router', ['override', 'temperature'])
 @pytest.mark.parametrize('top_k', [3, None])
 def test_a_router_override_reaches_decoding(router, top_k):
     """A layer whose route is overridden, with or without parameters of its own, decodes through it (the plain
-    step, not the fused kernel of the standard router): forward = prefill + steps in float64, every parameter
-    random, and its logits are not the standard router's."""
+    step, not the fused kernel): forward = prefill + steps in float64, every parameter random, and its logits are
+    not the standard router's."""
     torch.manual_seed(0)
     model = randomized(fm_model(router, top_k=top_k, fm_conv=4, fm_gate=True)).double().eval()
     standard = fm_model(top_k=top_k, fm_conv=4, fm_gate=True).double().eval()
     standard.load_state_dict(model.state_dict(), strict=False)
     idx = torch.randint(0, 64, (2, 20))
-    assert not model.blocks[0].mixer.fused_router and standard.blocks[0].mixer.fused_router
     assert rel_err(standard(idx)[0], model(idx)[0]) > 1e-2
-    assert decodes_as_it_trains(model, idx, 9) < 1e-12
+    assert decodes_as_it_trains(model, idx, 9) < 1e-12 and fused(model) == [False, False]
+
+
+IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
+    'route': ('            return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)',  # rows moved on
+              '            return (idx + 1) % self.n_memory, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)'),
+    'router_scores': ('        x = x.to(dtype)\n',  # routing on an RMS-normalised input
+                      '        x = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + 1e-6)\n')}
 
 
 @core
-def test_a_router_edited_in_place_decodes_as_it_trains(tmp_path, monkeypatch):
-    """A forker edits route in model.py itself (here every token's rows move on by one): decoding follows the edit,
-    float64, every parameter random. (With the fused kernel taken regardless, the gap was 1.04.)"""
+@pytest.mark.parametrize('edit', IN_PLACE_EDITS)
+def test_a_router_edited_in_place_decodes_as_it_trains(edit, tmp_path, monkeypatch):
+    """A forker edits route or router_scores in model.py itself: decoding follows the edit (the probe refuses the
+    fused kernel), float64, every parameter random. (With the fused kernel taken regardless, the gap of rows moved
+    on by one was 1.04.)"""
     source = (Path(REPO) / 'model.py').read_text()
-    line = "            return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)\n"
-    assert source.count(line) == 1
-    edit = ("            idx, alpha, eta, mu = fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)\n"
-            "            return (idx + 1) % self.n_memory, alpha, eta, mu\n")
-    (tmp_path / 'model.py').write_text(source.replace(line, edit))
+    line, replacement = IN_PLACE_EDITS[edit]
+    assert source.count(line) == 1, PAPERS  # the line this edit replaces
+    (tmp_path / 'model.py').write_text(source.replace(line, replacement))
     spec = importlib.util.spec_from_file_location('edited_model', tmp_path / 'model.py')
     edited = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, 'edited_model', edited)
     spec.loader.exec_module(edited)
     torch.manual_seed(0)
     model = randomized(edited.Model(tiny_config(top_k=3, fm_conv=4, fm_gate=True))).double().eval()
-    assert not model.blocks[0].mixer.fused_router
-    assert decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9) < 1e-12
-
-
-def test_the_fused_router_is_the_router_as_written():
-    """FUSED_ROUTER holds the hash of route and router_scores as written, so that the standard router decodes
-    through fm_route_step. An edit of either changes the hash: decoding then runs route as written (correct, not
-    fused); once fm_route_step computes the edit too (test_triton_route_step_matches_naive), set the new hash."""
-    import hashlib
-    import inspect
-    source = ''.join(inspect.getsource(getattr(FactorizationMemory, name)) for name in ('route', 'router_scores'))
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    assert model_module.FUSED_ROUTER == digest, f'route or router_scores changed (see this test): FUSED_ROUTER = {digest!r}'
-    assert FactorizationMemory(tiny_config()).fused_router
+    assert decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9) < 1e-12 and fused(model) == [False, False]
 
 
 @needs_triton
 @pytest.mark.parametrize('top_k, tau, router, block', [
     (3, 1.0, 'standard', False), (None, 1.0, 'standard', False), (3, 0.5, 'standard', False),
-    (3, 1.0, 'override', False), (None, 0.5, 'override', False), (3, 1.0, 'standard', True)])
+    (3, 1.0, 'override', False), (None, 0.5, 'override', False), (3, 1.0, 'standard', True), (3, 0.5, 'kernel', True)])
 def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, block):
-    """The dispatch the model takes on CUDA (fm_scan; fm_route_step, or fm_step for an overridden router; with
-    generate.py's decoding tricks: the Triton down product, the router's reduction), here under the interpreter, in
-    float32; with tau, which reaches the step's kernel apart from the forward's router. The tricks follow a copy of
-    the model: its steps and forward are its own weights', whatever happens to the original's."""
+    """The dispatch the model takes on CUDA (fm_scan; fm_route_step where the probe found the router fused, else
+    fm_step; the Triton down product, the router's reduction of a compiled step), here under the interpreter, in
+    float32; with tau, which reaches the step's kernel apart from the forward's router."""
     torch.manual_seed(0)
-    plain = randomized(fm_model(router, top_k=top_k, tau=tau, fm_conv=4 * block, fm_gate=block)).to(DEVICE).eval()
-    original = copy.deepcopy(plain)
-    generate.speed_up_decoding(original, compiled=True)
-    model = copy.deepcopy(original)
-    randomized(original, seed=1)
+    model = randomized(fm_model(router, top_k=top_k, tau=tau, fm_conv=4 * block, fm_gate=block)).to(DEVICE).eval()
     idx = torch.randint(0, 64, (2, 37), device=DEVICE)
+    plain, _ = model(idx)
     steps = []
     with using_scan(fm_scan), pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_module, 'triton_step', lambda h: True)
         for name in ('fm_step', 'fm_route_step'):
             step = getattr(fm_kernel, name)
             patch.setattr(fm_kernel, name, lambda *args, step=step, **kw: steps.append(step) or step(*args, **kw))
-        patch.setattr(torch.compiler, 'is_compiling', lambda: True)  # generate.py's tricks as in a compiled step
         patch.setattr(fm_kernel, 'decode_linear', lambda x, weight: F.linear(x, weight) if x.dim() != 2 else
                       torch.cat([fm_kernel.decode_product(row[None], weight) for row in x]))  # every step's rows
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
-        stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
-    assert rel_err(torch.stack(stepped, 1), logits) < 1e-5 and rel_err(logits, plain(idx)[0]) < 1e-5
-    fused = router == 'standard'
-    assert set(steps) == {fm_kernel.fm_route_step if fused else fm_kernel.fm_step}
+        with patch.context() as compiling:  # the router's scores as a compiled step reduces them
+            compiling.setattr(torch.compiler, 'is_compiling', lambda: True)
+            stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
+    assert rel_err(torch.stack(stepped, 1), logits) < 1e-5 and rel_err(logits, plain) < 1e-5
+    assert set(steps) == {fm_kernel.fm_route_step if fused(model)[0] else fm_kernel.fm_step}
+    assert fused(model)[0] or router != 'kernel'
 
 
 # ----------------------------------------------------------------------------- config and accounting
@@ -910,6 +955,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
     (dict(mixer='mamba2', d_state=0), 'd_state'),
     (dict(fm_conv=1000), 'fm_conv'),
     (dict(tau=1e-30), 'tau'),
+    (dict(mixer='attn', chunk_size=0), 'chunk_size'),  # every mixer's (one of one's own may chunk)
 ])
 def test_bad_config_raises_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf'\b{field}\b'):
@@ -936,15 +982,36 @@ def test_num_params(tie):
     assert model.num_params() == total - embedding * (1 if tie else 2) > 0
 
 
-def test_flops_per_token():
-    names = ('fm_dense', 'fm_sparse', 'attn', 'mamba2')
-    fm_dense, fm_sparse, attn, mamba2 = (Model(tiny_config(**MIXER_CASES[name])) for name in names)
-    for model in (fm_dense, fm_sparse, attn, mamba2):
-        assert model.flops_per_token(48) > 6 * model.num_params()
-    assert fm_dense.flops_per_token(48) == fm_dense.flops_per_token(4096)  # recurrent: no context term
-    assert mamba2.flops_per_token(48) == mamba2.flops_per_token(4096)
-    assert attn.flops_per_token(4096) - attn.flops_per_token(48) == 12 * 2 * (4096 - 48) * 32
-    assert fm_dense.flops_per_token(48) - fm_sparse.flops_per_token(48) == 3 * 2 * (8 - 3) * (9 * 32 + 5)
+@pytest.mark.parametrize('name', MIXER_CASES)
+def test_flops_per_token(name):
+    """Above 6 N; attention's term grows with the context (QK^T and AV), a recurrent mixer's does not; sparse FM
+    saves 3 (9 d_memory + 5) FLOPs a row it skips."""
+    model = Model(tiny_config(**MIXER_CASES[name]))
+    assert model.flops_per_token(48) > 6 * model.num_params()
+    context = 12 * 2 * (4096 - 48) * 32 if name == 'attn' else 0
+    assert model.flops_per_token(4096) - model.flops_per_token(48) == context
+    if name == 'fm_sparse':
+        dense = Model(tiny_config(**MIXER_CASES['fm_dense']))
+        assert dense.flops_per_token(48) - model.flops_per_token(48) == 3 * 2 * (8 - 3) * (9 * 32 + 5)
+
+
+@pytest.mark.parametrize('name', MIXER_CASES)
+def test_step_state_bytes(name):
+    """bench.py's decoding floor: each mixer's bytes of state a step reads and writes for one sequence after 100
+    tokens, with float32 and bfloat16 weights: at most its whole state twice, and by hand: FM's k rows of 32 (float32)
+    and the convolution's window of 3, Mamba-2's conv (80 channels x 3) and SSM (4 heads x 16 x 8, float32) states,
+    attention's cache of 2 x 16 a token."""
+    rows = 2 * (3 if name.endswith('sparse') else 8) * 32 * 4
+    hand = {4: {'fm_dense': rows, 'fm_sparse': rows, 'fm_block_dense': rows + 2 * 32 * 3 * 4,
+                'fm_block_sparse': rows + 2 * 32 * 3 * 4, 'attn': 2 * 100 * 16 * 4, 'mamba2': 2 * (80 * 3 + 512) * 4},
+            2: {'fm_dense': rows, 'fm_sparse': rows, 'fm_block_dense': rows + 2 * 32 * 3 * 2,
+                'fm_block_sparse': rows + 2 * 32 * 3 * 2, 'attn': 2 * 100 * 16 * 2, 'mamba2': 2 * (80 * 3 * 2 + 512 * 4)}}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = Model(tiny_config(**MIXER_CASES[name])).to(dtype)
+        counts = [block.mixer.step_state_bytes(100) for block in model.blocks]
+        assert 0 < counts[0] <= 2 * sum(t.numel() * t.element_size() for t in model.init_state(1, 101)[0].values())
+        if name in hand[dtype.itemsize]:
+            assert counts == [hand[dtype.itemsize][name]] * 2
 
 
 def test_estimate_mfu():

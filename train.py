@@ -1,14 +1,12 @@
 """
-Train a language model whose mixer is Factorization Memory ('fm'), attention ('attn') or Mamba-2 ('mamba2').
+Train a language model of model.py: Factorization Memory, or another mixer (--help lists them).
 
     python train.py                                   # small FM model, default corpus, a few minutes on a CPU
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
     torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py   # DDP (NCCL; gloo with --device=cpu)
-    torchrun --nnodes=2 --node_rank=R --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py ...  # nodes
 Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run (claim); saves are
-atomic, with checksums (save); a value that is not finite or a blow-up stops the run without saving (check_finite, the
-loop); Ctrl-C or SIGTERM saves the step (a second Ctrl-C quits); a resume goes on bit for bit (resume); --overwrite=True
-replaces the earlier run once the new run's first checkpoint is whole (save, swap_in).
+whole (save); a value that is not finite or a blow-up stops the run unsaved (check_finite, the loop); Ctrl-C or SIGTERM
+saves the step (resume goes on bit for bit); --overwrite=True replaces the earlier run once a checkpoint is whole.
 """
 import fcntl
 import importlib.util
@@ -41,42 +39,41 @@ from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
 
 # -----------------------------------------------------------------------------
-# default settings: a small FM model on the default corpus, a few minutes on a 2-core CPU
-# I/O
+# default settings: a small FM model on the default corpus, minutes on a CPU
 out_dir = 'out'  # the run's folder: ckpt.pt (the last step), best.pt (the best validation loss)
 eval_interval = 100  # evaluate, and write ckpt.pt (and best.pt when val improves), every eval_interval steps
 eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10  # steps between log lines
-always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt is written whenever val improves)
+always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt whenever val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
-overwrite = False  # True: a scratch run replaces the earlier run's files in out_dir when it first saves
+overwrite = False  # True: a scratch run replaces the earlier run in out_dir when it first saves
 wandb_log = False  # log to Weights & Biases (pip install wandb)
 wandb_project = 'factorization-memory'  # its project
 wandb_run_name = 'fm'  # its run name
 # data: data_dir/{dataset}_{tokenizer}/{train,val}.bin, written by prepare_data.py
-dataset = 'default'  # 'default', or the --dataset given to prepare_data.py (a path or hf:NAME)
+dataset = 'default'  # 'default', or prepare_data.py's --dataset (a path or hf:NAME)
 tokenizer = 'bytes'  # 'bytes' or a tiktoken encoding (e.g. cl100k_base)
-data_dir = ''  # where prepare_data.py wrote the token files; '': data/ in this repository, its default
-hf_config = ''  # the --hf_config given to prepare_data.py, if any
-verify_data = True  # check the checksums of train.bin and val.bin on opening them (0.4 s per GB); False: skip
-gradient_accumulation_steps = 1  # micro-batches per step over all processes (divided by the world size under DDP)
+data_dir = ''  # prepare_data.py's --data_dir; '': its default, data/ here
+hf_config = ''  # prepare_data.py's --hf_config, if any
+verify_data = True  # check the token files' checksums on opening them (0.4 s a GB)
+gradient_accumulation_steps = 1  # micro-batches a step, over all processes
 batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
-vocab_multiple = 64  # pad the model's vocab up to a multiple of this when the tokenizer has more than 256 tokens
-# model: these, and every other ModelConfig field of model.py at its default, can be set
-mixer = 'fm'  # 'fm', 'attn', 'mamba2', or module:Class extending one (e.g. research.levers:RowRatesFM)
+vocab_multiple = 64  # pad the vocab of a tokenizer of more than 256 tokens to a multiple of this
+# model: these, and every other ModelConfig field of model.py
+mixer = 'fm'  # a mixer listed below, or module:Class extending one (e.g. research.levers:RowRatesFM)
 n_layer = 4  # blocks
 d_model = 128  # width of the residual stream
 # fm
 n_memory = 32  # m, memory rows
 top_k = 8  # k rows read and written per token; None: dense
 tau = 1.0  # router softmax temperature
-fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on the values (0: none; config/paper_layer.py)
+fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on xbar (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
-chunk_size = 16  # tokens a chunk of the parallel scans (Mamba-2's too): 16 is fastest for FM's PyTorch scan on a CPU
+chunk_size = 16  # tokens a chunk of the parallel scans: 16 is fastest for FM's PyTorch scan on a CPU
 
-# AdamW, and its learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
-learning_rate = 4e-3  # the peak learning rate, reached after warmup_iters
+# AdamW, its learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
+learning_rate = 4e-3  # the peak learning rate, after warmup_iters
 max_iters = 500  # the step training ends at
 weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices and embeddings only
 beta1 = 0.9  # AdamW's beta1
@@ -87,7 +84,7 @@ lr_decay_iters = 0  # step where the cosine reaches min_lr; 0: max_iters
 min_lr = 4e-4  # the learning rate the cosine decays to
 # the machine
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps', ...
-dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast; a GPU's); 'auto': bfloat16 on CUDA, else float32
+dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast); 'auto': bfloat16 on CUDA, else float32
 compile = False  # torch.compile the model
 seed = 1337  # seed of the initial weights and of the batches
 _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
@@ -95,18 +92,18 @@ AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_i
                 eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
                 seed=0)
 CHOICES = dict(init_from=('scratch', 'resume'), dtype=DTYPES)
-BLOW_UP = 0.5  # nats a token above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
-EVAL_SEED = 2024  # the validation windows depend on this only, so runs with different seeds compare
-RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files in out_dir (eval.py writes routing)
-NEVER = 2 ** 62  # the step of a loss or gradient norm that is not finite, while there has been none
+BLOW_UP = 0.5  # nats above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
+EVAL_SEED = 2024  # of the validation windows alone: runs of other seeds compare
+RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files (eval.py writes routing)
+NEVER = 2 ** 62  # the step of a loss or gradient norm not finite, while there is none
 
 
 class TrainError(RuntimeError):
-    """A problem the user can fix (data, checkpoint, settings, a diverged run); the message says how."""
+    """A problem the user can fix (data, checkpoint, settings, a diverged run): the message says how."""
 
 
 def default_config():
-    """The settings above, and every other ModelConfig field at ModelConfig's default."""
+    """The settings above, and every other ModelConfig field at its default."""
     return {k: globals()[k] for k in _TRAIN_KEYS} | {f.name: f.default for f in fields(ModelConfig)
                                                     if f.name != 'vocab_size' and f.name not in _TRAIN_KEYS}
 
@@ -116,10 +113,11 @@ def model_args(cfg):
 
 
 def settings(argv):
-    """The run's settings from argv -> a namespace (None for --help); ConfigError for one out of range."""
+    """argv -> the run's settings (None for --help); ConfigError for one out of range."""
     if '-h' in argv or '--help' in argv:
+        mixers = ', '.join(f'{name} ({cls.__name__})' for name, cls in model_file.MIXER_CLASSES.items())
         return print(__doc__ + '\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
-                     + help_text(default_config(), __file__, model_file.__file__))
+                     + help_text(default_config(), __file__, model_file.__file__) + f'\nmixers: {mixers}')
     cfg = SimpleNamespace(**load_config(default_config(), argv, optional_types(ModelConfig)))
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     for refused, message in (
@@ -138,13 +136,12 @@ def settings(argv):
             *[(not 0 <= getattr(cfg, key) < 1, f"--{key}={getattr(cfg, key)} is out of range: AdamW's {key} must be "
                f"at least 0 and below 1 (the default is {globals()[key]})") for key in ('beta1', 'beta2')],
             (os.path.isfile(cfg.data_dir), f'--data_dir={cfg.data_dir} is a file: give the folder of prepare_data.py'),
-            (cfg.wandb_log and not importlib.util.find_spec('wandb'), '--wandb_log=True needs wandb: pip install '
-                                                                      'wandb, or leave --wandb_log off')):
+            (cfg.wandb_log and not importlib.util.find_spec('wandb'), '--wandb_log=True needs wandb: pip install it')):
         if refused:
             raise ConfigError(message)
     try:
         config = ModelConfig(**model_args(cfg), vocab_size=get_tokenizer(cfg.tokenizer).vocab_size)
-        with torch.device('meta'):  # no memory: a mixer of one's own checks its settings as it is built
+        with torch.device('meta'):  # a mixer of one's own checks its settings when built
             Model(config)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
@@ -156,9 +153,7 @@ def settings(argv):
 
 
 def claim(cfg, run):
-    """Rank 0's hold on out_dir (a lock; a later run takes over that of a process that died) -> the earlier run's files
-    this run replaces when it first saves. Finishes a swap that a kill cut short; refuses a second run, and a scratch
-    run into an earlier run's folder without --overwrite=True."""
+    """Rank 0's lock on out_dir -> the earlier run's files this run replaces; refuses a second run, or one over it."""
     lock = run.folder / 'train.lock'
     while run.lock is None:  # until the file locked is the one at lock (a run ending removes it)
         try:
@@ -167,9 +162,9 @@ def claim(cfg, run):
             fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder, run.lock = run.lock.seek(0) or run.lock.read().strip() or 'a process that is starting', None
-            raise TrainError(f'{run.folder} is in use by another training run ({holder}): wait for it to end or stop '
-                             f'it, or train in another --out_dir') from None
-        except OSError as e:  # no folder, or (with the file open) a file system without locks, e.g. Lustre's
+            raise TrainError(f'{run.folder} is in use by another training run ({holder}): wait for it, or use '
+                             f'another --out_dir') from None
+        except OSError as e:  # no folder, or a file system without locks (Lustre's)
             if run.lock is None:
                 reason = 'it is a file' if run.folder.is_file() else e.strerror
                 raise TrainError(f'cannot write to --out_dir={run.folder} ({reason}): pass a folder you can write '
@@ -180,29 +175,26 @@ def claim(cfg, run):
     run.lock.truncate(0)
     run.lock.write(f'process {os.getpid()} on {os.uname().nodename}, started {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
     run.lock.flush()
-    if (run.folder / 'replacing').exists():  # written once the new files were whole: finish the swap
+    if (run.folder / 'replacing').exists():  # the new files are whole: finish the swap
         swap_in(run.folder, (run.folder / 'replacing').read_text().split())
-    for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a run that was killed
+    for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a killed run
         (run.folder / f'{name}.tmp').unlink(missing_ok=True)
     earlier = [name for name in RUN_FILES if (run.folder / name).exists()]
     if cfg.init_from == 'scratch' and {'ckpt.pt', 'best.pt'} & set(earlier) and not cfg.overwrite:
         raise TrainError(f'{run.folder} holds {" and ".join(n for n in earlier if n.endswith(".pt"))} of an earlier '
-                         f'run, which this new run would replace: continue that run with --init_from=resume, start '
-                         f'this one in a new --out_dir, or pass --overwrite=True to replace it')
+                         f'run: continue it (--init_from=resume), use a new --out_dir, or pass --overwrite=True')
     return earlier if cfg.init_from == 'scratch' else []
 
 
 def save(cfg, run, names):
-    """Write ckpt.pt and/or best.pt of this step once every rank found its weights and optimizer state finite: each
-    whole beside the old one, then renamed in. An --overwrite run's first save also removes the earlier run's other
-    files, under a journal (out_dir/replacing) that the next claim finishes if a kill cuts the renames short."""
+    """Write names (ckpt.pt, best.pt) whole, then rename them in, if finite; the first removes the earlier run's."""
     batches, np_state, model_config = [run.batch_state], np.random.get_state(), asdict(run.raw_model.config)
-    if run.group is not None:  # every rank's batch generator
+    if run.group is not None:
         batches = [None] * run.world_size
         dist.all_gather_object(batches, run.batch_state, group=run.group)
-    ckpt = {'model': run.raw_model.state_dict(), 'optimizer': run.optimizer.state_dict(),  # what a resume needs to go
-            'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,  # on as if
-            'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},  # uninterrupted
+    ckpt = {'model': run.raw_model.state_dict(), 'optimizer': run.optimizer.state_dict(),  # all a resume needs
+            'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,
+            'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},
             'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
             'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
                     'torch': torch.get_rng_state(), 'batch': batches,
@@ -221,7 +213,7 @@ def save(cfg, run, names):
 
     def write():  # rank 0's part
         for name in names:
-            save_checkpoint(ckpt, run.folder / name, then, rename=False)  # name.tmp, whole
+            save_checkpoint(ckpt, run.folder / name, then, rename=False)
         if run.earlier:
             (run.folder / 'replacing.tmp').write_text('\n'.join(gone))
             os.replace(run.folder / 'replacing.tmp', run.folder / 'replacing')
@@ -234,8 +226,7 @@ def save(cfg, run, names):
 
 
 def swap_in(folder, gone):
-    """Rename ckpt.pt.tmp and best.pt.tmp (whole) into place, remove the earlier run's files gone, then the journal:
-    each step can be done again, so that a claim finishes a swap that a kill cut short."""
+    """Rename the whole .tmp checkpoints in, remove the files gone, then the journal: each step can be done again."""
     for name in ('ckpt.pt', 'best.pt'):
         if (folder / f'{name}.tmp').exists():
             os.replace(folder / f'{name}.tmp', folder / name)
@@ -245,12 +236,12 @@ def swap_in(folder, gone):
 
 
 def on_rank_0(step, group):
-    """step() on rank 0 -> its result on every rank; its error raised on every rank, which would wait forever else."""
+    """step() on rank 0 -> its result, or its error raised, on every rank (which would wait forever else)."""
     shared = [None, None]  # the result, the error
     if group is None or dist.get_rank() == 0:
         try:
             shared[0] = step()
-        except Exception as e:  # e.g. a full disk while preparing the data: its message
+        except Exception as e:  # e.g. a full disk while preparing the data
             shared[1] = e if isinstance(e, (TrainError, CheckpointError)) else TrainError(
                 str(e) if isinstance(e, (OSError, ValueError, RuntimeError)) else repr(e))
     if group is not None:
@@ -261,17 +252,16 @@ def on_rank_0(step, group):
 
 
 def setup(cfg, run):
-    """The data (rank 0 prepares the default corpus), the model, its optimizer and loss scaler and the batch generator:
-    new, or as ckpt.pt left them."""
+    """The data, the model, its optimizer and loss scaler, the batch generator: new, or as ckpt.pt left them."""
     folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
-    if cfg.dataset == 'default':  # written once
+    if cfg.dataset == 'default':
         on_rank_0(lambda: prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), run.group)
     if not (folder / 'train.bin').exists():
         raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py --dataset {cfg.dataset} '
                          f'--tokenizer {cfg.tokenizer}' + f' --data_dir {cfg.data_dir}' * bool(cfg.data_dir) +
                          f' --hf_config {cfg.hf_config}' * bool(cfg.hf_config))
-    tok, verify = get_tokenizer(cfg.tokenizer), cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'  # a node's
-    try:  # first process checks the token files
+    tok, verify = get_tokenizer(cfg.tokenizer), cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'
+    try:  # one process a node checks the token files
         train, val = (load_tokens(folder / f'{split}.bin', cfg.tokenizer, tok.vocab_size, verify=verify).tokens
                       for split in ('train', 'val'))
     except (ValueError, FileNotFoundError) as e:
@@ -280,7 +270,7 @@ def setup(cfg, run):
         if len(tokens) < cfg.block_size + 1:
             raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens, fewer than block_size + 1 = '
                              f'{cfg.block_size + 1}: use a smaller --block_size or more data')
-    windows = cfg.eval_iters * cfg.batch_size  # fixed validation windows; val_set: what their losses compare over
+    windows = cfg.eval_iters * cfg.batch_size  # fixed validation windows
     run.data = SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_set=[str(folder), len(val),
                                cfg.block_size, windows], val_starts=np.random.default_rng(EVAL_SEED).integers(
                                    0, len(val) - cfg.block_size, windows))
@@ -288,12 +278,12 @@ def setup(cfg, run):
     ckpt = load_checkpoint(run.folder / 'ckpt.pt') if cfg.init_from == 'resume' else None
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    vocab_size = run.data.tok.vocab_size  # a tokenizer of more than 256 ids: padded to a multiple of vocab_multiple
+    torch.manual_seed(cfg.seed)  # the same weights on every rank
+    vocab_size = run.data.tok.vocab_size
     vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple if vocab_size > 256 else vocab_size
     run.raw_model = Model(ModelConfig(**model_args(cfg), vocab_size=vocab_size)) if ckpt is None else \
         model_from_checkpoint(ckpt, run.folder / 'ckpt.pt')
-    run.raw_model.config.block_size = cfg.block_size  # a resume trains at this run's context (the model has no limit)
+    run.raw_model.config.block_size = cfg.block_size  # a resume trains at this run's context
     run.raw_model.to(run.device)
     run.optimizer = run.raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                        run.device.type)
@@ -317,10 +307,8 @@ def setup(cfg, run):
 
 
 def resume(cfg, run, ckpt):
-    """The step, the losses, the optimizer's, the loss scaler's and every random state of ckpt: the run goes on as if
-    it had not stopped (the batches too, unless the world size or the training data changed). TrainError for another
-    tokenizer, other model settings (block_size aside: this run's) or no steps to go."""
-    path, saved = run.folder / 'ckpt.pt', asdict(run.raw_model.config)  # resolved, as asked is
+    """Go on from ckpt (its step, losses, optimizer, random states) as if the run had not stopped."""
+    path, saved = run.folder / 'ckpt.pt', asdict(run.raw_model.config)
     if ckpt['tokenizer'] != cfg.tokenizer:
         raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses {cfg.tokenizer!r}: '
                          f'pass --tokenizer={ckpt["tokenizer"]}')
@@ -328,9 +316,8 @@ def resume(cfg, run, ckpt):
     changed = [k for k, v in saved.items() if k != 'block_size' and asked.get(k) != v]
     if changed:
         raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
-                         f'for {", ".join(f"{k}={asked.get(k)!r}" for k in changed)}. A run resumes with the '
-                         f'model it trained: drop those settings (or give the config file it started with), or '
-                         f'train the new model in a new --out_dir')
+                         f'for {", ".join(f"{k}={asked.get(k)!r}" for k in changed)}: drop those settings (or give its '
+                         f'config file), or train the new model in a new --out_dir')
     if ckpt['iter_num'] >= cfg.max_iters:
         raise TrainError(f'{path} is at step {ckpt["iter_num"]}, which --max_iters={cfg.max_iters} does not pass: set '
                          f'--max_iters above {ckpt["iter_num"]} to train on')
@@ -340,13 +327,13 @@ def resume(cfg, run, ckpt):
     run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
         'untrained_loss')
     run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
-    if ckpt['data_state'].get('val_set') != run.data.val_set:  # another validation set: its losses do not compare
+    if ckpt['data_state'].get('val_set') != run.data.val_set:  # losses that do not compare
         run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
         if run.master:
-            print("resume: the validation set is not the checkpoint's (another dataset, block_size, eval_iters or "
-                  "batch_size): the best validation loss starts over, and the next evaluation writes best.pt")
+            print("resume: the validation set is not the checkpoint's (other data, block_size, eval_iters or "
+                  "batch_size): the best validation loss starts over")
     run.optimizer.load_state_dict(ckpt['optimizer'])
-    if ckpt.get('scaler') and run.scaler.is_enabled():  # float16 runs only; empty for bfloat16 and float32
+    if ckpt.get('scaler') and run.scaler.is_enabled():  # float16 runs only
         run.scaler.load_state_dict(ckpt['scaler'])
     rng = ckpt['rng']
     random.setstate(rng['python'])
@@ -363,7 +350,7 @@ def resume(cfg, run, ckpt):
 
 
 def get_batch(tokens, starts, block_size, device):
-    """Inputs x = tokens[s : s+block_size] and targets y = tokens[s+1 : s+block_size+1] for each start s."""
+    """Inputs tokens[s : s+block_size] and targets tokens[s+1 : s+block_size+1] for each start s."""
     xy = torch.from_numpy(np.stack([tokens[s:s + block_size + 1] for s in starts]).astype(np.int64))
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
@@ -371,8 +358,7 @@ def get_batch(tokens, starts, block_size, device):
 
 
 def next_batch(cfg, run):
-    """This rank's next random training batch; run.batch_state: the generator's state before it, what a resume draws
-    again."""
+    """This rank's next random training batch; run.batch_state: the generator's state before it, for a resume."""
     run.batch_state = run.gen.bit_generator.state
     starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
     return get_batch(run.data.train, starts, cfg.block_size, run.device)
@@ -381,7 +367,7 @@ def next_batch(cfg, run):
 @torch.no_grad()
 def estimate_loss(cfg, run):
     """Mean loss per token over the fixed validation windows (split over the ranks under DDP)."""
-    model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync in evaluation
+    model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync
     model.eval()
     total, mine = torch.zeros(2, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
     for i in range(0, len(mine), cfg.batch_size):
@@ -406,7 +392,7 @@ def get_lr(it, cfg):
 
 
 def check_finite(cfg, run):
-    """Stop the run if a step so far had a loss or gradient norm that is not finite, on any rank (one sync)."""
+    """Stop the run if a step so far had a loss or gradient norm not finite, on any rank (one sync)."""
     bad = run.bad.cpu()
     if run.group is not None:
         dist.all_reduce(bad, op=dist.ReduceOp.MIN, group=run.group)
@@ -417,7 +403,7 @@ def check_finite(cfg, run):
 
 
 def diverged(run, what):
-    """Raise the TrainError of a run that diverged: nothing is saved after it."""
+    """The TrainError of a diverged run: nothing is saved after it."""
     name = 'ckpt.pt' if 'ckpt.pt' in run.saved else 'best.pt'
     kept = (f'{run.folder / name} (step {run.saved[name]}) is the last good checkpoint' if run.saved else
             f"the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if run.earlier else
@@ -427,20 +413,21 @@ def diverged(run, what):
 
 
 def catch_signals(cfg, run):
-    """From now on (the loop) Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once.
-    So does the first while a compiled model has trained no step (its compiles can outlast torchrun's 30 s grace)."""
+    """From now on Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once, and so does
+    the first while a compiled model has trained no step (its compiles can outlast torchrun's 30 s grace)."""
     start = run.iter_num
 
     def request_stop(signum, frame):
         if cfg.compile and run.iter_num == start:
             if run.master:
-                print(f'\n{signal.Signals(signum).name}: no step trained yet, nothing to save: quitting now', flush=True)
+                print(f'\n{signal.Signals(signum).name}: no step trained yet, nothing to save: quitting now',
+                      flush=True)
             raise SystemExit(128 + signum)
         run.stop = True
         signal.signal(signum, run.handlers[signum])
         if run.master:
             print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
-    if threading.current_thread() is threading.main_thread():  # the only one that can take signals
+    if threading.current_thread() is threading.main_thread():  # the one that takes signals
         run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
@@ -452,7 +439,7 @@ def main(argv=()):
     run = SimpleNamespace(folder=Path(cfg.out_dir), created=not os.path.exists(cfg.out_dir), lock=None, handlers={},
                           saved={}, earlier=[], stop=False, rank=0, world_size=1, group=None, device=cfg.device)
     try:
-        if 'RANK' in os.environ:  # torchrun's: NCCL on CUDA, gloo on the CPU; run.group: gloo for small messages
+        if 'RANK' in os.environ:  # torchrun's; run.group: gloo for small messages
             run.rank, local_rank, run.world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
             if cfg.device.startswith('cuda'):
                 run.device = f'cuda:{local_rank}'
@@ -466,8 +453,7 @@ def main(argv=()):
         if run.device.type == 'cuda':
             run.dtype = 'float16' if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported() else run.dtype
             torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
-        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, getattr(torch,
-                                                                                                      run.dtype))
+        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, getattr(torch, run.dtype))
         run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
         setup(cfg, run)
         catch_signals(cfg, run)
@@ -476,7 +462,7 @@ def main(argv=()):
         for sig, handler in run.handlers.items():
             signal.signal(sig, handler)
         if run.lock is not None:
-            (run.folder / 'train.lock').unlink(missing_ok=True)  # while held: a run that locked this file retries
+            (run.folder / 'train.lock').unlink(missing_ok=True)  # while held (a run that locked this file retries)
             run.lock.close()
         if run.created and run.rank == 0 and run.folder.is_dir() and not any(run.folder.iterdir()):
             run.folder.rmdir()  # a refused run leaves no folder behind
@@ -491,15 +477,15 @@ def train(cfg, run):
     X, Y = next_batch(cfg, run)
     t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
     while True:
-        # evaluate, and save ckpt.pt (and best.pt when val improves); not again right after resuming
+        # evaluate and save (not again right after resuming)
         if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (
                 run.iter_num > start or not resumed):
             check_finite(cfg, run)
             val_loss = estimate_loss(cfg, run)
-            run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss  # a scratch run's first
+            run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
             if not math.isfinite(val_loss):
                 diverged(run, f'the validation loss is {val_loss} at step {run.iter_num}')
-            if val_loss > run.untrained_loss + BLOW_UP:  # a clear rise: noise stays within a tenth of a nat
+            if val_loss > run.untrained_loss + BLOW_UP:
                 diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained model's "
                               f"{run.untrained_loss:.4f} at step {run.iter_num}")
             history['val'].append((run.iter_num, val_loss))
@@ -514,14 +500,14 @@ def train(cfg, run):
             names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
             if run.iter_num > start and names:
                 save(cfg, run, names)
-            t_log = time.time()  # leave evaluation out of the timings
+            t_log = time.time()  # evaluation out of the timings
         if run.iter_num >= cfg.max_iters:
             break
-        if run.group is not None:  # Ctrl-C or SIGTERM on any rank: every rank stops at this step
+        if run.group is not None:  # a Ctrl-C or SIGTERM on any rank stops every rank here
             stop = torch.tensor([float(run.stop)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
             run.stop = bool(stop.item())
-        if run.stop:  # an --overwrite run that has not saved keeps the earlier run whole
+        if run.stop:  # an --overwrite run not yet saved keeps the earlier run whole
             if not run.earlier and run.saved.get('ckpt.pt') != run.iter_num:
                 check_finite(cfg, run)
                 save(cfg, run, ['ckpt.pt'])
@@ -532,22 +518,21 @@ def train(cfg, run):
                                        f'--init_from=resume')
             return history
 
-        # forward and backward over grad_accum micro-batches, clip, step
+        # forward and backward over the micro-batches, clip, step
         lr = get_lr(run.iter_num, cfg)
         for param_group in run.optimizer.param_groups:
             param_group['lr'] = lr
         step_loss = torch.zeros((), device=run.device)
         for micro_step in range(grad_accum):
-            sync = run.group is None or micro_step == grad_accum - 1  # DDP: all-reduce the gradients once a step
+            sync = run.group is None or micro_step == grad_accum - 1  # DDP: the gradients all-reduced once
             with nullcontext() if sync else run.model.no_sync(), run.ctx:
                 _, loss = run.model(X, Y)
             X, Y = next_batch(cfg, run)  # while the accelerator works
             run.scaler.scale(loss / grad_accum).backward()
             step_loss += loss.detach() / grad_accum
-        run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check; otherwise nothing
+        run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
-        # the first step of a loss or gradient norm that is not finite, noted without a sync (a float16 scaler skips
-        # the steps of non-finite gradients itself); check_finite stops the run at the next log line or save
+        # the first step of a loss or gradient norm not finite, noted without a sync (check_finite acts on it)
         finite = torch.stack([step_loss.isfinite(), grad_norm.isfinite() | run.scaler.is_enabled()])
         run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)
         run.scaler.step(run.optimizer)
@@ -555,14 +540,14 @@ def train(cfg, run):
         run.optimizer.zero_grad(set_to_none=True)
         run.iter_num, steps_since_log, loss_sum = run.iter_num + 1, steps_since_log + 1, loss_sum + step_loss
 
-        # log: this rank's loss, averaged over the steps since the last log line
+        # log this rank's loss, averaged since the last log line
         if run.iter_num % cfg.log_interval == 0 or run.iter_num == cfg.max_iters:
             check_finite(cfg, run)
-            lossf = loss_sum.item() / steps_since_log  # .item() waits for the GPU, so the timing is right
+            lossf = loss_sum.item() / steps_since_log  # waits for the GPU: the timing is right
             dt = (time.time() - t_log) / steps_since_log
             history['train'].append((run.iter_num, lossf))
             if run.master:
-                mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)  # 0.0 off CUDA
+                mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)
                 memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \
                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
                 print(f'iter {run.iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s'

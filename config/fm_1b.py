@@ -1,6 +1,6 @@
 # Factorization Memory, the paper's 1B model (Section 4.4): 16 layers, d_model = d_memory = 2048, m = 64 memory
 # rows, k = 8 read and written per token, LLaMA blocks (RMSNorm, SwiGLU), context 1024, tokenizer cl100k_base; with
-# FM's block (a convolution on the values and an output gate, not in the paper; config/paper_layer.py removes it).
+# FM's block (a convolution on xbar = W_in x and an output gate, not in the paper; config/paper_layer.py removes it).
 # Parameters: 880,969,760 (675,579,936 without the tied embedding; vocab 100,277 padded to 100,288); the paper's
 # layer: 882,903,072. transformer_1b.py and mamba2_1b.py match them within 0.3%.
 #
@@ -33,7 +33,7 @@ n_memory = 64
 top_k = 8
 d_memory = 2048
 tau = 1.0
-fm_conv = 4  # FM's block (not in the paper): a 4-tap convolution on the values and an output gate, which close
+fm_conv = 4  # FM's block (not in the paper): a 4-tap convolution on xbar and an output gate, which close
 fm_gate = True  # most of the gap to Mamba-2 at small scale (README); add config/paper_layer.py for the paper's layer
 d_ff = 4800  # None would give 4,820 (the block's weights taken from the MLP's 5,504): a multiple of 64 instead
 chunk_size = 64

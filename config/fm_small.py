@@ -20,7 +20,7 @@ d_model = 128
 n_memory = 32
 top_k = 8  # k = m/4, the paper's proportional sparsity
 tau = 1.0
-fm_conv = 4  # FM's block (not in the paper): a 4-tap convolution on the values and an output gate, its weights
+fm_conv = 4  # FM's block (not in the paper): a 4-tap convolution on xbar and an output gate, its weights
 fm_gate = True  # taken from the MLP (d_ff 340); add config/paper_layer.py for the paper's layer exactly
 chunk_size = 16  # fastest for the PyTorch scan on a CPU
 

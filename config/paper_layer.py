@@ -1,4 +1,4 @@
-# The paper's Factorization Memory layer exactly, without FM's block (the convolution on the values and the output
+# The paper's Factorization Memory layer exactly, without FM's block (the convolution on xbar and the output
 # gate, which the FM configs add): put it after an FM config, which it changes only there.
 #   python train.py config/fm_small.py config/paper_layer.py --out_dir=out-fm-small-paper
 #   python train.py config/fm_1b.py config/paper_layer.py --out_dir=out-fm-1b-paper

@@ -27,7 +27,7 @@ from conftest import REPO, build, defaults, reproduce_sh, save_model_checkpoint,
 from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import get_tokenizer
 from research import analysis
-from test_fm import MIXER_CASES
+from test_fm import MIXER_CASES, PAPERS, ContrarianFM
 
 
 # ----------------------------------------------------------------------------- eval.py
@@ -57,7 +57,7 @@ def test_position_buckets_and_loss_so_far():
     assert [s['loss'] for s in so_far] == pytest.approx([(1 + 10) / 2, (1 + 2 + 10 + 20) / 4, (1 + 2 + 3 + 4) / 4])
 
 
-@pytest.mark.parametrize('name', ['fm_dense', 'fm_sparse', 'mamba2'])
+@pytest.mark.parametrize('name', MIXER_CASES)
 def test_loss_by_position_chunked_equals_one_pass(name):
     """eval.py's document_losses in chunks of 7 (each from the last one's state) gives the losses of one pass,
     which are the model's forward cross-entropy."""
@@ -548,19 +548,19 @@ def test_routing_measures_usage_dead_rows_entropy_and_eta(tmp_path):
     for (name, model), result in zip(models.items(), results):
         k = 3 if name == 'sparse' else 1
         assert result['tokens'] == 130 and len(result['layers']) == 2
-        for layer, want in zip(result['layers'], routing_by_hand(model, tokens)):
+        for layer, want in zip(result['layers'], routing_by_hand(model, tokens)):  # the paper's router, by hand
             usage = torch.tensor(layer['usage'], dtype=torch.float64)
-            assert (usage - want['usage']).abs().max() < 1e-9, name
+            assert (usage - want['usage']).abs().max() < 1e-9, f'{name}: {PAPERS}'
             assert abs(usage.sum() - k) < 1e-9
             assert usage[0] == 0 if name == 'sparse' else usage[0] < 1e-3
-            assert layer['dead_rows'] == int((want['usage'] < 1 / 80).sum()) >= 1
-            assert layer['entropy'] == pytest.approx(want['entropy'], abs=1e-9)
-            assert layer['eta_mean'] == pytest.approx(want['eta_mean'], abs=1e-6)
+            assert layer['dead_rows'] == int((want['usage'] < 1 / 80).sum()) >= 1, PAPERS
+            assert layer['entropy'] == pytest.approx(want['entropy'], abs=1e-9), PAPERS
+            assert layer['eta_mean'] == pytest.approx(want['eta_mean'], abs=1e-6), PAPERS
             weight = torch.tensor(layer['weight_usage'], dtype=torch.float64)
-            assert (weight - want['weight_usage']).abs().max() < 1e-9 and abs(weight.sum() - 1) < 1e-9
+            assert (weight - want['weight_usage']).abs().max() < 1e-9 and abs(weight.sum() - 1) < 1e-9, PAPERS
             entropy = -torch.special.xlogy(want['weight_usage'], want['weight_usage']).sum()  # 0 log 0 = 0
-            assert layer['weight_effective_rows'] == pytest.approx(float(torch.exp(entropy)))
-            assert layer['busiest_row_theta'] == pytest.approx(want['busiest_row_theta'], abs=1e-6)
+            assert layer['weight_effective_rows'] == pytest.approx(float(torch.exp(entropy))), PAPERS
+            assert layer['busiest_row_theta'] == pytest.approx(want['busiest_row_theta'], abs=1e-6), PAPERS
             assert layer['busiest_row_ablation'] == 0  # the planted blocks add nothing: no read-out reaches the loss
         saved = json.loads((tmp_path / name / 'routing.json').read_text())
         keys = ('usage', 'dead_rows', 'entropy', 'eta_mean')
@@ -663,6 +663,22 @@ def test_routing_stats_of_uniform_and_token_independent_routers():
     assert same['logit_bias_share'] == pytest.approx(1, abs=1e-9) and same['input_mean_share'] == pytest.approx(1)
     assert same['usage'].count(1.0) == 3 and same['dead_rows'] == 5 and same['busiest_row'] == 1.0
     assert spread['logit_bias_share'] < 0.01 and spread['input_mean_share'] < 0.01
+
+
+def test_routing_stats_read_route():
+    """An edited router (test_fm.ContrarianFM: the rows the standard router likes least) is measured as it routes:
+    the entropy of its own softmax and the usage of its own rows."""
+    torch.manual_seed(0)
+    mixer = ContrarianFM(tiny_config(top_k=3))
+    torch.nn.init.normal_(mixer.router.weight, std=0.5)
+    x = torch.randn(2, 50, 32)
+    stats = evaluation.RoutingStats(8, 3, 32)
+    stats.add(mixer, x)
+    layer = stats.summary()
+    probs = torch.softmax(-mixer.router_scores(x.flatten(0, 1)).detach().double()[:, :-2], -1)  # (100, 8), tau 1
+    usage = torch.zeros(8, dtype=torch.float64).scatter_add_(0, probs.topk(3).indices.flatten(), torch.ones(300, dtype=torch.float64))
+    assert layer['entropy'] == pytest.approx(float(-(probs * probs.log()).sum(-1).mean()), abs=1e-6)
+    assert layer['usage'] == pytest.approx((usage / 100).tolist(), abs=1e-12)
 
 
 def sweep_run(folder, lr, loss, block_size=48, **model):

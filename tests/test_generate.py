@@ -13,7 +13,7 @@ import generate
 import model as model_module
 import sample
 from configurator import ConfigError
-from conftest import CUDA, REPO, rel_err, save_model_checkpoint, tiny_config
+from conftest import CUDA, REPO, prefill, rel_err, save_model_checkpoint, tiny_config
 from generate import Generator, Sampling, sample_next
 from model import Model
 from test_fm import MIXER_CASES
@@ -103,11 +103,10 @@ def test_compiled_step_at_batch_1_has_no_library_product_gpu():
 
 @pytest.mark.skipif(not CUDA, reason="the batch-1 Triton product runs on CUDA in half precision")
 def test_bf16_step_at_batch_1_takes_the_triton_product_gpu():
-    """A bfloat16 model's decoding step at batch 1, with generate.py's tricks, sends each MLP's down product to
-    fm_kernel.decode_product, with the logits of the same steps through F.linear (rounding apart)."""
+    """A bfloat16 model's decoding step at batch 1 sends each MLP's down product to fm_kernel.decode_product, with
+    the logits of the same steps through F.linear (rounding apart)."""
     torch.manual_seed(8)
     model = Model(tiny_config(init_std=0.3, mixer='fm', top_k=3)).cuda().to(torch.bfloat16).eval()
-    generate.speed_up_decoding(model, compiled=False)
     idx = torch.randint(0, 64, (1, 9), device='cuda')
     runs, calls = [], []
     for dispatch in (fm_kernel.decode_linear, F.linear):
@@ -134,7 +133,7 @@ def test_mamba_ssm_fused_step_equals_the_models_own_gpu():
     for fused in (None, selective_state_update):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(model_module, 'selective_state_update', fused)
-            _, state = model.prefill(idx[:, :12], max_len=20)
+            _, state = prefill(model, idx[:, :12], max_len=20)
             logits = torch.stack([model.step(idx[:, t], state) for t in range(12, 20)], 1)
             runs.append((logits, torch.cat([layer['ssm'].flatten() for layer in state])))
     assert rel_err(runs[1][0], runs[0][0]) < 1e-5 and rel_err(runs[1][1], runs[0][1]) < 1e-5

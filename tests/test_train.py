@@ -26,6 +26,7 @@ from configurator import ConfigError, help_text, load_config
 from conftest import (CUDA, DEVICE, DOCUMENTS, REPO, build, corrupt, defaults, gpus, needs_triton, rel_err, tiny,
                       tiny_config, using_scan)
 from fm_kernel import fm_scan, fm_scan_torch
+import model as model_module
 from model import Model, ModelConfig
 from prepare_data import load_tokens, prepare
 from research import analysis
@@ -261,6 +262,13 @@ def test_help_explains_the_settings(capsys):
         assert re.search(rf'^  {re.escape(setting)} +{re.escape(explanation)}$', out, re.M), setting
 
 
+def test_help_lists_the_mixers_of_model_py(capsys, monkeypatch):
+    """--help lists MIXER_CLASSES: a mixer added there is listed."""
+    monkeypatch.setitem(model_module.MIXER_CLASSES, 'rnn', type('GatedRNN', (), {}))
+    train.main(['--help'])
+    assert 'mixers: fm (FactorizationMemory), attn (Attention), mamba2 (Mamba2), rnn (GatedRNN)\n' in capsys.readouterr().out
+
+
 @pytest.mark.parametrize('settings, sources', [
     pytest.param(train.default_config(), ('train.py', 'model.py'), id='train'),
     pytest.param(sample._DEFAULTS, ('sample.py',), id='sample'),
@@ -352,6 +360,7 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
     ('--min_lr=1.0', '--min_lr=1.0 is above --learning_rate=0.01: the cosine decays from learning_rate to min_lr'),
     ('--vocab_multiple=0', '--vocab_multiple=0 is out of range: set it to at least 1'),
     ('--chunk_size=7', 'ModelConfig.chunk_size=7: must be a power of 2'),
+    ('--chunk_size=0', 'ModelConfig.chunk_size=0: must be positive'),
     ('--mixer=foo', "ModelConfig.mixer='foo': unknown mixer; use one of fm, attn, mamba2"),
     ('--n_layer=0', 'ModelConfig.n_layer=0: must be positive'),
     ('--fm_conv=-1', 'ModelConfig.fm_conv=-1: must be 0 (no convolution) to 16 taps'),
