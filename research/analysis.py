@@ -479,6 +479,10 @@ def positions_csv(path):
                 r['buckets'].append({'start': start, 'end': end + 1, 'loss': loss})
             else:
                 r['loss_so_far'].append({'t': end, 'loss': loss})
+    for checkpoint, r in results.items():
+        if 'val_loss' not in r:
+            raise EvalError(f"--runs={path}: not a whole .csv of eval.py's loss by position: {checkpoint} has no val "
+                            f"row (its context)")
     return list(results.values())
 
 

@@ -432,7 +432,7 @@ def test_positions_and_gap_read_evals_csv_as_its_json(tmp_path):
                         'buckets': [{'start': 1, 'end': 2, 'loss': 3.0, 'positions': 3, 'documents': 3}]})
         for row in results[-1]['loss_so_far']:
             row['documents'] = 3
-    evaluation.write_positions(results, [], {}, str(tmp_path / 'p'))
+    evaluation.write_positions(results, [], {}, str(tmp_path / 'p.json'), str(tmp_path / 'p.csv'))
     tables = [analysis.main(['gap', f'--runs={tmp_path / f"p.{kind}"}', f'--out={tmp_path / kind}'])
               for kind in ('json', 'csv')]
     assert tables[0] == tables[1] and tables[1]['6x256 fm m=64, context 512, lr 0.002 (seeds: 1)'] == pytest.approx(
@@ -444,6 +444,10 @@ def test_positions_and_gap_read_evals_csv_as_its_json(tmp_path):
     (tmp_path / 'q.csv').write_text((tmp_path / 'p.csv').read_text().replace('mamba2-lr2e-3-s2', 'mamba2-two'))
     with pytest.raises(evaluation.EvalError, match="q.csv: not a .csv of eval.py's loss by position of reproduce.sh"):
         analysis.main(['gap', f'--runs={tmp_path / "q.csv"}', f'--out={tmp_path / "q"}'])
+    lines = (tmp_path / 'p.csv').read_text().splitlines(keepends=True)  # without its val rows: no context to draw
+    (tmp_path / 'r.csv').write_text(''.join(line for line in lines if ',val,' not in line))
+    with pytest.raises(evaluation.EvalError, match="r.csv: not a whole .csv .* mamba2-lr2e-3-s1 has no val row"):
+        analysis.main(['positions', f'--runs={tmp_path / "r.csv"}', f'--out={tmp_path / "r"}'])
 
 
 def sweep_record(model, lr, seed, loss, finished=True):
@@ -788,8 +792,9 @@ def test_reproduce_regenerates_a_table_from_previous_alone(tmp_path):
                              'seed': 3}], fields, new / 'extrapolation_lr.csv')
     (new / 'extrapolation_positions.csv').write_text(
         'checkpoint,model,measure,start,end,loss,positions,documents\n'
-        + ''.join(f'mamba2-lr4e-3-s{seed},6x256 mamba2,so_far,1,{t},{loss},{t},1\n'
-                  for seed, loss in ((1, 2.0), (2, 3.0)) for t in (512, 4096, 32768)))
+        + ''.join(f'mamba2-lr4e-3-s{seed},6x256 mamba2,val,1,512,{loss},,\n' + ''.join(
+            f'mamba2-lr4e-3-s{seed},6x256 mamba2,so_far,1,{t},{loss},{t},1\n' for t in (512, 4096, 32768))
+                  for seed, loss in ((1, 2.0), (2, 3.0))))
     env = dict(RUNS=str(tmp_path / 'runs'), RESULTS=str(tmp_path / 'results'), PREVIOUS=f'{old} {new}',
                TRAIN_SECONDS='1', MODELS='mamba2')
     run = subprocess.run(['bash', 'research/reproduce.sh', 'quality'], cwd=REPO, capture_output=True, text=True,
