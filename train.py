@@ -4,9 +4,9 @@ Train a language model of model.py: Factorization Memory, or another mixer (--he
     python train.py                                   # small FM model, default corpus, a few minutes on a CPU
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
     torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py   # DDP (NCCL; gloo with --device=cpu)
-Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run (claim); saves are
-whole (save); a value that is not finite or a blow-up stops the run unsaved (check_finite, the loop); Ctrl-C or SIGTERM
-saves the step (resume goes on bit for bit); --overwrite=True replaces the earlier run once a checkpoint is whole.
+Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run; saves are whole; a
+value that is not finite or a blow-up stops the run unsaved; Ctrl-C or SIGTERM saves the step (resume goes on bit for
+bit); --overwrite=True replaces the earlier run once a checkpoint is whole.
 """
 import fcntl
 import importlib.util
