@@ -142,11 +142,11 @@ def settings(argv):
     try:
         config = ModelConfig(**model_args(cfg), vocab_size=get_tokenizer(cfg.tokenizer).vocab_size)
         with torch.device('meta'):  # a mixer of one's own checks its settings when built
-            Model(config)
+            n_params = Model(config).num_params(non_embedding=False)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
     check_device(cfg.device)
-    check_batch_fits(cfg.batch_size, cfg.block_size, config, torch.device(cfg.device))
+    check_batch_fits(cfg.batch_size, cfg.block_size, config, n_params, torch.device(cfg.device))
     if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
         print("warning: --dtype=float16 on the CPU is slow (about 10 times float32's step): use --dtype=float32")
     return cfg
