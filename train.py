@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import resource
 import signal
 import threading
@@ -70,7 +71,8 @@ top_k = 8  # k rows read and written per token; None: dense
 tau = 1.0  # router softmax temperature
 fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on xbar (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
-chunk_size = 16  # tokens a chunk of the parallel scans: 16 is fastest for FM's PyTorch scan on a CPU
+
+chunk_size = 16  # [fm, mamba2] tokens a chunk of the parallel scans: 16 is fastest for FM's PyTorch scan on a CPU
 
 # AdamW, its learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
 learning_rate = 4e-3  # the peak learning rate, after warmup_iters
@@ -133,6 +135,11 @@ def settings(argv):
              f'the cosine decays from learning_rate to min_lr; set min_lr lower (e.g. learning_rate / 10)'),
             (cfg.warmup_iters > cfg.max_iters, f'--warmup_iters={cfg.warmup_iters} is beyond --max_iters='
              f'{cfg.max_iters}: the run would end before its learning rate peaks; set at most {cfg.max_iters}'),
+            (0 < cfg.lr_decay_iters <= cfg.warmup_iters, f'--lr_decay_iters={cfg.lr_decay_iters} is not after '
+             f'--warmup_iters={cfg.warmup_iters}: the learning rate would drop from its peak to min_lr at once; set '
+             f'lr_decay_iters above warmup_iters (or 0: max_iters)'),
+            (cfg.hf_config and not cfg.dataset.startswith('hf:'), f'--hf_config={cfg.hf_config} applies to hf: datasets '
+             f'only (--dataset={cfg.dataset!r} is not one): drop it, or pass --dataset=hf:NAME'),
             *[(not 0 <= getattr(cfg, key) < 1, f"--{key}={getattr(cfg, key)} is out of range: AdamW's {key} must be "
                f"at least 0 and below 1 (the default is {globals()[key]})") for key in ('beta1', 'beta2')],
             (os.path.isfile(cfg.data_dir), f'--data_dir={cfg.data_dir} is a file: give the folder of prepare_data.py'),
@@ -145,6 +152,16 @@ def settings(argv):
             n_params = Model(config).num_params(non_embedding=False)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
+    tags, defaults = help_text(default_config(), __file__, model_file.__file__), default_config()
+    ignored = {k: mixers for k, mixers in re.findall(r'^  --(\w+)=\S*\s+\[([\w, ]+)\] ', tags, re.M)
+               if config.family not in mixers.split(', ') and getattr(cfg, k) != defaults[k]}  # --help's [fm] tags
+    if ignored:
+        print(f"warning: --mixer={cfg.mixer} ignores {', '.join(f'--{k}={getattr(cfg, k)!r}' for k in ignored)} "
+              f"(settings of {', '.join(sorted(set(ignored.values())))}): not used, and recorded at the default")
+        vars(cfg).update({k: defaults[k] for k in ignored})
+    if config.family == 'fm' and cfg.chunk_size > cfg.block_size:
+        print(f"warning: --chunk_size={cfg.chunk_size} is above --block_size={cfg.block_size}: FM's scan pads each "
+              f"sequence to a whole chunk (about 10 times slower); set chunk_size at most {cfg.block_size}")
     check_device(cfg.device)
     check_batch_fits(cfg.batch_size, cfg.block_size, config, n_params, torch.device(cfg.device))
     if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':

@@ -444,7 +444,7 @@ def test_the_memory_check_counts_the_weights_and_adamw(data_dir, tmp_path, monke
 
 @pytest.mark.parametrize('args, ignored', [
     (['--mixer=attn', '--top_k=4', '--n_memory=16'], "--mixer=attn ignores --n_memory=16, --top_k=4 (settings of fm)"),
-    (['--mixer=mamba2', '--n_head=4'], "--mixer=mamba2 ignores --n_head=4 (a setting of attn)"),
+    (['--mixer=mamba2', '--n_head=4'], "--mixer=mamba2 ignores --n_head=4 (settings of attn)"),
 ])
 def test_settings_a_mixer_ignores_are_warned_and_not_recorded(args, ignored, capsys):
     """A model setting of another mixer (--help's [fm], [attn], [mamba2] tags) gets one warning line and is kept at
@@ -464,7 +464,7 @@ def test_inconsistent_schedule_chunk_and_hf_config(data_dir, tmp_path, capsys):
     """A cosine that ends before the warmup does, and --hf_config with a local dataset, are refused naming the fix;
     a chunk larger than the context is warned (the scans pad each sequence to a chunk)."""
     for args, message in (
-            (['--warmup_iters=15', '--lr_decay_iters=10'], '--lr_decay_iters=10 is before the end of --warmup_iters=15: '
+            (['--warmup_iters=15', '--lr_decay_iters=10'], '--lr_decay_iters=10 is not after --warmup_iters=15: '
              'the learning rate would drop from its peak to min_lr at once; set lr_decay_iters above warmup_iters '
              '(or 0: max_iters)'),
             (['--hf_config=foo'], "--hf_config=foo applies to hf: datasets only (--dataset='default' is not one): "
@@ -474,8 +474,8 @@ def test_inconsistent_schedule_chunk_and_hf_config(data_dir, tmp_path, capsys):
         assert str(error.value) == message
     assert not (tmp_path / 'new').exists()
     train.settings(['--chunk_size=128', '--block_size=64'])
-    assert capsys.readouterr().out == ('warning: --chunk_size=128 is above --block_size=64: the scans pad each sequence '
-                                       'to a whole chunk (about 10 times slower); set chunk_size at most 64\n')
+    assert capsys.readouterr().out == ("warning: --chunk_size=128 is above --block_size=64: FM's scan pads each "
+                                       'sequence to a whole chunk (about 10 times slower); set chunk_size at most 64\n')
     train.settings(['--chunk_size=64', '--block_size=64', '--warmup_iters=10', '--lr_decay_iters=11'])
     assert capsys.readouterr().out == ''
 
