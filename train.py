@@ -366,9 +366,14 @@ def resume(cfg, run, ckpt):
             print('resume: the world size or the training data changed: the batches differ from a straight run')
 
 
-def get_batch(tokens, starts, block_size, device):
+def get_batch(tokens, starts, block_size, device, data):
     """Inputs tokens[s : s+block_size] and targets tokens[s+1 : s+block_size+1] for each start s."""
-    xy = torch.from_numpy(np.stack([tokens[s:s + block_size + 1] for s in starts]).astype(np.int64))
+    xy = np.stack([tokens[s:s + block_size + 1] for s in starts])
+    if xy.max() >= data.tok.vocab_size:  # token files unchecked (--verify_data=False): before the embedding fails
+        raise TrainError(f"a batch holds token id {xy.max()}, beyond the tokenizer's vocabulary of "
+                         f'{data.tok.vocab_size}: the token files in {data.folder} are damaged or of another tokenizer: '
+                         f'prepare them again (prepare_data.py), or check them with --verify_data=True')
+    xy = torch.from_numpy(xy.astype(np.int64))
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
     return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each
@@ -378,7 +383,7 @@ def next_batch(cfg, run):
     """This rank's next random training batch; run.batch_state: the generator's state before it, for a resume."""
     run.batch_state = run.gen.bit_generator.state
     starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
-    return get_batch(run.data.train, starts, cfg.block_size, run.device)
+    return get_batch(run.data.train, starts, cfg.block_size, run.device, run.data)
 
 
 @torch.no_grad()
@@ -388,7 +393,7 @@ def estimate_loss(cfg, run):
     model.eval()
     total, mine = torch.zeros(2, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
     for i in range(0, len(mine), cfg.batch_size):
-        x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device)
+        x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device, run.data)
         with run.ctx:
             total += torch.tensor([model(x, y)[1].item() * len(x), len(x)], dtype=torch.float64)
     if run.group is not None:

@@ -1361,7 +1361,7 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(data_dir, tmp_path, monkey
         tokens=np.full(10_000, 300, dtype=np.uint16)))
     with pytest.raises(train.TrainError) as error:
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--verify_data=False'))
-    assert str(error.value).startswith('a batch holds token id 300, beyond the vocabulary (256 tokens of bytes): the '
+    assert str(error.value).startswith("a batch holds token id 300, beyond the tokenizer's vocabulary of 256: the "
                                        'token files in ')
     assert str(error.value).endswith('are damaged or of another tokenizer: prepare them again (prepare_data.py), or '
                                      'check them with --verify_data=True')
