@@ -226,11 +226,16 @@ def save(cfg, run, names):
         diverged(run, f'{broken[0]} is not finite (NaN or infinity) at step {run.iter_num}')
     then = 'continue with --init_from=resume' if 'ckpt.pt' in run.saved else 'start this run again' + (
         ' with --overwrite=True (the earlier run is untouched)' if run.earlier else '')
-    gone = [name for name in run.earlier if name not in names]
+    gone = [name for name in run.earlier if name != names[0]]  # the earlier names[0] is replaced by a rename
 
     def write():  # rank 0's part
-        for name in names:
-            save_checkpoint(ckpt, run.folder / name, then, rename=False)
+        try:
+            for name in names:
+                save_checkpoint(ckpt, run.folder / name, then, rename=False)
+        except CheckpointError:  # e.g. a full disk: no whole .tmp of this save stays either
+            for name in names:
+                (run.folder / f'{name}.tmp').unlink(missing_ok=True)
+            raise
         if run.earlier:
             (run.folder / 'replacing.tmp').write_text('\n'.join(gone))
             os.replace(run.folder / 'replacing.tmp', run.folder / 'replacing')
@@ -243,12 +248,14 @@ def save(cfg, run, names):
 
 
 def swap_in(folder, gone):
-    """Rename the whole .tmp checkpoints in, remove the files gone, then the journal: each step can be done again."""
+    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in (the first replaces the earlier one's),
+    then remove the journal: out_dir holds one run's files at every point, and each step can be done again."""
+    if any(folder.glob('*.pt.tmp')):  # none once all are renamed in: gone is gone
+        for name in gone:
+            (folder / name).unlink(missing_ok=True)
     for name in ('ckpt.pt', 'best.pt'):
         if (folder / f'{name}.tmp').exists():
             os.replace(folder / f'{name}.tmp', folder / name)
-    for name in gone:
-        (folder / name).unlink(missing_ok=True)
     (folder / 'replacing').unlink(missing_ok=True)
 
 
