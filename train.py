@@ -345,9 +345,12 @@ def resume(cfg, run, ckpt):
     if ckpt['iter_num'] >= cfg.max_iters:
         raise TrainError(f'{path} is at step {ckpt["iter_num"]}, which --max_iters={cfg.max_iters} does not pass: set '
                          f'--max_iters above {ckpt["iter_num"]} to train on')
-    for k, v in ckpt['train_config'].items():
-        if run.master and (k == 'block_size' or k not in saved) and vars(cfg).get(k, v) != v:
-            print(f"resume: {k}={vars(cfg)[k]!r} (the checkpoint's run had {v!r})")
+    seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
+    changed = [f'{k}={vars(cfg)[k]!r} (was {v!r})' for k, v in ckpt['train_config'].items() if vars(cfg).get(k, v) != v
+               and (k == 'block_size' or k not in (*saved, 'init_from', 'out_dir'))]
+    if run.master and (changed or seed != cfg.seed):
+        print('resume: ' + '; '.join([', '.join(changed)] * bool(changed) + [f'--seed={seed} is not used: the random '
+              f'states are restored from the checkpoint (seed {cfg.seed})'] * (seed != cfg.seed)))
     run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
         'untrained_loss')
     run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
