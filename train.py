@@ -582,9 +582,10 @@ def train(cfg, run):
                 mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)
                 memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \
                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
-                print(f'iter {run.iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s'
-                      f'{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, mem {memory:.2f}GB, '
-                      f'{1000 * dt:.1f}ms/iter', flush=True)
+                left = round(dt * (cfg.max_iters - run.iter_num))  # s, at the mean step time since the last line
+                print(f'iter {run.iter_num}/{cfg.max_iters}: loss {lossf:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} '
+                      f'tok/s{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, mem {memory:.2f}GB, '
+                      f'{1000 * dt:.1f}ms/iter, {left // 60}m {left % 60}s left', flush=True)
             if run.wandb:
                 run.wandb.log({'iter': run.iter_num, 'train/loss': lossf, 'lr': lr, 'tok_s': tokens_per_iter / dt})
             t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
