@@ -398,18 +398,23 @@ def next_batch(cfg, run):
 
 @torch.no_grad()
 def estimate_loss(cfg, run):
-    """Mean loss per token over the fixed validation windows (split over the ranks under DDP)."""
+    """Mean loss per token over the fixed validation windows (split over the ranks under DDP); None if a Ctrl-C or
+    SIGTERM on any rank stopped it."""
     model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync
     model.eval()
-    total, mine = torch.zeros(2, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
-    for i in range(0, len(mine), cfg.batch_size):
+    total, mine = torch.zeros(3, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
+    for i in range(0, len(mine) * (not run.stop), cfg.batch_size):
         x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device, run.data)
         with run.ctx:
-            total += torch.tensor([model(x, y)[1].item() * len(x), len(x)], dtype=torch.float64)
+            total += torch.tensor([model(x, y)[1].item() * len(x), len(x), 0], dtype=torch.float64)
+        if run.stop:
+            break
+    total[2] = run.stop
     if run.group is not None:
-        dist.all_reduce(total, group=run.group)
+        dist.all_reduce(total, group=run.group)  # the stop too: every rank agrees
     model.train()
-    return (total[0] / total[1]).item()
+    run.stop = bool(total[2])
+    return None if run.stop else (total[0] / total[1]).item()
 
 
 def get_lr(it, cfg):
@@ -514,40 +519,42 @@ def train(cfg, run):
                 run.iter_num > start or not resumed):
             check_finite(cfg, run)
             val_loss = estimate_loss(cfg, run)
-            run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
-            if not math.isfinite(val_loss):
-                diverged(run, f'the validation loss is {val_loss} at step {run.iter_num}')
-            if val_loss > run.untrained_loss + BLOW_UP:
-                diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained model's "
-                              f"{run.untrained_loss:.4f} at step {run.iter_num}")
-            history['val'].append((run.iter_num, val_loss))
-            new_best = run.iter_num > start and val_loss < run.best_val_loss
-            run.best_val_loss = val_loss if new_best else run.best_val_loss
-            if run.master:
-                bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
-                print(f'step {run.iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}', flush=True)
-            if run.wandb:
-                run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
-            save_last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
-            names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
-            if run.iter_num > start and names:
-                save(cfg, run, names)
+            if val_loss is not None:  # None: a Ctrl-C or SIGTERM stopped it
+                run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
+                if not math.isfinite(val_loss):
+                    diverged(run, f'the validation loss is {val_loss} at step {run.iter_num}')
+                if val_loss > run.untrained_loss + BLOW_UP:
+                    diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained "
+                                  f"model's {run.untrained_loss:.4f} at step {run.iter_num}")
+                history['val'].append((run.iter_num, val_loss))
+                new_best = run.iter_num > start and val_loss < run.best_val_loss
+                run.best_val_loss = val_loss if new_best else run.best_val_loss
+                if run.master:
+                    bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
+                    print(f'step {run.iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" * new_best}', flush=True)
+                if run.wandb:
+                    run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
+                save_last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
+                names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
+                if run.iter_num > start and names:
+                    save(cfg, run, names)
             t_log = time.time()  # evaluation out of the timings
-        if run.iter_num >= cfg.max_iters:
+        if run.iter_num >= cfg.max_iters and val_loss is not None:  # its evaluation ran whole: done
             break
         if run.group is not None:  # a Ctrl-C or SIGTERM on any rank stops every rank here
             stop = torch.tensor([float(run.stop)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
             run.stop = bool(stop.item())
         if run.stop:  # an --overwrite run not yet saved keeps the earlier run whole
-            if not run.earlier and run.saved.get('ckpt.pt') != run.iter_num:
+            if not run.earlier and start < run.iter_num != run.saved.get('ckpt.pt'):  # a step trained, not saved
                 check_finite(cfg, run)
                 save(cfg, run, ['ckpt.pt'])
             if run.master:
                 print(f"stopped at step {run.iter_num}, before this run's first checkpoint: nothing of it was saved, "
                       f"and the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if
-                      run.earlier else f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
-                                       f'--init_from=resume')
+                      run.earlier else f'stopped at step {run.iter_num} before training a step: nothing was saved' if
+                      run.iter_num == start else f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
+                                                 f'--init_from=resume')
             return history
 
         # forward and backward over the micro-batches, clip, step
