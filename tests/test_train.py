@@ -952,6 +952,28 @@ def test_a_signal_during_an_evaluation_stops_it_at_once(data_dir, tmp_path, monk
     assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['iter_num'] == 4
 
 
+def test_a_signal_during_a_ddp_evaluation_stops_every_rank(data_dir, tmp_path):
+    """A SIGTERM to torchrun during step 0's long evaluation (gloo, two ranks): both ranks stop within seconds, agreeing
+    through the evaluation's all-reduce, and nothing is saved."""
+    import time
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+           *tiny(data_dir, tmp_path / 'out', '--device=cpu', '--gradient_accumulation_steps=2', '--eval_iters=100000')]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    try:
+        for line in proc.stdout:
+            if line.startswith('parameters:'):  # the evaluation of step 0 is next
+                break
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.time()
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert time.time() - sent < 30, output  # torchrun itself exits 1 on a SIGTERM, whatever its ranks do
+    assert output.count('stopped at step 0 before training a step: nothing was saved') == 1, output
+    assert not (tmp_path / 'out').exists()
+
 def test_a_resume_says_what_changed_in_one_line(data_dir, tmp_path, trained, capsys):
     """A resume prints one line: the settings it changes, and that --seed is the checkpoint's (its random states
     are restored), which the new checkpoint records."""
