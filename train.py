@@ -347,10 +347,10 @@ def resume(cfg, run, ckpt):
                          f'--max_iters above {ckpt["iter_num"]} to train on')
     seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
     changed = [f'{k}={vars(cfg)[k]!r} (was {v!r})' for k, v in ckpt['train_config'].items() if vars(cfg).get(k, v) != v
-               and (k == 'block_size' or k not in (*saved, 'init_from', 'out_dir'))]
-    if run.master and (changed or seed != cfg.seed):
-        print('resume: ' + '; '.join([', '.join(changed)] * bool(changed) + [f'--seed={seed} is not used: the random '
-              f'states are restored from the checkpoint (seed {cfg.seed})'] * (seed != cfg.seed)))
+               and (k == 'block_size' or k not in (*saved, 'init_from', 'out_dir'))] + [f'--seed={seed} is not used: '
+               f'the random states are restored from the checkpoint (seed {cfg.seed})'] * (seed != cfg.seed)
+    if run.master and changed:
+        print(f"resume: {', '.join(changed)}")
     run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
         'untrained_loss')
     run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
@@ -403,12 +403,12 @@ def estimate_loss(cfg, run):
     model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync
     model.eval()
     total, mine = torch.zeros(3, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
-    for i in range(0, len(mine) * (not run.stop), cfg.batch_size):
+    for i in range(0, len(mine), cfg.batch_size):
+        if run.stop:
+            break
         x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device, run.data)
         with run.ctx:
             total += torch.tensor([model(x, y)[1].item() * len(x), len(x), 0], dtype=torch.float64)
-        if run.stop:
-            break
     total[2] = run.stop
     if run.group is not None:
         dist.all_reduce(total, group=run.group)  # the stop too: every rank agrees

@@ -982,7 +982,7 @@ def test_a_resume_says_what_changed_in_one_line(data_dir, tmp_path, trained, cap
     train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume', '--seed=7', '--learning_rate=5e-3',
                     '--lr_decay_iters=8'))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('resume')]
-    assert lines == ['resume: learning_rate=0.005 (was 0.01), max_iters=9 (was 8); --seed=7 is not used: the random '
+    assert lines == ['resume: learning_rate=0.005 (was 0.01), max_iters=9 (was 8), --seed=7 is not used: the random '
                      'states are restored from the checkpoint (seed 1337)'], lines
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['train_config']['seed'] == 1337
 
