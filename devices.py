@@ -38,13 +38,18 @@ def memory(device, free=False):
     return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
-def check_batch_fits(batch_size, block_size, config, device):
-    """ConfigError if a micro-batch cannot fit (tokens, float32 logits and gradient, an activation a layer)."""
+def check_batch_fits(batch_size, block_size, config, n_params, device):
+    """ConfigError if the model (weights, gradients, AdamW's 2 moments: 16 bytes a parameter) and a micro-batch (tokens,
+    float32 logits and gradient, an activation a layer) cannot fit."""
+    model, memory_gb = 16 * n_params, memory(device) / 1e9
     need = batch_size * block_size * (16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model)
-    if need > memory(device):
-        raise ConfigError(f'--batch_size={batch_size} x --block_size={block_size} tokens a micro-batch need more than '
-                          f'{need / 1e9:,.1f} GB, and {device} has {memory(device) / 1e9:,.1f} GB: lower --batch_size '
-                          f'(raise --gradient_accumulation_steps to keep the step)')
+    if model + need > memory(device):
+        raise ConfigError(f"the model's {n_params:,} parameters need {model / 1e9:,.1f} GB (weights, gradients, "
+                          f"AdamW's moments) and {device} has {memory_gb:,.1f} GB: lower --n_layer or --d_model" if
+                          model > memory(device) else f'--batch_size={batch_size} x --block_size={block_size} tokens a '
+                          f"micro-batch need more than {need / 1e9:,.1f} GB beside the model's {model / 1e9:,.1f} GB, "
+                          f'and {device} has {memory_gb:,.1f} GB: lower --batch_size (raise '
+                          f'--gradient_accumulation_steps to keep the step)')
 
 
 def check_generation_fits(model, batch, prompt_len, max_new_tokens):

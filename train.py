@@ -4,15 +4,16 @@ Train a language model of model.py: Factorization Memory, or another mixer (--he
     python train.py                                   # small FM model, default corpus, a few minutes on a CPU
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
     torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py   # DDP (NCCL; gloo with --device=cpu)
-Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run (claim); saves are
-whole (save); a value that is not finite or a blow-up stops the run unsaved (check_finite, the loop); Ctrl-C or SIGTERM
-saves the step (resume goes on bit for bit); --overwrite=True replaces the earlier run once a checkpoint is whole.
+Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run; saves are whole; a
+value that is not finite or a blow-up stops the run unsaved; Ctrl-C or SIGTERM saves the step (resume goes on bit for
+bit); --overwrite=True replaces the earlier run once a checkpoint is whole.
 """
 import fcntl
 import importlib.util
 import math
 import os
 import random
+import re
 import resource
 import signal
 import threading
@@ -70,7 +71,8 @@ top_k = 8  # k rows read and written per token; None: dense
 tau = 1.0  # router softmax temperature
 fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on xbar (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
-chunk_size = 16  # tokens a chunk of the parallel scans: 16 is fastest for FM's PyTorch scan on a CPU
+
+chunk_size = 16  # [fm, mamba2] tokens a chunk of the parallel scans: 16 is fastest for FM's PyTorch scan on a CPU
 
 # AdamW, its learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
 learning_rate = 4e-3  # the peak learning rate, after warmup_iters
@@ -133,6 +135,11 @@ def settings(argv):
              f'the cosine decays from learning_rate to min_lr; set min_lr lower (e.g. learning_rate / 10)'),
             (cfg.warmup_iters > cfg.max_iters, f'--warmup_iters={cfg.warmup_iters} is beyond --max_iters='
              f'{cfg.max_iters}: the run would end before its learning rate peaks; set at most {cfg.max_iters}'),
+            (0 < cfg.lr_decay_iters <= cfg.warmup_iters, f'--lr_decay_iters={cfg.lr_decay_iters} is not after '
+             f'--warmup_iters={cfg.warmup_iters}: the learning rate would drop from its peak to min_lr at once; set '
+             f'lr_decay_iters above warmup_iters (or 0: max_iters)'),
+            (cfg.hf_config and not cfg.dataset.startswith('hf:'), f'--hf_config={cfg.hf_config} applies to hf: datasets '
+             f'only (--dataset={cfg.dataset!r} is not one): drop it, or pass --dataset=hf:NAME'),
             *[(not 0 <= getattr(cfg, key) < 1, f"--{key}={getattr(cfg, key)} is out of range: AdamW's {key} must be "
                f"at least 0 and below 1 (the default is {globals()[key]})") for key in ('beta1', 'beta2')],
             (os.path.isfile(cfg.data_dir), f'--data_dir={cfg.data_dir} is a file: give the folder of prepare_data.py'),
@@ -142,11 +149,21 @@ def settings(argv):
     try:
         config = ModelConfig(**model_args(cfg), vocab_size=get_tokenizer(cfg.tokenizer).vocab_size)
         with torch.device('meta'):  # a mixer of one's own checks its settings when built
-            Model(config)
+            n_params = Model(config).num_params(non_embedding=False)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
+    tags, defaults = help_text(default_config(), __file__, model_file.__file__), default_config()
+    ignored = {k: mixers for k, mixers in re.findall(r'^  --(\w+)=\S*\s+\[([\w, ]+)\] ', tags, re.M)
+               if config.family not in mixers.split(', ') and getattr(cfg, k) != defaults[k]}  # --help's [fm] tags
+    if ignored:
+        print(f"warning: --mixer={cfg.mixer} ignores {', '.join(f'--{k}={getattr(cfg, k)!r}' for k in ignored)} "
+              f"(settings of {', '.join(sorted(set(ignored.values())))}): not used, and recorded at the default")
+        vars(cfg).update({k: defaults[k] for k in ignored})
+    if config.family == 'fm' and cfg.chunk_size > cfg.block_size:
+        print(f"warning: --chunk_size={cfg.chunk_size} is above --block_size={cfg.block_size}: FM's scan pads each "
+              f"sequence to a whole chunk (about 10 times slower); set chunk_size at most {cfg.block_size}")
     check_device(cfg.device)
-    check_batch_fits(cfg.batch_size, cfg.block_size, config, torch.device(cfg.device))
+    check_batch_fits(cfg.batch_size, cfg.block_size, config, n_params, torch.device(cfg.device))
     if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
         print("warning: --dtype=float16 on the CPU is slow (about 10 times float32's step): use --dtype=float32")
     return cfg
@@ -209,11 +226,16 @@ def save(cfg, run, names):
         diverged(run, f'{broken[0]} is not finite (NaN or infinity) at step {run.iter_num}')
     then = 'continue with --init_from=resume' if 'ckpt.pt' in run.saved else 'start this run again' + (
         ' with --overwrite=True (the earlier run is untouched)' if run.earlier else '')
-    gone = [name for name in run.earlier if name not in names]
+    gone = [name for name in run.earlier if name != names[0]]  # the earlier names[0] is replaced by a rename
 
     def write():  # rank 0's part
-        for name in names:
-            save_checkpoint(ckpt, run.folder / name, then, rename=False)
+        try:
+            for name in names:
+                save_checkpoint(ckpt, run.folder / name, then, rename=False)
+        except CheckpointError:  # e.g. a full disk: no whole .tmp of this save stays either
+            for name in names:
+                (run.folder / f'{name}.tmp').unlink(missing_ok=True)
+            raise
         if run.earlier:
             (run.folder / 'replacing.tmp').write_text('\n'.join(gone))
             os.replace(run.folder / 'replacing.tmp', run.folder / 'replacing')
@@ -226,12 +248,14 @@ def save(cfg, run, names):
 
 
 def swap_in(folder, gone):
-    """Rename the whole .tmp checkpoints in, remove the files gone, then the journal: each step can be done again."""
+    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in (the first replaces the earlier one's),
+    then remove the journal: out_dir holds one run's files at every point, and each step can be done again."""
+    if any(folder.glob('*.pt.tmp')):  # none once all are renamed in: gone is gone
+        for name in gone:
+            (folder / name).unlink(missing_ok=True)
     for name in ('ckpt.pt', 'best.pt'):
         if (folder / f'{name}.tmp').exists():
             os.replace(folder / f'{name}.tmp', folder / name)
-    for name in gone:
-        (folder / name).unlink(missing_ok=True)
     (folder / 'replacing').unlink(missing_ok=True)
 
 
@@ -321,9 +345,12 @@ def resume(cfg, run, ckpt):
     if ckpt['iter_num'] >= cfg.max_iters:
         raise TrainError(f'{path} is at step {ckpt["iter_num"]}, which --max_iters={cfg.max_iters} does not pass: set '
                          f'--max_iters above {ckpt["iter_num"]} to train on')
-    for k, v in ckpt['train_config'].items():
-        if run.master and (k == 'block_size' or k not in saved) and vars(cfg).get(k, v) != v:
-            print(f"resume: {k}={vars(cfg)[k]!r} (the checkpoint's run had {v!r})")
+    seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
+    changed = [f'{k}={vars(cfg)[k]!r} (was {v!r})' for k, v in ckpt['train_config'].items() if vars(cfg).get(k, v) != v
+               and (k == 'block_size' or k not in (*saved, 'init_from', 'out_dir'))] + [f'--seed={seed} is not used: '
+               f'the random states are restored from the checkpoint (seed {cfg.seed})'] * (seed != cfg.seed)
+    if run.master and changed:
+        print(f"resume: {', '.join(changed)}")
     run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
         'untrained_loss')
     run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
@@ -349,9 +376,14 @@ def resume(cfg, run, ckpt):
             print('resume: the world size or the training data changed: the batches differ from a straight run')
 
 
-def get_batch(tokens, starts, block_size, device):
+def get_batch(tokens, starts, block_size, device, data):
     """Inputs tokens[s : s+block_size] and targets tokens[s+1 : s+block_size+1] for each start s."""
-    xy = torch.from_numpy(np.stack([tokens[s:s + block_size + 1] for s in starts]).astype(np.int64))
+    xy = np.stack([tokens[s:s + block_size + 1] for s in starts])
+    if xy.max() >= data.tok.vocab_size:  # token files unchecked (--verify_data=False): before the embedding fails
+        raise TrainError(f"a batch holds token id {xy.max()}, beyond the tokenizer's vocabulary of "
+                         f'{data.tok.vocab_size}: the token files in {data.folder} are damaged or of another tokenizer: '
+                         f'prepare them again (prepare_data.py), or check them with --verify_data=True')
+    xy = torch.from_numpy(xy.astype(np.int64))
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
     return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each
@@ -361,23 +393,28 @@ def next_batch(cfg, run):
     """This rank's next random training batch; run.batch_state: the generator's state before it, for a resume."""
     run.batch_state = run.gen.bit_generator.state
     starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
-    return get_batch(run.data.train, starts, cfg.block_size, run.device)
+    return get_batch(run.data.train, starts, cfg.block_size, run.device, run.data)
 
 
 @torch.no_grad()
 def estimate_loss(cfg, run):
-    """Mean loss per token over the fixed validation windows (split over the ranks under DDP)."""
+    """Mean loss per token over the fixed validation windows (split over the ranks under DDP); None if a Ctrl-C or
+    SIGTERM on any rank stopped it."""
     model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync
     model.eval()
-    total, mine = torch.zeros(2, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
+    total, mine = torch.zeros(3, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
     for i in range(0, len(mine), cfg.batch_size):
-        x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device)
+        if run.stop:
+            break
+        x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device, run.data)
         with run.ctx:
-            total += torch.tensor([model(x, y)[1].item() * len(x), len(x)], dtype=torch.float64)
+            total += torch.tensor([model(x, y)[1].item() * len(x), len(x), 0], dtype=torch.float64)
+    total[2] = run.stop
     if run.group is not None:
-        dist.all_reduce(total, group=run.group)
+        dist.all_reduce(total, group=run.group)  # the stop too: every rank agrees
     model.train()
-    return (total[0] / total[1]).item()
+    run.stop = bool(total[2])
+    return None if run.stop else (total[0] / total[1]).item()
 
 
 def get_lr(it, cfg):
@@ -482,40 +519,42 @@ def train(cfg, run):
                 run.iter_num > start or not resumed):
             check_finite(cfg, run)
             val_loss = estimate_loss(cfg, run)
-            run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
-            if not math.isfinite(val_loss):
-                diverged(run, f'the validation loss is {val_loss} at step {run.iter_num}')
-            if val_loss > run.untrained_loss + BLOW_UP:
-                diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained model's "
-                              f"{run.untrained_loss:.4f} at step {run.iter_num}")
-            history['val'].append((run.iter_num, val_loss))
-            new_best = run.iter_num > start and val_loss < run.best_val_loss
-            run.best_val_loss = val_loss if new_best else run.best_val_loss
-            if run.master:
-                bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
-                print(f'step {run.iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" if new_best else ""}', flush=True)
-            if run.wandb:
-                run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
-            save_last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
-            names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
-            if run.iter_num > start and names:
-                save(cfg, run, names)
+            if val_loss is not None:  # None: a Ctrl-C or SIGTERM stopped it
+                run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
+                if not math.isfinite(val_loss):
+                    diverged(run, f'the validation loss is {val_loss} at step {run.iter_num}')
+                if val_loss > run.untrained_loss + BLOW_UP:
+                    diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained "
+                                  f"model's {run.untrained_loss:.4f} at step {run.iter_num}")
+                history['val'].append((run.iter_num, val_loss))
+                new_best = run.iter_num > start and val_loss < run.best_val_loss
+                run.best_val_loss = val_loss if new_best else run.best_val_loss
+                if run.master:
+                    bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
+                    print(f'step {run.iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" * new_best}', flush=True)
+                if run.wandb:
+                    run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
+                save_last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
+                names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
+                if run.iter_num > start and names:
+                    save(cfg, run, names)
             t_log = time.time()  # evaluation out of the timings
-        if run.iter_num >= cfg.max_iters:
+        if run.iter_num >= cfg.max_iters and val_loss is not None:  # its evaluation ran whole: done
             break
         if run.group is not None:  # a Ctrl-C or SIGTERM on any rank stops every rank here
             stop = torch.tensor([float(run.stop)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
             run.stop = bool(stop.item())
         if run.stop:  # an --overwrite run not yet saved keeps the earlier run whole
-            if not run.earlier and run.saved.get('ckpt.pt') != run.iter_num:
+            if not run.earlier and start < run.iter_num != run.saved.get('ckpt.pt'):  # a step trained, not saved
                 check_finite(cfg, run)
                 save(cfg, run, ['ckpt.pt'])
             if run.master:
                 print(f"stopped at step {run.iter_num}, before this run's first checkpoint: nothing of it was saved, "
                       f"and the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if
-                      run.earlier else f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
-                                       f'--init_from=resume')
+                      run.earlier else f'stopped at step {run.iter_num} before training a step: nothing was saved' if
+                      run.iter_num == start else f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
+                                                 f'--init_from=resume')
             return history
 
         # forward and backward over the micro-batches, clip, step
@@ -550,9 +589,10 @@ def train(cfg, run):
                 mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)
                 memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \
                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
-                print(f'iter {run.iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s'
-                      f'{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, mem {memory:.2f}GB, '
-                      f'{1000 * dt:.1f}ms/iter', flush=True)
+                left = round(dt * (cfg.max_iters - run.iter_num))  # s, at the mean step time since the last line
+                print(f'iter {run.iter_num}/{cfg.max_iters}: loss {lossf:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} '
+                      f'tok/s{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, mem {memory:.2f}GB, '
+                      f'{1000 * dt:.1f}ms/iter, {left // 60}m {left % 60}s left', flush=True)
             if run.wandb:
                 run.wandb.log({'iter': run.iter_num, 'train/loss': lossf, 'lr': lr, 'tok_s': tokens_per_iter / dt})
             t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)

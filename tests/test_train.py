@@ -426,6 +426,66 @@ def test_ctrl_c_while_starting_is_one_line(script, tmp_path):
     assert proc.returncode == 130 and err == 'interrupted\n', (proc.returncode, err)
 
 
+def test_the_memory_check_counts_the_weights_and_adamw(data_dir, tmp_path, monkeypatch):
+    """A model whose weights, gradients and AdamW's two moments (16 bytes a parameter) exceed the memory is refused
+    naming n_layer and d_model, even where its micro-batch is small; a batch that does not fit still names the batch."""
+    import devices
+    n_params = 37_732  # tiny's model
+    monkeypatch.setattr(devices, 'memory', lambda device, free=False: 10 * n_params)
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, tmp_path / 'new', '--batch_size=1', '--block_size=8'))
+    message = str(error.value)
+    assert '\n' not in message and 'lower --n_layer or --d_model' in message and '37,732 parameters' in message
+    monkeypatch.setattr(devices, 'memory', lambda device, free=False: 10 ** 9)
+    with pytest.raises(ConfigError, match='tokens a micro-batch need more than .*: lower --batch_size'):
+        train.main(tiny(data_dir, tmp_path / 'new', '--batch_size=100000'))
+    assert not (tmp_path / 'new').exists()
+
+
+@pytest.mark.parametrize('args, ignored', [
+    (['--mixer=attn', '--top_k=4', '--n_memory=16'], "--mixer=attn ignores --n_memory=16, --top_k=4 (settings of fm)"),
+    (['--mixer=mamba2', '--n_head=4'], "--mixer=mamba2 ignores --n_head=4 (settings of attn)"),
+])
+def test_settings_a_mixer_ignores_are_warned_and_not_recorded(args, ignored, capsys):
+    """A model setting of another mixer (--help's [fm], [attn], [mamba2] tags) gets one warning line and is kept at
+    its default, so the checkpoint does not record it as used; chunk_size belongs to fm and mamba2 alike."""
+    cfg = train.settings(args)
+    out = capsys.readouterr().out
+    assert f'warning: {ignored}: not used, and recorded at the default\n' in out and out.count('\n') == 1, out
+    assert all(getattr(cfg, arg[2:].split('=')[0]) == train.default_config()[arg[2:].split('=')[0]] for arg in args[1:])
+    for mixer in ('fm', 'mamba2'):
+        assert train.settings([f'--mixer={mixer}', '--chunk_size=32']).chunk_size == 32
+    assert capsys.readouterr().out == ''
+    train.main(['--help'])
+    assert re.search(r'^  --chunk_size=16 +\[fm, mamba2\] tokens a chunk', capsys.readouterr().out, re.M)
+
+
+def test_inconsistent_schedule_chunk_and_hf_config(data_dir, tmp_path, capsys):
+    """A cosine that ends before the warmup does, and --hf_config with a local dataset, are refused naming the fix;
+    a chunk larger than the context is warned (the scans pad each sequence to a chunk)."""
+    for args, message in (
+            (['--warmup_iters=15', '--lr_decay_iters=10'], '--lr_decay_iters=10 is not after --warmup_iters=15: '
+             'the learning rate would drop from its peak to min_lr at once; set lr_decay_iters above warmup_iters '
+             '(or 0: max_iters)'),
+            (['--hf_config=foo'], "--hf_config=foo applies to hf: datasets only (--dataset='default' is not one): "
+             'drop it, or pass --dataset=hf:NAME')):
+        with pytest.raises(ConfigError) as error:
+            train.main([*tiny(data_dir, tmp_path / 'new'), *args])
+        assert str(error.value) == message
+    assert not (tmp_path / 'new').exists()
+    train.settings(['--chunk_size=128', '--block_size=64'])
+    assert capsys.readouterr().out == ("warning: --chunk_size=128 is above --block_size=64: FM's scan pads each "
+                                       'sequence to a whole chunk (about 10 times slower); set chunk_size at most 64\n')
+    train.settings(['--chunk_size=64', '--block_size=64', '--warmup_iters=10', '--lr_decay_iters=11'])
+    assert capsys.readouterr().out == ''
+
+
+def test_help_names_no_internal_functions(capsys):
+    train.main(['--help'])
+    out = capsys.readouterr().out
+    named = re.findall(r'\((\w+)[,)]', out)  # e.g. '(claim)', '(check_finite, the loop)'
+    assert [name for name in named if callable(getattr(train, name, None))] == []
+
 # ----------------------------------------------------------------------------- training
 
 def test_lr_schedule():
@@ -615,7 +675,7 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
-            if line.startswith('iter 3:'):  # after the checkpoint of step 2
+            if line.startswith('iter 3/'):  # after the checkpoint of step 2
                 break
         with pytest.raises(train.TrainError) as error:
             train.main(tiny(data_dir, tmp_path, '--max_iters=100000', '--init_from=resume'))
@@ -736,7 +796,7 @@ def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
-            if line.startswith('iter 3:'):
+            if line.startswith('iter 3/'):
                 proc.send_signal(signal.SIGINT)
                 break
         output = proc.communicate(timeout=120)[0]
@@ -795,8 +855,8 @@ def test_ddp_on_cpu(data_dir, tmp_path):
     errors = [line for line in diverged.splitlines() if line.startswith('error: ')]
     assert len(errors) == 2 and all("the earlier run's ckpt.pt and best.pt in" in line for line in errors), diverged
     resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume').stdout
-    logged = [[line.split(',')[0] for line in out.splitlines() if line.startswith(('iter', 'step'))]
-              for out in (straight, resumed)]
+    logged = [[re.sub(r'/\d+:', ':', line.split(',')[0]) for line in out.splitlines()  # 'iter 1/4:' -> 'iter 1:'
+               if line.startswith(('iter', 'step'))] for out in (straight, resumed)]
     assert logged[0] == logged[1] and len(logged[0]) == 4 + 3
     a, b = (torch.load(tmp_path / run / 'ckpt.pt', weights_only=True) for run in 'ab')
     assert a['data_state']['world_size'] == 2 and len(a['rng']['batch']) == 2
@@ -823,13 +883,14 @@ def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def logged(out):
-        return [line.split(',')[0] for line in out.splitlines() if line.startswith(('iter', 'step'))]
+        return [re.sub(r'/\d+:', ':', line.split(',')[0]) for line in out.splitlines()  # 'iter 1/4:' -> 'iter 1:'
+                if line.startswith(('iter', 'step'))]
 
     stopped, out = start(torchrun, 'b', '--max_iters=100000'), ''
     try:
         for line in stopped.stdout:
             out += line
-            if line.startswith('iter 3:'):
+            if line.startswith('iter 3/'):
                 stopped.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
                 break
         rest, err = stopped.communicate(timeout=120)
@@ -854,6 +915,84 @@ def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
     assert abs(a['untrained_loss'] - one['untrained_loss']) < 1e-5, (a['untrained_loss'], one['untrained_loss'])
     assert abs(a['best_val_loss'] - one['best_val_loss']) < 0.1, (a['best_val_loss'], one['best_val_loss'])
 
+
+def stop_in_evaluation(monkeypatch, at_step):
+    """A SIGTERM after the first batch of the evaluation at step at_step -> the steps of each evaluation batch run."""
+    real, batches, steps = train.get_batch, [], []
+    evaluate = train.estimate_loss
+
+    def note_step(cfg, run):
+        steps.append(run.iter_num)
+        return evaluate(cfg, run)
+
+    def batch(tokens, *args):
+        if len(tokens) < 1_000_000:  # the validation split
+            batches.append(steps[-1])
+            if steps[-1] == at_step and batches.count(at_step) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(tokens, *args)
+    monkeypatch.setattr(train, 'get_batch', batch)
+    monkeypatch.setattr(train, 'estimate_loss', note_step)
+    return batches
+
+
+def test_a_signal_during_an_evaluation_stops_it_at_once(data_dir, tmp_path, monkeypatch, capsys):
+    """A SIGTERM during a long evaluation stops it after the batch in hand: at step 0 nothing is saved (no step was
+    trained), at step 4 ckpt.pt is saved without a best.pt decision; either way the run ends there."""
+    args = ['--eval_iters=200', '--max_iters=8', '--eval_interval=4']
+    batches = stop_in_evaluation(monkeypatch, 0)
+    history = train.main(tiny(data_dir, tmp_path / 'a', *args))
+    assert batches == [0] and history == {'train': [], 'val': []} and not (tmp_path / 'a').exists()
+    assert 'SIGTERM: stopping' in capsys.readouterr().out.split('stopped at step 0 before training a step: nothing '
+                                                               'was saved\n')[0]
+    monkeypatch.undo()
+    batches = stop_in_evaluation(monkeypatch, 4)
+    train.main(tiny(data_dir, tmp_path / 'b', *args))
+    assert batches.count(4) == 1 and os.listdir(tmp_path / 'b') == ['ckpt.pt']
+    assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+
+
+def test_a_signal_during_a_ddp_evaluation_stops_every_rank(data_dir, tmp_path):
+    """A SIGTERM to torchrun during step 0's long evaluation (gloo, two ranks): both ranks stop within seconds, agreeing
+    through the evaluation's all-reduce, and nothing is saved."""
+    import time
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+           *tiny(data_dir, tmp_path / 'out', '--device=cpu', '--gradient_accumulation_steps=2', '--eval_iters=100000')]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    try:
+        for line in proc.stdout:
+            if line.startswith('parameters:'):  # the evaluation of step 0 is next
+                break
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.time()
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert time.time() - sent < 30, output  # torchrun itself exits 1 on a SIGTERM, whatever its ranks do
+    assert output.count('stopped at step 0 before training a step: nothing was saved') == 1, output
+    assert not (tmp_path / 'out').exists()
+
+def test_a_resume_says_what_changed_in_one_line(data_dir, tmp_path, trained, capsys):
+    """A resume prints one line: the settings it changes, and that --seed is the checkpoint's (its random states
+    are restored), which the new checkpoint records."""
+    copy_run(trained, tmp_path)
+    capsys.readouterr()
+    train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume', '--seed=7', '--learning_rate=5e-3',
+                    '--lr_decay_iters=8'))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('resume')]
+    assert lines == ['resume: learning_rate=0.005 (was 0.01), max_iters=9 (was 8), --seed=7 is not used: the random '
+                     'states are restored from the checkpoint (seed 1337)'], lines
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['train_config']['seed'] == 1337
+
+
+def test_the_log_says_how_far_and_how_long_is_left(data_dir, tmp_path, capsys):
+    train.main(tiny(data_dir, tmp_path, '--max_iters=3'))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('iter')]
+    assert len(lines) == 3 and all(re.fullmatch(rf'iter {i}/3: loss .*ms/iter, \d+m \d+s left', line)
+                                   for i, line in zip((1, 2, 3), lines)), lines
+    assert lines[-1].endswith(', 0m 0s left')
 
 # ----------------------------------------------------------------------------- nothing lost: damage, divergence,
 # overwrite, bad inputs, leftovers
@@ -1182,3 +1321,70 @@ def test_leftovers_are_removed(tmp_path):
     with pytest.raises(train.TrainError, match='no dataset at'):  # refused after it claimed out_dir
         train.main(tiny(tmp_path / 'data', tmp_path / 'out', f'--dataset={tmp_path / "none"}'))
     assert os.listdir(tmp_path / 'out') == []
+
+
+def test_a_kill_at_any_point_of_an_overwrite_leaves_one_run_visible(data_dir, tmp_path, trained, monkeypatch):
+    """A kill (an exception) at each rename or removal of an --overwrite run's first save leaves ckpt.pt, best.pt and
+    routing.json of one run in out_dir: the earlier run's (step 8) or the new one's (step 2), never a mix; the next run
+    finishes the swap."""
+    replace, unlink = os.replace, Path.unlink
+    for n in range(1, 40):
+        out_dir = tmp_path / str(n)
+        copy_run(trained, out_dir)
+        (out_dir / 'routing.json').write_text('{}')
+        (out_dir / 'routing.png').write_bytes(b'a heat map')
+        calls = []
+
+        def count(real):
+            def killed_on_call_n(*args, **kw):
+                calls.append(1)
+                if len(calls) == n:
+                    raise Killed()
+                return real(*args, **kw)
+            return killed_on_call_n
+        monkeypatch.setattr(os, 'replace', count(replace))
+        monkeypatch.setattr(Path, 'unlink', count(unlink))
+        try:
+            train.main(tiny(data_dir, out_dir, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
+            break
+        except Killed:
+            pass
+        finally:
+            monkeypatch.undo()
+        steps = {torch.load(out_dir / name, weights_only=True)['iter_num'] for name in ('ckpt.pt', 'best.pt')
+                 if (out_dir / name).exists()}
+        routing = {8} if (out_dir / 'routing.json').exists() or (out_dir / 'routing.png').exists() else set()
+        assert len(steps | routing) <= 1 and (out_dir / 'ckpt.pt').exists(), (n, steps, sorted(os.listdir(out_dir)))
+        with pytest.raises(train.TrainError, match='does not pass'):  # claims the folder, finishing the swap
+            train.main(tiny(data_dir, out_dir, '--max_iters=2', '--init_from=resume'))
+        assert sorted(os.listdir(out_dir)) in (['best.pt', 'ckpt.pt'], ['best.pt', 'ckpt.pt', 'routing.json',
+                                                                         'routing.png']), n
+    assert n > 6
+
+
+def test_a_full_disk_at_a_first_save_leaves_no_temporary_file(data_dir, tmp_path, monkeypatch):
+    """The disk fills up while best.pt is written, after ckpt.pt was written whole: neither temporary file stays."""
+    import errno
+    opened = []
+
+    def full_at_the_second(path, mode):
+        opened.append(path)
+        if len(opened) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return open(path, mode)
+    monkeypatch.setattr(checkpoint, 'open', full_at_the_second, raising=False)
+    with pytest.raises(checkpoint.CheckpointError, match='the disk is full'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2'))
+    assert os.listdir(tmp_path) == []
+
+
+def test_token_ids_beyond_the_vocabulary_are_one_line(data_dir, tmp_path, monkeypatch):
+    """Token files unchecked (--verify_data=False) whose ids exceed the vocabulary: one line naming the fix."""
+    monkeypatch.setattr(train, 'load_tokens', lambda *args, **kw: train.SimpleNamespace(
+        tokens=np.full(10_000, 300, dtype=np.uint16)))
+    with pytest.raises(train.TrainError) as error:
+        train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--verify_data=False'))
+    assert str(error.value).startswith("a batch holds token id 300, beyond the tokenizer's vocabulary of 256: the "
+                                       'token files in ')
+    assert str(error.value).endswith('are damaged or of another tokenizer: prepare them again (prepare_data.py), or '
+                                     'check them with --verify_data=True')
