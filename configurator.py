@@ -35,10 +35,10 @@ def run_main(main, *errors):
 def load_config(config, argv, types=None, config_files=True, program=None):
     """config with argv's config files and --key=value settings applied in order; ConfigError naming the fix."""
     config, types, program = dict(config), types or {}, program or os.path.basename(sys.argv[0])
-    for arg in argv:
+    for arg, after in zip(argv, [*argv[1:], None]):
         key, eq, text = arg.removeprefix('--').partition('=')
         if not (arg.startswith('--') and eq or config_files and os.path.isfile(arg)):
-            raise ConfigError(not_a_setting(arg, config, config_files, program))
+            raise ConfigError(not_a_setting(arg, after, config, config_files, program))
         settings, where = {key: text}, ''
         if not arg.startswith('--'):  # a config file: the names it sets
             settings, where = dict(config), f'{arg}: '
@@ -78,9 +78,11 @@ def load_config(config, argv, types=None, config_files=True, program=None):
     return config
 
 
-def not_a_setting(arg, config, config_files, program):
-    """What an argument neither --key=value nor a config file was meant to be, and what to pass."""
+def not_a_setting(arg, after, config, config_files, program):
+    """What an argument (after: the next one) neither --key=value nor a config file was meant to be, and what to pass."""
     key, eq, _ = arg.removeprefix('--').partition('=')
+    if not eq and (arg.lstrip('-') in config or arg.startswith('--')) and after and not after.startswith('--'):
+        return f"{arg} takes its value after '=': pass --{arg.lstrip('-')}={after}"
     if arg.startswith('--'):
         return f'expected --key=value, got {arg!r}'
     if eq and key in config:

@@ -1,0 +1,23 @@
+"""configurator.py: settings as a user mistypes them, for every script that reads them (train.py's own checks:
+test_train.py)."""
+
+import pytest
+
+import eval as evaluation
+import sample
+import train
+from configurator import ConfigError
+
+
+@pytest.mark.parametrize('main, argv, message', [
+    (train.main, ['--dataset', 'path'], "--dataset takes its value after '=': pass --dataset=path"),
+    (train.main, ['-max_iters', '20'], "-max_iters takes its value after '=': pass --max_iters=20"),
+    (sample.main, ['--out_dir', 'out-fm-small'], "--out_dir takes its value after '=': pass --out_dir=out-fm-small"),
+    (evaluation.main, ['--out_dir', 'out-fm-small'], "--out_dir takes its value after '=': pass --out_dir=out-fm-small"),
+    (evaluation.main, ['routing', '--ckpt', 'best.pt'], "--ckpt takes its value after '=': pass --ckpt=best.pt"),
+])
+def test_a_value_after_a_space_is_refused_naming_the_setting(main, argv, message):
+    """`--key value` (prepare_data.py's argparse form) in the scripts that take --key=value only."""
+    with pytest.raises(ConfigError) as error:
+        main(argv)
+    assert str(error.value) == message
