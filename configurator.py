@@ -80,13 +80,13 @@ def load_config(config, argv, types=None, config_files=True, program=None):
 
 def not_a_setting(arg, after, config, config_files, program):
     """What an argument (after: the next one) neither --key=value nor a config file was meant to be, and what to pass."""
-    key, eq, _ = arg.removeprefix('--').partition('=')
-    if not eq and (arg.lstrip('-') in config or arg.startswith('--')) and after and not after.startswith('--'):
-        return f"{arg} takes its value after '=': pass --{arg.lstrip('-')}={after}"
+    key, eq, _ = arg.lstrip('-').partition('=')
+    if not eq and (key in config or arg.startswith('--')) and after and not after.startswith('--'):  # --key value
+        return f"{arg} takes its value after '=': pass --{key}={after}"
     if arg.startswith('--'):
         return f'expected --key=value, got {arg!r}'
-    if eq and key in config:
-        return f'{arg} is not a config file: did you mean --{arg}?'
+    if eq and key in config:  # key=value, -key=value
+        return f"{arg} is not a config file: did you mean --{arg.lstrip('-')}?"
     if config_files:
         return f'config file not found: {arg} (see config/, e.g. config/fm_small.py)'
     run = arg.endswith('.py') and os.path.isfile(arg) and re.search("^out_dir = '(.*)'", open(arg).read(), re.M)

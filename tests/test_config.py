@@ -6,7 +6,8 @@ import pytest
 import eval as evaluation
 import sample
 import train
-from configurator import ConfigError
+from configurator import ConfigError, load_config
+from conftest import defaults
 
 
 @pytest.mark.parametrize('main, argv, message', [
@@ -21,3 +22,11 @@ def test_a_value_after_a_space_is_refused_naming_the_setting(main, argv, message
     with pytest.raises(ConfigError) as error:
         main(argv)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize('program, arg', [('train.py', '-max_iters=20'), ('sample.py', '-seed=7')])
+def test_one_dash_is_refused_with_the_setting_meant(program, arg):
+    settings = defaults()[0] if program == 'train.py' else sample._DEFAULTS
+    with pytest.raises(ConfigError) as error:
+        load_config(settings, [arg], config_files=program == 'train.py', program=program)
+    assert str(error.value) == f'{arg} is not a config file: did you mean -{arg}?'
