@@ -67,6 +67,9 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 with contextlib.suppress(ValueError, SyntaxError):  # else the text itself
                     value = value.strip('\'"') if want is str else ast.literal_eval(
                         value.title() if value.lower() in ('true', 'false') else value)
+            if want in (int, float) and str(value).lower().lstrip('+-') in ('nan', 'inf', 'infinity'):
+                raise ConfigError(f"{where}bad value for '{key}': {value}: must be a finite number (default: "
+                                  f"{config[key]!r})")
             if want is None or value is None and (config[key] is None or key in types):
                 config[key] = value
             elif want is float and type(value) is int or isinstance(value, want) and isinstance(value, bool) == (

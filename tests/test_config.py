@@ -30,3 +30,16 @@ def test_one_dash_is_refused_with_the_setting_meant(program, arg):
     with pytest.raises(ConfigError) as error:
         load_config(settings, [arg], config_files=program == 'train.py', program=program)
     assert str(error.value) == f'{arg} is not a config file: did you mean -{arg}?'
+
+
+@pytest.mark.parametrize('arg', ['--learning_rate=nan', '--learning_rate=inf', '--learning_rate=-Infinity',
+                                 '--learning_rate=1e999', '--max_iters=inf', 'nan.py'])
+def test_a_number_that_is_not_finite_is_refused(arg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'nan.py').write_text("learning_rate = float('nan')\n")
+    key, text = arg.removeprefix('--').partition('=')[::2] if arg.startswith('--') else ('learning_rate', 'nan')
+    config, types = defaults()
+    with pytest.raises(ConfigError) as error:
+        load_config(config, [arg], types)
+    assert str(error.value) == (f"{'nan.py: ' * (arg == 'nan.py')}bad value for '{key}': "
+                                f"{'inf' if text == '1e999' else text}: must be a finite number (default: {config[key]!r})")
