@@ -7,7 +7,7 @@ import eval as evaluation
 import sample
 import train
 from configurator import ConfigError, load_config
-from conftest import defaults
+from conftest import REPO, defaults
 
 
 @pytest.mark.parametrize('main, argv, message', [
@@ -43,3 +43,30 @@ def test_a_number_that_is_not_finite_is_refused(arg, tmp_path, monkeypatch):
         load_config(config, [arg], types)
     assert str(error.value) == (f"{'nan.py: ' * (arg == 'nan.py')}bad value for '{key}': "
                                 f"{'inf' if text == '1e999' else text}: must be a finite number (default: {config[key]!r})")
+
+
+def test_a_setting_given_twice_is_warned_the_later_wins(capsys):
+    config, types = defaults()
+    assert load_config(config, ['--out_dir=a', '--batch_size=4', '--out_dir=b'], types)['out_dir'] == 'b'
+    assert capsys.readouterr().err == 'warning: --out_dir=b sets out_dir after --out_dir=a: the later wins, and ' \
+                                      '--out_dir=a changes nothing\n'
+    assert load_config(config, ['--out_dir=a', '--out_dir=a', '--batch_size=4'], types)['out_dir'] == 'a'
+    assert capsys.readouterr().err == ''  # the same value twice changes nothing
+
+
+def test_config_files_in_the_wrong_order_are_warned(capsys, monkeypatch):
+    """A config file a later argument undoes whole is named, with the fix; the documented orders are not warned."""
+    monkeypatch.chdir(REPO)
+    config, types = defaults()
+    for argv in (['config/fm_small.py', 'config/paper_layer.py'], ['config/fm_small.py', '--batch_size=32'],
+                 ['config/fm_small.py', 'config/paper_layer.py', '--out_dir=out-fm-paper']):
+        load_config(config, argv, types)
+        assert capsys.readouterr().err == '', argv
+    c = load_config(config, ['config/paper_layer.py', 'config/fm_small.py'], types)
+    assert (c['fm_conv'], c['fm_gate']) == (4, True)
+    assert capsys.readouterr().err == (
+        'warning: config/fm_small.py sets fm_conv, fm_gate after config/paper_layer.py: the later wins, and '
+        'config/paper_layer.py changes nothing; give config/paper_layer.py last\n')
+    load_config(config, ['--batch_size=32', 'config/fm_small.py'], types)  # a setting before the file it overrides
+    assert capsys.readouterr().err == ('warning: config/fm_small.py sets batch_size after --batch_size=32: the later '
+                                       'wins, and --batch_size=32 changes nothing; give --batch_size=32 last\n')
