@@ -14,7 +14,8 @@ from conftest import REPO, defaults
     (train.main, ['--dataset', 'path'], "--dataset takes its value after '=': pass --dataset=path"),
     (train.main, ['-max_iters', '20'], "-max_iters takes its value after '=': pass --max_iters=20"),
     (sample.main, ['--out_dir', 'out-fm-small'], "--out_dir takes its value after '=': pass --out_dir=out-fm-small"),
-    (evaluation.main, ['--out_dir', 'out-fm-small'], "--out_dir takes its value after '=': pass --out_dir=out-fm-small"),
+    (evaluation.main, ['--out_dir', 'out-fm-small'],
+     "--out_dir takes its value after '=': pass --out_dir=out-fm-small"),  # eval.py's repeated key
     (evaluation.main, ['routing', '--ckpt', 'best.pt'], "--ckpt takes its value after '=': pass --ckpt=best.pt"),
 ])
 def test_a_value_after_a_space_is_refused_naming_the_setting(main, argv, message):
@@ -41,8 +42,9 @@ def test_a_number_that_is_not_finite_is_refused(arg, tmp_path, monkeypatch):
     config, types = defaults()
     with pytest.raises(ConfigError) as error:
         load_config(config, [arg], types)
-    assert str(error.value) == (f"{'nan.py: ' * (arg == 'nan.py')}bad value for '{key}': "
-                                f"{'inf' if text == '1e999' else text}: must be a finite number (default: {config[key]!r})")
+    shown = 'inf' if text == '1e999' else text  # a float literal too large: inf
+    assert str(error.value) == (f"{'nan.py: ' * (arg == 'nan.py')}bad value for '{key}': {shown}: must be a finite "
+                                f"number (default: {config[key]!r})")
 
 
 def test_a_setting_given_twice_is_warned_the_later_wins(capsys):
