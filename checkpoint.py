@@ -51,10 +51,16 @@ def nonfinite(tensors):
 def load_checkpoint(path, advise=True):
     """The checkpoint at path; CheckpointError if missing, unreadable, damaged or not finite, naming what to use."""
     path = Path(path)
-    if not path.is_file():
+    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # its run's other checkpoint
+    if path.is_dir():
         raise CheckpointError(f'{path} is a folder, not a checkpoint file: give the folder as --out_dir and a file in '
-                              f'it as --ckpt (ckpt.pt, or best.pt)' if path.is_dir() else f'no checkpoint at {path}: '
-                              f'train one first (python train.py), or point --out_dir at the folder that holds it')
+                              f'it as --ckpt (ckpt.pt, or best.pt)')
+    if not path.is_file() and path.name in ('ckpt.pt', 'best.pt') and partner.is_file():
+        raise CheckpointError(f'no checkpoint at {path}, only {partner.name} beside it: pass --ckpt={partner.name}'
+                              + ' (to resume from it, copy it to ckpt.pt)' * (partner.name == 'best.pt'))
+    if not path.is_file():
+        raise CheckpointError(f'no checkpoint at {path}: train one first (python train.py), or point --out_dir at the '
+                              f'folder that holds it')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
         with zipfile.ZipFile(path) as archive:  # checked before the contents: damaged, they can be anything
@@ -73,7 +79,6 @@ def load_checkpoint(path, advise=True):
                   f'({type(e).__name__})'
     if problem is None:
         return ckpt
-    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # its run's other checkpoint
     way = ' Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)'
     if advise and path.name in ('ckpt.pt', 'best.pt'):
         try:

@@ -1,6 +1,8 @@
 """Sampling and generation: end of text, seeded sampling, top_p, CUDA graphs and compiled steps (GPU), sample.py."""
 
 import copy
+import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import fm_kernel
 import generate
 import model as model_module
 import sample
+from checkpoint import CheckpointError
 from configurator import ConfigError
 from conftest import CUDA, REPO, prefill, rel_err, save_model_checkpoint, tiny_config
 from generate import Generator, Sampling, sample_next
@@ -171,6 +174,15 @@ def test_sample(trained, tmp_path):
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):
         sample.main([f'--out_dir={trained[0]}', arg])
+
+
+def test_a_folder_holding_best_pt_only_names_it(trained, tmp_path):
+    shutil.copy(os.path.join(trained[0], 'best.pt'), tmp_path)
+    with pytest.raises(CheckpointError) as error:
+        sample.main([f'--out_dir={tmp_path}'])
+    assert str(error.value) == (f'no checkpoint at {tmp_path}/ckpt.pt, only best.pt beside it: pass --ckpt=best.pt (to '
+                                f'resume from it, copy it to ckpt.pt)')
+    assert sample.main([f'--out_dir={tmp_path}', '--ckpt=best.pt', '--max_new_tokens=2', '--num_samples=1'])
 
 
 def test_sample_warns_of_a_prompt_past_an_attention_models_context(tmp_path, capsys):
