@@ -2,6 +2,7 @@
 import errno
 import math
 import os
+import re
 import shutil
 import sys
 import zipfile
@@ -59,8 +60,8 @@ def load_checkpoint(path, advise=True):
         raise CheckpointError(f'no checkpoint at {path}, only {partner.name} beside it: pass --ckpt={partner.name}'
                               + ' (to resume from it, copy it to ckpt.pt)' * (partner.name == 'best.pt'))
     if not path.is_file():
-        raise CheckpointError(f'no checkpoint at {path}: train one first (python train.py), or point --out_dir at the '
-                              f'folder that holds it')
+        raise CheckpointError(f'no checkpoint at {path}: train one first ({training_command(path.parent)}), or point '
+                              f'--out_dir at the folder that holds it')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
         with zipfile.ZipFile(path) as archive:  # checked before the contents: damaged, they can be anything
@@ -87,6 +88,13 @@ def load_checkpoint(path, advise=True):
         except CheckpointError:
             way = f' Start a new run: in a new --out_dir, or with --overwrite=True to replace {path.parent}'
     raise CheckpointError(f'{path} {problem}.{way}')
+
+
+def training_command(out_dir):
+    """The command whose run writes out_dir: python train.py with the config of that out_dir, else with --out_dir."""
+    configs = [path for path in sorted((Path(__file__).parent / 'config').glob('*.py'))
+               if re.search(f'^out_dir = {re.escape(repr(str(out_dir)))}', path.read_text(encoding='utf-8'), re.M)]
+    return f'python train.py config/{configs[0].name}' if configs else f'python train.py --out_dir={out_dir}'
 
 
 def model_from_checkpoint(ckpt, path, device='cpu'):
