@@ -2,6 +2,7 @@
 import errno
 import math
 import os
+import re
 import shutil
 import sys
 import zipfile
@@ -51,10 +52,16 @@ def nonfinite(tensors):
 def load_checkpoint(path, advise=True):
     """The checkpoint at path; CheckpointError if missing, unreadable, damaged or not finite, naming what to use."""
     path = Path(path)
-    if not path.is_file():
+    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # its run's other checkpoint
+    if path.is_dir():
         raise CheckpointError(f'{path} is a folder, not a checkpoint file: give the folder as --out_dir and a file in '
-                              f'it as --ckpt (ckpt.pt, or best.pt)' if path.is_dir() else f'no checkpoint at {path}: '
-                              f'train one first (python train.py), or point --out_dir at the folder that holds it')
+                              f'it as --ckpt (ckpt.pt, or best.pt)')
+    if not path.is_file() and path.name in ('ckpt.pt', 'best.pt') and partner.is_file():
+        raise CheckpointError(f'no checkpoint at {path}, only {partner.name} beside it: pass --ckpt={partner.name}'
+                              + ' (to resume from it, copy it to ckpt.pt)' * (partner.name == 'best.pt'))
+    if not path.is_file():
+        raise CheckpointError(f'no checkpoint at {path}: train one first ({training_command(path.parent)}), or point '
+                              f'--out_dir at the folder that holds it')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
         with zipfile.ZipFile(path) as archive:  # checked before the contents: damaged, they can be anything
@@ -73,7 +80,6 @@ def load_checkpoint(path, advise=True):
                   f'({type(e).__name__})'
     if problem is None:
         return ckpt
-    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # its run's other checkpoint
     way = ' Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)'
     if advise and path.name in ('ckpt.pt', 'best.pt'):
         try:
@@ -82,6 +88,13 @@ def load_checkpoint(path, advise=True):
         except CheckpointError:
             way = f' Start a new run: in a new --out_dir, or with --overwrite=True to replace {path.parent}'
     raise CheckpointError(f'{path} {problem}.{way}')
+
+
+def training_command(out_dir):
+    """The command whose run writes out_dir: python train.py with the config of that out_dir, else with --out_dir."""
+    configs = [path for path in sorted((Path(__file__).parent / 'config').glob('*.py'))
+               if re.search(f'^out_dir = {re.escape(repr(str(out_dir)))}', path.read_text(encoding='utf-8'), re.M)]
+    return f'python train.py config/{configs[0].name}' if configs else f'python train.py --out_dir={out_dir}'
 
 
 def model_from_checkpoint(ckpt, path, device='cpu'):

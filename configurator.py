@@ -33,12 +33,14 @@ def run_main(main, *errors):
         sys.exit(1)
 
 def load_config(config, argv, types=None, config_files=True, program=None):
-    """config with argv's config files and --key=value settings applied in order; ConfigError naming the fix."""
+    """config with argv's config files and --key=value settings applied in order (a warning for an argument a later one
+    undoes whole); ConfigError naming the fix."""
     config, types, program = dict(config), types or {}, program or os.path.basename(sys.argv[0])
-    for arg in argv:
+    origin = {}  # key -> the argument that last changed it
+    for arg, after in zip(argv, [*argv[1:], None]):
         key, eq, text = arg.removeprefix('--').partition('=')
         if not (arg.startswith('--') and eq or config_files and os.path.isfile(arg)):
-            raise ConfigError(not_a_setting(arg, config, config_files, program))
+            raise ConfigError(not_a_setting(arg, after, config, config_files, program))
         settings, where = {key: text}, ''
         if not arg.startswith('--'):  # a config file: the names it sets
             settings, where = dict(config), f'{arg}: '
@@ -55,6 +57,7 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 line = e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]
                 error = e.msg if isinstance(e, SyntaxError) else f'{type(e).__name__}: {e}'
                 raise ConfigError(f'{arg}, line {line}: {error}: fix the config file') from None
+        before = dict(config)
         for key, value in settings.items():
             if key.startswith('_') or callable(value) or isinstance(value, type(os)):
                 continue
@@ -67,6 +70,9 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 with contextlib.suppress(ValueError, SyntaxError):  # else the text itself
                     value = value.strip('\'"') if want is str else ast.literal_eval(
                         value.title() if value.lower() in ('true', 'false') else value)
+            if want in (int, float) and str(value).lower().lstrip('+-') in ('nan', 'inf', 'infinity'):
+                raise ConfigError(f"{where}bad value for '{key}': {value}: must be a finite number (default: "
+                                  f"{config[key]!r})")
             if want is None or value is None and (config[key] is None or key in types):
                 config[key] = value
             elif want is float and type(value) is int or isinstance(value, want) and isinstance(value, bool) == (
@@ -75,16 +81,24 @@ def load_config(config, argv, types=None, config_files=True, program=None):
             else:
                 raise ConfigError(f"{where}bad value for '{key}': {value!r} is a {type(value).__name__}, expected a "
                                   f"{want.__name__} (default: {config[key]!r})")
+        changed = {key: origin.get(key) for key in config if config[key] != before[key]}  # key -> its earlier setter
+        origin |= dict.fromkeys(changed, arg)
+        for earlier in dict.fromkeys(a for a in changed.values() if a and a not in origin.values()):  # undone whole
+            keys, advice = ', '.join(k for k, a in changed.items() if a == earlier), f'; give {earlier} last'
+            print(f'warning: {arg} sets {keys} after {earlier}: the later wins, and {earlier} changes nothing'
+                  + advice * (not arg.startswith('--')), file=sys.stderr)
     return config
 
 
-def not_a_setting(arg, config, config_files, program):
-    """What an argument neither --key=value nor a config file was meant to be, and what to pass."""
-    key, eq, _ = arg.removeprefix('--').partition('=')
+def not_a_setting(arg, after, config, config_files, program):
+    """What an argument (after: the next) neither --key=value nor a config file was meant to be, and what to pass."""
+    key, eq, _ = arg.lstrip('-').partition('=')
+    if not eq and (key in config or arg.startswith('--')) and after and not after.startswith('--'):  # --key value
+        return f"{arg} takes its value after '=': pass --{key}={after}"
     if arg.startswith('--'):
         return f'expected --key=value, got {arg!r}'
-    if eq and key in config:
-        return f'{arg} is not a config file: did you mean --{arg}?'
+    if eq and key in config:  # key=value, -key=value
+        return f"{arg} is not a config file: did you mean --{arg.lstrip('-')}?"
     if config_files:
         return f'config file not found: {arg} (see config/, e.g. config/fm_small.py)'
     run = arg.endswith('.py') and os.path.isfile(arg) and re.search("^out_dir = '(.*)'", open(arg).read(), re.M)

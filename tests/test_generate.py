@@ -1,6 +1,8 @@
 """Sampling and generation: end of text, seeded sampling, top_p, CUDA graphs and compiled steps (GPU), sample.py."""
 
 import copy
+import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +13,9 @@ import pytest
 import fm_kernel
 import generate
 import model as model_module
+import eval as evaluation
 import sample
+from checkpoint import CheckpointError
 from configurator import ConfigError
 from conftest import CUDA, REPO, prefill, rel_err, save_model_checkpoint, tiny_config
 from generate import Generator, Sampling, sample_next
@@ -171,6 +175,32 @@ def test_sample(trained, tmp_path):
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):
         sample.main([f'--out_dir={trained[0]}', arg])
+
+
+def test_a_folder_holding_best_pt_only_names_it(trained, tmp_path):
+    shutil.copy(os.path.join(trained[0], 'best.pt'), tmp_path)
+    with pytest.raises(CheckpointError) as error:
+        sample.main([f'--out_dir={tmp_path}'])
+    assert str(error.value) == (f'no checkpoint at {tmp_path}/ckpt.pt, only best.pt beside it: pass --ckpt=best.pt (to '
+                                f'resume from it, copy it to ckpt.pt)')
+    assert sample.main([f'--out_dir={tmp_path}', '--ckpt=best.pt', '--max_new_tokens=2', '--num_samples=1'])
+
+
+@pytest.mark.parametrize('main, argv, command', [
+    (sample.main, ['--out_dir=out-fm-small'], 'python train.py config/fm_small.py'),  # the README's commands
+    (evaluation.main, ['--out_dir=out-fm-small', '--out_dir=out-transformer-small'],
+     'python train.py config/fm_small.py'),  # the first of the two
+    (evaluation.main, ['routing', '--out_dir=out-transformer-small'], 'python train.py config/transformer_small.py'),
+    (sample.main, ['--out_dir=out'], 'python train.py --out_dir=out'),
+    (sample.main, ['--out_dir=mine/run1'], 'python train.py --out_dir=mine/run1')])
+def test_a_missing_checkpoint_names_the_command_that_writes_it(main, argv, command, tmp_path, monkeypatch):
+    """On a fresh clone: the training command whose run writes that out_dir (a config's, else --out_dir=)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError) as error:
+        main(argv)
+    out_dir = next(arg for arg in argv if arg.startswith('--out_dir=')).partition('=')[2]
+    assert str(error.value) == (f'no checkpoint at {out_dir}/ckpt.pt: train one first ({command}), or point --out_dir '
+                                f'at the folder that holds it')
 
 
 def test_sample_warns_of_a_prompt_past_an_attention_models_context(tmp_path, capsys):

@@ -77,6 +77,22 @@ def test_readme_commands_work_in_order(data_dir, tmp_path, monkeypatch, capsys):
     assert os.path.exists(tmp_path / 'results' / 'sweep.csv')
 
 
+def test_readme_commands_say_what_they_need():
+    """Each Sampling and Evaluating block names the training run of every folder its commands read (the command a
+    missing checkpoint's error gives); the Quickstart gives the threads advice of a busy machine."""
+    import re
+    from checkpoint import training_command
+    readme = readme_text()
+    for section in ('Sampling', 'Evaluating'):
+        for block in readme.split(f'\n## {section}\n')[1].split('\n## ')[0].split('```')[1::2]:
+            default = {'out'} if 'python sample.py  ' in block else set()  # sample.py without --out_dir
+            for folder in set(re.findall(r'--(?:out_dir|runs)=(out[\w-]*)(?:\s|$)', block)) | default:
+                needs = training_command(folder).removeprefix('python train.py ')
+                assert (needs if needs.startswith('config/') else 'python train.py') in block, (section, folder)
+    quickstart = readme.split('\n## Quickstart\n')[1].split('\n## ')[0]
+    assert 'OMP_NUM_THREADS=1 python train.py' in quickstart
+
+
 def test_readme_bench_commands_parse_and_sweep():
     """Every `python bench.py ...` of the README (its Benchmarking block and the commands its Results cite) parses
     with bench.py's parser, and one with --sweep sweeps: bench.SWEEP when it names no lengths (it gave none, which
