@@ -1373,9 +1373,9 @@ def test_a_full_disk_at_a_first_save_leaves_no_temporary_file(data_dir, tmp_path
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return open(path, mode)
     monkeypatch.setattr(checkpoint, 'open', full_at_the_second, raising=False)
-    with pytest.raises(checkpoint.CheckpointError, match='the disk is full'):
+    with pytest.raises(checkpoint.CheckpointError, match='the disk is full') as error:
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2'))
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [] and 'best.pt was not written: free some space' in str(error.value)
 
 
 def test_token_ids_beyond_the_vocabulary_are_one_line(data_dir, tmp_path, monkeypatch):
