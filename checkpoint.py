@@ -33,7 +33,8 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
             os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save's failed write: a RuntimeError
         tmp.unlink(missing_ok=True)
-        cause, kept = e.__context__ or e, f'{path} is unchanged' if os.path.exists(path) else f'{Path(path).name} was not written'
+        cause = e.__context__ or e
+        kept = f'{path} is unchanged' if os.path.exists(path) else f'{Path(path).name} was not written'
         full = getattr(cause, 'errno', None) in (errno.ENOSPC, errno.EDQUOT)
         need = 3 * sum({t.untyped_storage().data_ptr(): t.nbytes for t in ckpt.get('model', {}).values()}.values())
         raise CheckpointError(f'could not write {path}' + (  # need: the weights (tied: once) and AdamW's 2 moments
