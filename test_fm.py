@@ -7,9 +7,10 @@ This file is what a forker runs after changing the model or a kernel. Kernels: t
 checks `fm_scan_torch`, and both check the Triton kernels, which run on the CPU under TRITON_INTERPRET=1 when no GPU
 is present (as in CI). Then the model: its equations, forward = prefill + step and greedy = argmax for every mixer of
 MIXER_CASES (a new mixer goes there), its config and accounting. The rest lives in tests/: test_generate.py
-(sampling, generation, sample.py), test_train.py (training, checkpoints, configs), test_data.py (tokenizers,
-prepare_data.py), test_eval.py (eval.py, research/), test_readme.py (the README's commands in order). Shared
-fixtures and helpers: conftest.py.
+(sampling, generation, sample.py), test_train.py (training, checkpoints, configs, DDP), test_config.py (the
+command line and config files), test_data.py (tokenizers, prepare_data.py), test_eval.py (eval.py, research/),
+test_readme.py (the README's commands in order, its numbers against docs/results). Shared fixtures and helpers, and
+the worker count and GPU of each pytest-xdist worker: conftest.py.
 """
 
 import importlib.util
