@@ -242,17 +242,36 @@ class FactorizationMemory(nn.Module):
             return (x.to(dtype)[..., None, :] * weight).sum(-1) + F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))
 
     def routes_as_the_kernel(self):
-        """Whether the fused kernel (fm_kernel.route_naive of kernel_scores) gives route's theta and phi, eager and
-        compiled, on float64 inputs at scales 0.01 to 100: a router edited otherwise decodes through route."""
-        device = self.router.weight.device
+        """Whether a step through the fused kernel's twin (fm_route_step_naive of kernel_scores, eager and compiled)
+        gives the step as written (fm_step_naive of routed: route, then weights) on float64 probes at scales 0.01 to
+        100: the same output and memory. A router edited otherwise, or one that cannot take the probe, decodes as
+        written."""
+        device, gen = self.router.weight.device, torch.Generator().manual_seed(0)
         dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
-        probe = torch.randn(5, 8, self.router.in_features, generator=torch.Generator().manual_seed(0), dtype=dtype)
+        probe = torch.randn(5, 8, self.router.in_features, generator=gen, dtype=dtype)
         probe = (probe * torch.logspace(-2, 2, 5, dtype=dtype)[:, None, None]).flatten(0, 1).to(device)  # (40, d_model)
-        with torch.no_grad():
-            want = self.weights(*self.route(probe))
-            fused = [self.weights(*fm_kernel.route_naive(self.kernel_scores(probe, reduce), self.top_k, self.tau))
-                     for reduce in (False, True)]  # eager, compiled
-        return all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for got in fused for a, b in zip(got, want))
+        h = torch.randn(40, self.n_memory, 4, generator=gen, dtype=dtype).to(device)  # 4 columns of the memory
+        xbar = torch.randn(40, 4, generator=gen, dtype=dtype).to(device)
+        try:
+            with torch.no_grad():
+                want_h = h.clone()
+                want = fm_kernel.fm_step_naive(want_h, xbar, *self.routed(probe), self.eps), want_h
+                for reduce in (False, True):  # eager, compiled
+                    got_h = h.clone()
+                    got = fm_kernel.fm_route_step_naive(got_h, xbar, self.kernel_scores(probe, reduce), self.top_k,
+                                                        self.tau, self.eps), got_h
+                    if not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(got, want)):
+                        return False
+        except (RuntimeError, TypeError):  # e.g. an edit that casts the probe to its weights' float32
+            return False
+        return True
+
+    def routed(self, x):  # x (B, d_model)
+        """The step's routing as written: route, then weights -> the rows routed to, idx (B, K), their theta and phi."""
+        idx, *routed = self.route(x)
+        theta, phi = self.weights(idx, *routed)  # (B, M)
+        idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1) if idx is None else idx  # (B, K)
+        return idx, theta.gather(-1, idx), phi.gather(-1, idx)
 
     def step(self, x, state):  # x (B, d_model)
         """One token: updates the state in place -> y (B, d_model); fused_router: in one kernel (fm_route_step)."""
@@ -264,11 +283,8 @@ class FactorizationMemory(nn.Module):
             return self.out_proj(route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z=z, conv=conv))
         if conv is not None:
             xbar = fm_kernel.conv_step_naive(xbar, *conv)
-        idx, alpha, eta, mu = self.route(x)
-        if idx is None:
-            idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
         step = fm_kernel.fm_step if triton_step(state['h']) else fm_kernel.fm_step_naive
-        y = step(state['h'], xbar, idx, eta * alpha, mu * alpha, self.eps)
+        y = step(state['h'], xbar, *self.routed(x), self.eps)
         return self.out_proj(y if z is None else y * F.silu(z))
 
     def step_state_bytes(self, context):

@@ -833,8 +833,15 @@ class KernelRouterFM(FactorizationMemory):
         return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
 
 
+class CastingRouterFM(FactorizationMemory):
+    """A forker's router_scores in its weights' dtype (nn.Linear casts nothing): a float64 probe cannot run it."""
+
+    def router_scores(self, x):
+        return torch.cat([self.router(x), self.rates(x)], -1)
+
+
 ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
-           'kernel': KernelRouterFM}
+           'kernel': KernelRouterFM, 'casting': CastingRouterFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -882,11 +889,22 @@ def test_a_router_override_reaches_decoding(router, top_k):
     assert decodes_as_it_trains(model, idx, 9) < 1e-12 and fused(model) == [False, False]
 
 
+@core
+def test_a_router_the_probe_cannot_run_decodes_as_written():
+    """A float32 model whose router computes in its weights' dtype: the float64 probe fails, and decoding takes
+    route as written (not a traceback at init_state)."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('casting', top_k=3, fm_conv=4, fm_gate=True)).eval()
+    assert decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9) < 1e-5 and fused(model) == [False, False]
+
+
 IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
     'route': ('            return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)',  # rows moved on
               '            return (idx + 1) % self.n_memory, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)'),
     'router_scores': ('        x = x.to(dtype)\n',  # routing on an RMS-normalised input
-                      '        x = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + 1e-6)\n')}
+                      '        x = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + 1e-6)\n'),
+    'weights': ('        theta, phi = eta * alpha, mu * alpha\n',  # theta = eta alpha no more
+                '        theta, phi = 0.5 * eta * alpha, mu * alpha\n')}
 
 
 @core
