@@ -152,6 +152,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if type(self.down_proj) is not nn.Linear:  # a module of one's own (a LoRA, a quantised product): as it is
+            return self.down_proj(F.silu(gate) * up)
         # F.linear, but a Triton kernel for one row in half precision on CUDA (a decoding step at batch 1)
         return fm_kernel.decode_linear(F.silu(gate) * up, self.down_proj.weight)
 

@@ -231,13 +231,16 @@ def _remedy(path, tokenizer):
 @contextlib.contextmanager
 def replacing(paths):
     """Temporary files beside paths (NAME.PID.tmp), to write; once all are written each replaces its path, in order (a
-    path whose temporary was not written stays); on an error or a signal they are removed, every path as it was."""
+    path whose temporary was not written is removed: no file of an earlier set stays beside the new ones); on an error
+    or a signal they are removed, every path as it was."""
     temporaries = [Path(path).with_name(f"{Path(path).name}.{os.getpid()}.tmp") for path in paths]
     try:
         yield temporaries
         for temporary, path in zip(temporaries, paths):
             if temporary.exists():
                 os.replace(temporary, path)
+            else:
+                Path(path).unlink(missing_ok=True)
     finally:
         for temporary in temporaries:
             temporary.unlink(missing_ok=True)

@@ -889,6 +889,19 @@ def test_a_router_override_reaches_decoding(router, top_k):
     assert decodes_as_it_trains(model, idx, 9) < 1e-12 and fused(model) == [False, False]
 
 
+def test_a_down_proj_of_ones_own_is_called():
+    """SwiGLU calls a down_proj of one's own (a LoRA, a quantised product) as it is; a plain nn.Linear may take the
+    batch-1 Triton product."""
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+    mlp, x = model_module.SwiGLU(tiny_config()), torch.randn(3, 32)
+    plain = mlp(x)
+    doubled = Doubled(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    doubled.weight, mlp.down_proj = mlp.down_proj.weight, doubled
+    assert torch.allclose(mlp(x), 2 * plain)
+
+
 @core
 def test_a_router_the_probe_cannot_run_decodes_as_written():
     """A float32 model whose router computes in its weights' dtype: the float64 probe fails, and decoding takes

@@ -153,8 +153,10 @@ def settings(argv):
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
     tags, defaults = help_text(default_config(), __file__, model_file.__file__), default_config()
-    ignored = {k: mixers for k, mixers in re.findall(r'^  --(\w+)=\S*\s+\[([\w, ]+)\] ', tags, re.M)
-               if config.family not in mixers.split(', ') and getattr(cfg, k) != defaults[k]}  # --help's [fm] tags
+    tagged = re.findall(r'^  --(\w+)=\S*\s+\[([\w, ]+)\] ', tags, re.M)  # --help's [fm] tags
+    known = config.family in {family for _, mixers in tagged for family in mixers.split(', ')}  # not a new family
+    ignored = {k: mixers for k, mixers in tagged if known and cfg.init_from != 'resume' and getattr(cfg, k) !=
+               defaults[k] and config.family not in mixers.split(', ')}  # a resume compares with its checkpoint
     if ignored:
         print(f"warning: --mixer={cfg.mixer} ignores {', '.join(f'--{k}={getattr(cfg, k)!r}' for k in ignored)} "
               f"(settings of {', '.join(sorted(set(ignored.values())))}): not used, and recorded at the default")
@@ -213,6 +215,7 @@ def save(cfg, run, names):
             'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,
             'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},
             'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
+            'eval_cut': run.eval_cut,  # a stop cut this step's evaluation short: a resume evaluates it
             'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
                     'torch': torch.get_rng_state(), 'batch': batches,
                     'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
@@ -298,7 +301,7 @@ def setup(cfg, run):
     run.data = SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_set=[str(folder), len(val),
                                cfg.block_size, windows], val_starts=np.random.default_rng(EVAL_SEED).integers(
                                    0, len(val) - cfg.block_size, windows))
-    run.iter_num, run.best_val_loss, run.untrained_loss = 0, math.inf, None
+    run.iter_num, run.best_val_loss, run.untrained_loss, run.eval_cut = 0, math.inf, None, False
     ckpt = load_checkpoint(run.folder / 'ckpt.pt') if cfg.init_from == 'resume' else None
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -342,7 +345,7 @@ def resume(cfg, run, ckpt):
         raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
                          f'for {", ".join(f"{k}={asked.get(k)!r}" for k in changed)}: drop those settings (or give its '
                          f'config file), or train the new model in a new --out_dir')
-    if ckpt['iter_num'] >= cfg.max_iters:
+    if ckpt['iter_num'] >= cfg.max_iters and not ckpt.get('eval_cut'):  # a last evaluation cut short: run it
         raise TrainError(f'{path} is at step {ckpt["iter_num"]}, which --max_iters={cfg.max_iters} does not pass: set '
                          f'--max_iters above {ckpt["iter_num"]} to train on')
     seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
@@ -353,6 +356,7 @@ def resume(cfg, run, ckpt):
         print(f"resume: {', '.join(changed)}")
     run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
         'untrained_loss')
+    run.eval_cut = ckpt.get('eval_cut', False)
     run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
     if ckpt['data_state'].get('val_set') != run.data.val_set:  # losses that do not compare
         run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
@@ -514,11 +518,12 @@ def train(cfg, run):
     X, Y = next_batch(cfg, run)
     t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
     while True:
-        # evaluate and save (not again right after resuming)
-        if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (
-                run.iter_num > start or not resumed):
+        # evaluate and save (not again right after resuming, unless a stop cut the evaluation short)
+        fresh = run.iter_num > start or run.eval_cut
+        if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (fresh or not resumed):
             check_finite(cfg, run)
             val_loss = estimate_loss(cfg, run)
+            run.eval_cut = val_loss is None
             if val_loss is not None:  # None: a Ctrl-C or SIGTERM stopped it
                 run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
                 if not math.isfinite(val_loss):
@@ -527,7 +532,7 @@ def train(cfg, run):
                     diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained "
                                   f"model's {run.untrained_loss:.4f} at step {run.iter_num}")
                 history['val'].append((run.iter_num, val_loss))
-                new_best = run.iter_num > start and val_loss < run.best_val_loss
+                new_best = fresh and val_loss < run.best_val_loss
                 run.best_val_loss = val_loss if new_best else run.best_val_loss
                 if run.master:
                     bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
@@ -536,7 +541,7 @@ def train(cfg, run):
                     run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
                 save_last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
                 names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
-                if run.iter_num > start and names:
+                if fresh and names:
                     save(cfg, run, names)
             t_log = time.time()  # evaluation out of the timings
         if run.iter_num >= cfg.max_iters and val_loss is not None:  # its evaluation ran whole: done

@@ -516,3 +516,14 @@ def test_hf_dataset(tmp_path):
     folder = prepare(f"hf:{corpus}", "bytes", tmp_path / "data", val_fraction=0.25, num_proc=2)  # a local folder
     assert folder.name.startswith("hf_") and folder.name.endswith("hub_like_bytes")
     assert_split_round_trip(folder, "bytes", DOCUMENTS)
+
+
+def test_replacing_leaves_no_file_of_the_earlier_set(tmp_path):
+    """prepare_data.replacing, which eval.py's outputs take too: the new files replace the earlier set whole, and a
+    path the new set does not write (routing.png without matplotlib) goes, not left beside the new ones."""
+    json_path, png_path = tmp_path / 'routing.json', tmp_path / 'routing.png'
+    json_path.write_text('earlier')
+    png_path.write_text('earlier')
+    with prepare_data.replacing([json_path, png_path]) as (json_file, png_file):
+        json_file.write_text('new')
+    assert json_path.read_text() == 'new' and not png_path.exists() and os.listdir(tmp_path) == ['routing.json']

@@ -455,6 +455,7 @@ def test_settings_a_mixer_ignores_are_warned_and_not_recorded(args, ignored, cap
     assert all(getattr(cfg, arg[2:].split('=')[0]) == train.default_config()[arg[2:].split('=')[0]] for arg in args[1:])
     for mixer in ('fm', 'mamba2'):
         assert train.settings([f'--mixer={mixer}', '--chunk_size=32']).chunk_size == 32
+    assert train.settings(['--mixer=attn', '--top_k=4', '--init_from=resume']).top_k == 4  # as its checkpoint has it
     assert capsys.readouterr().out == ''
     train.main(['--help'])
     assert re.search(r'^  --chunk_size=16 +\[fm, mamba2\] tokens a chunk', capsys.readouterr().out, re.M)
@@ -950,6 +951,24 @@ def test_a_signal_during_an_evaluation_stops_it_at_once(data_dir, tmp_path, monk
     train.main(tiny(data_dir, tmp_path / 'b', *args))
     assert batches.count(4) == 1 and os.listdir(tmp_path / 'b') == ['ckpt.pt']
     assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+
+
+@pytest.mark.parametrize('cut', [4, 8])
+def test_a_resume_after_a_cut_evaluation_evaluates_that_step(cut, data_dir, tmp_path, monkeypatch):
+    """Stopped during step 4's (or the last step's) evaluation and resumed to 8, the run equals a straight one: that
+    step is evaluated on resuming (its best.pt written where it is the best), the same losses, weights and best."""
+    args = ['--eval_iters=4', '--max_iters=8', '--eval_interval=4', '--lr_decay_iters=8']
+    straight = train.main(tiny(data_dir, tmp_path / 'a', *args))
+    with monkeypatch.context() as patch:
+        stop_in_evaluation(patch, cut)
+        first = train.main(tiny(data_dir, tmp_path / 'b', *args))
+    second = train.main(tiny(data_dir, tmp_path / 'b', *args, '--init_from=resume'))
+    assert first['val'] + second['val'] == straight['val'] and [s for s, _ in straight['val']] == [0, 4, 8]
+    assert first['train'] + second['train'] == straight['train']
+    for name in ('ckpt.pt', 'best.pt'):
+        a, b = (torch.load(tmp_path / run / name, weights_only=True) for run in 'ab')
+        assert a['iter_num'] == b['iter_num'] and a['best_val_loss'] == b['best_val_loss'], name
+        assert all(torch.equal(v, b['model'][k]) for k, v in a['model'].items()), name
 
 
 def test_a_signal_during_a_ddp_evaluation_stops_every_rank(data_dir, tmp_path):
