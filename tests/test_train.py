@@ -869,6 +869,41 @@ def test_ddp_on_cpu(data_dir, tmp_path):
         assert all(torch.equal(v, b['optimizer']['state'][i][k]) for k, v in state.items())
 
 
+def test_test_workers_fit_the_cores_and_the_gpus_memory(monkeypatch):
+    """python test_fm.py's -n: the cores on a CPU; with GPUs also what the fullest GPU's free memory holds at
+    GIB_PER_WORKER a worker, times the GPUs (workers go to the GPUs in turn); without nvidia-smi their whole memory."""
+    import conftest
+    smi = '0, GPU-a, 40960\n1, GPU-b, 20480\n2, GPU-c, 81000\n'  # MiB free: 40, 20 and 79 GiB
+    monkeypatch.setattr(conftest, 'CORES', 64)
+    monkeypatch.setattr(conftest, 'ALL_GPUS', [])
+    assert conftest.default_workers() == 64
+    monkeypatch.setattr(conftest.subprocess, 'run', lambda *args, **kw: subprocess.CompletedProcess(args, 0, smi, ''))
+    monkeypatch.setattr(conftest, 'ALL_GPUS', ['0', 'GPU-c'])  # CUDA_VISIBLE_DEVICES=0,GPU-c
+    assert conftest.default_workers() == 2 * (40 // conftest.GIB_PER_WORKER)
+    monkeypatch.setattr(conftest, 'ALL_GPUS', ['1', '2'])
+    assert conftest.default_workers() == 2 * (20 // conftest.GIB_PER_WORKER)
+    monkeypatch.setattr(conftest, 'CORES', 3)
+    assert conftest.default_workers() == 3
+
+    def no_smi(*args, **kw):
+        raise FileNotFoundError('nvidia-smi')
+    monkeypatch.setattr(conftest.subprocess, 'run', no_smi)
+    monkeypatch.setattr(conftest, 'CORES', 64)
+    monkeypatch.setattr(conftest.torch.cuda, 'get_device_properties',
+                        lambda i: train.SimpleNamespace(total_memory=80 * 2**30))
+    assert conftest.default_workers() == 2 * (80 // conftest.GIB_PER_WORKER)
+
+
+def test_the_slow_tests_go_first_a_chunk_apart():
+    """Each slow test heads a different pytest-xdist worker's first chunk (30 workers: chunks of 3), so none waits."""
+    run = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-m', 'slow or not slow'], cwd=REPO,
+                         capture_output=True, text=True, env={**os.environ, 'PYTEST_XDIST_WORKER_COUNT': '30'})
+    tests = [line for line in run.stdout.splitlines() if '::' in line]
+    slow = [i for i, test in enumerate(tests) if 'real_size_gpu' in test]
+    chunk = max(2, (len(tests) - len(slow)) // 30 // 4)
+    assert len(slow) == 4 and slow == [i * chunk for i in range(4)], (slow, chunk)
+
+
 def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
     """torchrun on two GPUs (NCCL, the machine's NCCL settings as they are): a SIGTERM to torchrun stops both ranks
     at one step, saved; resumed to step K it equals a straight K-step run bit for bit; and it trains as one process
