@@ -49,7 +49,7 @@ class ModelConfig:
     d_memory: int | None = None  # width of a memory row; None: d_model
     tau: float = 1.0  # router softmax temperature
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
-    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar = W_in x; 0: none (the paper's layer)
+    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar; 0: none (the paper's layer)
     fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
     chunk_size: int = 64  # tokens a chunk of the parallel scans (a power of 2)
     # attn
@@ -188,8 +188,8 @@ class FactorizationMemory(nn.Module):
         self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
         nn.init.zeros_(self.rates.bias)  # eta and mu start near 0.5
         self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_in (then W_z)
-        D = self.d_memory
-        self.conv = nn.Conv1d(D, D, config.fm_conv, groups=D) if config.fm_conv else None  # on xbar
+        dim = self.d_memory
+        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on xbar
         self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
         self.fused_router = False  # step routes in the fused kernel (set by init_state)
 
@@ -220,7 +220,7 @@ class FactorizationMemory(nn.Module):
         return [w.new_zeros(*w.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi)]
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,); None: T)."""
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,))."""
         theta, phi = self.weights(*self.route(x))  # (B, T, M)
         if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
@@ -245,7 +245,7 @@ class FactorizationMemory(nn.Module):
     @torch.no_grad()
     def routes_as_the_kernel(self):
         """Whether the fused kernel's twin (fm_route_step_naive of kernel_scores, eager and compiled) steps as routed
-        (fm_step_naive) does, output and memory, on float64 probes at scales 0.01 to 100; False if a probe fails."""
+        does (fm_step_naive), output and memory, on float64 probes at scales 0.01 to 100."""
         device, gen = self.router.weight.device, torch.Generator().manual_seed(0)
         dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
         probe = torch.randn(5, 8, self.router.in_features, generator=gen, dtype=dtype)
@@ -350,7 +350,7 @@ class Attention(nn.Module):
         return self.merge_heads(y), {'k': k, 'v': v, 'pos': pos}
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: its key and value into each row's place in the cache, attention over the filled part."""
+        """One token: its key and value into each row's cache, attention over the filled part."""
         pos = state['pos']  # (B,)
         q, k, v = self.project(x[:, None], pos[:, None])  # q (B, H, 1, hd), k, v (B, Hkv, 1, hd)
         rows = torch.arange(len(pos), device=pos.device)
@@ -376,9 +376,8 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- Mamba-2
 
 def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
-    """Mamba-2's SSD from h0 (None: zeros), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t, in chunks: a
-    masked (C B^T * decay) product inside, the state carried between. x (b, T, H, P), dt (b, T, H) after softplus,
-    A (H,) negative, B, C (b, T, N), h0 (b, H, P, N) -> y (b, T, H, P), hT (b, H, P, N)."""
+    """Mamba-2's SSD in chunks from h0 (None: zeros): h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
+    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) < 0, B, C (b, T, N), h0 (b, H, P, N) -> y (like x), hT."""
     out_dtype, dtype = x.dtype, compute_dtype(x.dtype)
     b, T, H, P = x.shape
     L = min(chunk_size, T)
@@ -536,14 +535,12 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.apply(self._init_weights)
+        for module in self.modules():  # a bias is its module's (FM's rates: zero)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
         for name, p in self.named_parameters():  # residual output projections, GPT-2 style
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
-
-    def _init_weights(self, module):  # a bias is its module's (FM's rates: zero)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     def head(self, x):
         """Final norm and LM head: logits in the head's dtype."""
@@ -556,7 +553,7 @@ class Model(nn.Module):
 
     def hidden(self, idx, state=None, lengths=None):
         """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the layers' states after each row's
-        last real token (lengths (B,); None: T)."""
+        last real token (lengths (B,))."""
         x, states = self.embed(idx), []
         for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
             x, layer_state = block(x, layer_state, lengths)
@@ -573,7 +570,7 @@ class Model(nn.Module):
         return logits, loss
 
     def init_state(self, batch_size, max_len, device=None):
-        """Empty decoding states, static buffers for max_len tokens a row: a dict a layer, its mixer's."""
+        """Empty decoding states for max_len tokens a row: a dict a layer, its mixer's."""
         device = device or self.embed.weight.device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
