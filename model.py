@@ -552,8 +552,8 @@ class Model(nn.Module):
         return logits.to(compute_dtype(logits.dtype))
 
     def hidden(self, idx, state=None, lengths=None):
-        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the layers' states after each row's
-        last real token (lengths (B,))."""
+        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the states after each row's last
+        real token (lengths (B,))."""
         x, states = self.embed(idx), []
         for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
             x, layer_state = block(x, layer_state, lengths)
@@ -588,8 +588,7 @@ class Model(nn.Module):
         return n - embedding if non_embedding else n
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs (3 x forward) a token at context seq_len: 6 (N_nonembedding + d_model vocab_size) for the
-        weights, n_layer times the mixer's."""
+        """Training FLOPs (3 x forward) a token at context seq_len: 6 (N_nonembedding + d_model V), n_layer mixers'."""
         c = self.config
         if c.family == 'attn':  # QK^T, AV; no causal discount, as nanoGPT
             mixer = 12 * seq_len * c.d_model
