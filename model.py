@@ -563,11 +563,10 @@ class Model(nn.Module):
     def forward(self, idx, targets=None):
         """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets the mean loss over targets != -1."""
         logits = self.head(self.hidden(idx)[0])
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
-                                   ignore_index=-1)
-        return logits, loss
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
+                                       ignore_index=-1)
 
     def init_state(self, batch_size, max_len, device=None):
         """Empty decoding states for max_len tokens a row: a dict a layer, its mixer's."""
