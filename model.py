@@ -306,7 +306,7 @@ class FactorizationMemory(nn.Module):
 # ----------------------------------------------------------------------------- attention
 
 def rotate(x, positions, rope_theta):
-    """RoPE on the halves of x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are off)."""
+    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are off by radians)."""
     hd = x.shape[-1]
     inv_freq = rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # (hd/2,)
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
@@ -479,7 +479,7 @@ class Mamba2(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # a new one: README's Changing
+MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # new: README, Changing the model
 
 
 def mixer_class(name):
