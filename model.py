@@ -36,7 +36,7 @@ class ModelConfig:
     """Model settings, checked and resolved when built: a None field takes the value its comment names."""
     vocab_size: int = 256  # tokens the embedding holds (train.py: the tokenizer's)
     block_size: int = 256  # training context in tokens (the model has no length limit)
-    n_layer: int = 4  # blocks
+    n_layer: int = 4
     d_model: int = 256  # width of the residual stream
     mixer: str = 'fm'  # the blocks' mixer: a key of MIXER_CLASSES, or 'module:Class' extending one
     d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block; 0: no MLP
@@ -49,9 +49,9 @@ class ModelConfig:
     d_memory: int | None = None  # width of a memory row; None: d_model
     tau: float = 1.0  # router softmax temperature
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
-    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar = W_in x; 0: none (the paper's layer)
+    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar; 0: none (the paper's layer)
     fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
-    chunk_size: int = 64  # tokens a chunk of the parallel scans (FM's in PyTorch, Mamba-2's; a power of 2)
+    chunk_size: int = 64  # tokens a chunk of the parallel scans (a power of 2)
     # attn
     n_head: int = 8  # query heads
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
@@ -65,17 +65,17 @@ class ModelConfig:
     def __post_init__(self):
         self.validate()  # then the None fields resolved (a checkpoint records the values)
         if self.family == 'fm':
-            self.top_k = self.n_memory if self.top_k is None else self.top_k
-            self.d_memory = self.d_model if self.d_memory is None else self.d_memory
+            self.top_k = self.top_k or self.n_memory
+            self.d_memory = self.d_memory or self.d_model
         if self.family == 'attn':
-            self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
+            self.n_kv_head = self.n_kv_head or self.n_head
         if self.d_ff is None:  # FM's block takes its weights (W_z, the convolution's) from the MLP's
             block = 0 if self.family != 'fm' else self.d_memory * (
                 self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1))
             self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64) - round(block / (3 * self.d_model))
             if self.d_ff < 0:
-                raise ValueError(f"ModelConfig.d_ff=None resolves to {self.d_ff}: FM's block (W_z, the convolution) "
-                                 f"takes more weights than the MLP has; set d_ff, or a smaller d_memory")
+                raise ValueError(f"ModelConfig.d_ff=None resolves to {self.d_ff} (FM's block outweighs the MLP): "
+                                 "set d_ff, or a smaller d_memory")
 
     mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
     mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
@@ -83,7 +83,7 @@ class ModelConfig:
     family = property(lambda self: mixer_family(self.mixer))  # the built-in mixer whose settings it takes
 
     def validate(self):
-        """ValueError naming the first bad field and what to change (of the chosen mixer's fields)."""
+        """ValueError naming the first bad field (of the chosen mixer's) and what to change."""
         def check(ok, field, hint):
             if not ok:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {hint}")
@@ -96,27 +96,27 @@ class ModelConfig:
 
         positive('vocab_size', 'block_size', 'n_layer', 'd_model', 'norm_eps', 'init_std')
         check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff >= 0), 'd_ff',
-              'must be >= 0 (0: blocks without an MLP, as the original Mamba-2) or None')
+              'must be >= 0 (0: no MLP, as the original Mamba-2) or None')
         try:
             family = self.family
         except Exception as e:  # an import of module:Class fails in any way
-            check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)}, or module:Class extending "
-                                  f"one of theirs, e.g. research.levers:RowRatesFM ({type(e).__name__}: {e})")
+            check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)} or module:Class "
+                                  f"extending one ({type(e).__name__}: {e})")
         positive('chunk_size')  # any mixer's (one of one's own may chunk)
-        check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2 (e.g. 16 or 64)')
+        check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2')
         if family == 'fm':
             positive('n_memory', 'fm_eps', 'd_memory')
             check(isinstance(self.tau, (int, float)) and self.tau >= 1e-3, 'tau',
-                  'must be at least 1e-3 (below it, W_alpha x / tau overflows float32; 1 is the paper\'s)')
+                  'must be at least 1e-3 (below it, W_alpha x / tau overflows float32)')
             check(isinstance(self.fm_conv, int) and 0 <= self.fm_conv <= 16, 'fm_conv',
-                  'must be 0 (no convolution) to 16 taps (the step kernel holds the window; 4 is Mamba-2\'s)')
+                  "must be 0 (no convolution) to 16 taps (the step kernel's window)")
             check(self.top_k is None or 1 <= self.top_k <= self.n_memory, 'top_k',
-                  f"must be between 1 and n_memory={self.n_memory} (None means dense, k = m)")
+                  f"must be 1 to n_memory={self.n_memory}, or None (dense)")
         if family == 'attn':
             positive('n_head', 'rope_theta', 'n_kv_head')
             check(self.d_model % self.n_head == 0, 'd_model', f"must be divisible by n_head={self.n_head}")
             check((self.d_model // self.n_head) % 2 == 0, 'n_head',
-                  f"d_model/n_head must be even for RoPE; change n_head or d_model={self.d_model}")
+                  f"d_model/n_head must be even (RoPE); change n_head or d_model={self.d_model}")
             check(self.n_head % (self.n_kv_head or self.n_head) == 0, 'n_kv_head', f"must divide n_head={self.n_head}")
         if family == 'mamba2':
             positive('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv')
@@ -152,9 +152,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if type(self.down_proj) is not nn.Linear:  # a module of one's own (a LoRA, a quantised product): as it is
+        if type(self.down_proj) is not nn.Linear:  # one's own (a LoRA, a quantised product): as it is
             return self.down_proj(F.silu(gate) * up)
-        # F.linear, but a Triton kernel for one row in half precision on CUDA (a decoding step at batch 1)
+        # F.linear, but in Triton for one row in half precision on CUDA (batch-1 decoding)
         return fm_kernel.decode_linear(F.silu(gate) * up, self.down_proj.weight)
 
 
@@ -166,7 +166,7 @@ def real_positions(lengths, T):
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
-    """The loop fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT), in Triton on CUDA, else chunked PyTorch."""
+    """fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT): Triton on CUDA, else chunked PyTorch."""
     if xbar.is_cuda and xbar.dtype != torch.float64 and theta.shape[-1] <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
@@ -191,7 +191,7 @@ class FactorizationMemory(nn.Module):
         dim = self.d_memory
         self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on xbar
         self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
-        self.fused_router = False  # step routes in the fused kernel (init_state sets it)
+        self.fused_router = False  # step routes in the fused kernel (set by init_state)
 
     def router_scores(self, x):
         """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2), in at least float32."""
@@ -201,13 +201,13 @@ class FactorizationMemory(nn.Module):
         return torch.cat([F.linear(x, self.router.weight.to(dtype)), rates], dim=-1)
 
     def route(self, x):
-        """The paper's router: x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
+        """x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
         with torch.autocast(x.device.type, enabled=False):
             logits, eta_logit, mu_logit = self.router_scores(x).split([self.n_memory, 1, 1], dim=-1)
             alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
             idx = None
             if self.top_k < self.n_memory:  # sparse: the top k, renormalised
-                alpha, idx = alpha.sort(dim=-1, descending=True)  # compiled, a kernel (topk: a library call)
+                alpha, idx = alpha.sort(dim=-1, descending=True)  # compiles to a kernel (topk: a library call)
                 alpha, idx = alpha[..., :self.top_k], idx[..., :self.top_k]
                 alpha = alpha / alpha.sum(-1, keepdim=True)
             return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)  # eta, mu = sigmoid(w.x + b)
@@ -220,11 +220,11 @@ class FactorizationMemory(nn.Module):
         return [w.new_zeros(*w.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi)]
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,); None: T)."""
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,))."""
         theta, phi = self.weights(*self.route(x))  # (B, T, M)
         if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
-        state = {} if state is None else state
+        state = state or {}
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, T, d_memory)
         new_state = {}
         if self.conv is not None:  # from the last inputs of the pass before
@@ -234,8 +234,7 @@ class FactorizationMemory(nn.Module):
         return self.out_proj(y if z is None else y * F.silu(z)), new_state
 
     def kernel_scores(self, x, reduce):  # x (B, d_model) -> (B, M + 2)
-        """The fused kernel's scores: router_scores's, or (reduce, a compiled step) as one reduction that inductor fuses
-        with the weights' casts (as products: fm_1b's step 0.83 -> 1.01 ms at batch 1, docs/kernel_log.md)."""
+        """router_scores, or (reduce: compiled) one sum that inductor fuses with the casts (docs/kernel_log.md)."""
         with torch.autocast(x.device.type, enabled=False):
             if not reduce:
                 return self.router_scores(x)
@@ -243,11 +242,10 @@ class FactorizationMemory(nn.Module):
             weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model)
             return (x.to(dtype)[..., None, :] * weight).sum(-1) + F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))
 
+    @torch.no_grad()
     def routes_as_the_kernel(self):
-        """Whether a step through the fused kernel's twin (fm_route_step_naive of kernel_scores, eager and compiled)
-        gives the step as written (fm_step_naive of routed: route, then weights) on float64 probes at scales 0.01 to
-        100: the same output and memory. A router edited otherwise, or one that cannot take the probe, decodes as
-        written."""
+        """Whether the fused kernel's twin (fm_route_step_naive of kernel_scores, eager and compiled) steps as routed
+        does (fm_step_naive), output and memory, on float64 probes at scales 0.01 to 100."""
         device, gen = self.router.weight.device, torch.Generator().manual_seed(0)
         dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
         probe = torch.randn(5, 8, self.router.in_features, generator=gen, dtype=dtype)
@@ -255,28 +253,27 @@ class FactorizationMemory(nn.Module):
         h = torch.randn(40, self.n_memory, 4, generator=gen, dtype=dtype).to(device)  # 4 columns of the memory
         xbar = torch.randn(40, 4, generator=gen, dtype=dtype).to(device)
         try:
-            with torch.no_grad():
-                want_h = h.clone()
-                want = fm_kernel.fm_step_naive(want_h, xbar, *self.routed(probe), self.eps), want_h
-                for reduce in (False, True):  # eager, compiled
-                    got_h = h.clone()
-                    got = fm_kernel.fm_route_step_naive(got_h, xbar, self.kernel_scores(probe, reduce), self.top_k,
-                                                        self.tau, self.eps), got_h
-                    if not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(got, want)):
-                        return False
+            want_h = h.clone()
+            want = fm_kernel.fm_step_naive(want_h, xbar, *self.routed(probe), self.eps), want_h
+            for reduce in (False, True):  # eager, compiled
+                got_h = h.clone()
+                got = fm_kernel.fm_route_step_naive(got_h, xbar, self.kernel_scores(probe, reduce), self.top_k,
+                                                    self.tau, self.eps), got_h
+                if not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(got, want)):
+                    return False
         except (RuntimeError, TypeError):  # e.g. an edit that casts the probe to its weights' float32
             return False
         return True
 
     def routed(self, x):  # x (B, d_model)
-        """The step's routing as written: route, then weights -> the rows routed to, idx (B, K), their theta and phi."""
+        """route, then weights -> the rows routed to, idx (B, K), their theta and phi."""
         idx, *routed = self.route(x)
         theta, phi = self.weights(idx, *routed)  # (B, M)
         idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1) if idx is None else idx  # (B, K)
         return idx, theta.gather(-1, idx), phi.gather(-1, idx)
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: updates the state in place -> y (B, d_model); fused_router: in one kernel (fm_route_step)."""
+        """One token: the state updated in place -> y (B, d_model); fused_router: one kernel (fm_route_step)."""
         xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
         conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
         if self.fused_router:
@@ -290,7 +287,7 @@ class FactorizationMemory(nn.Module):
         return self.out_proj(y if z is None else y * F.silu(z))
 
     def step_state_bytes(self, context):
-        """Bytes of state a decoding step reads and writes for a sequence (bench.py): k rows, the window."""
+        """Bytes of state a decoding step reads and writes a sequence: k rows, the window."""
         dtype = self.in_proj.weight.dtype
         window = self.d_memory * (self.conv.kernel_size[0] - 1) * dtype.itemsize if self.conv else 0
         return 2 * (self.top_k * self.d_memory * compute_dtype(dtype).itemsize + window)
@@ -298,18 +295,18 @@ class FactorizationMemory(nn.Module):
     def init_state(self, batch_size, max_len, device):
         """Empty buffers; and whether step takes the fused kernel, for the router as it is now."""
         self.fused_router = self.routes_as_the_kernel()
-        dtype, width = self.in_proj.weight.dtype, self.conv.kernel_size[0] if self.conv else 0
-        h = torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)
-        state = {'h': h}
-        if width:  # the convolution's last inputs
-            state['conv'] = torch.zeros(batch_size, self.d_memory, width - 1, dtype=dtype, device=device)
+        dtype = self.in_proj.weight.dtype
+        state = {'h': torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)}
+        if self.conv is not None:  # the convolution's last inputs
+            window = self.conv.kernel_size[0] - 1
+            state['conv'] = torch.zeros(batch_size, self.d_memory, window, dtype=dtype, device=device)
         return state
 
 
 # ----------------------------------------------------------------------------- attention
 
 def rotate(x, positions, rope_theta):
-    """RoPE on the halves of x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are off by radians)."""
+    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are off by radians)."""
     hd = x.shape[-1]
     inv_freq = rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # (hd/2,)
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
@@ -345,7 +342,7 @@ class Attention(nn.Module):
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         """-> y (B, T, d_model), state {'k', 'v' (B, Hkv, T, hd), 'pos' (B,): tokens cached}."""
         if state is not None:
-            raise ValueError('attention continues from a KV cache one token at a time (step), not in a parallel pass')
+            raise ValueError('attention continues from its KV cache one token at a time (step)')
         B, T, _ = x.shape
         q, k, v = self.project(x, torch.arange(T, device=x.device)[None])
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
@@ -353,7 +350,7 @@ class Attention(nn.Module):
         return self.merge_heads(y), {'k': k, 'v': v, 'pos': pos}
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: its key and value into each row's place in the cache, attention over the filled part."""
+        """One token: its key and value into each row's cache, attention over the filled part."""
         pos = state['pos']  # (B,)
         q, k, v = self.project(x[:, None], pos[:, None])  # q (B, H, 1, hd), k, v (B, Hkv, 1, hd)
         rows = torch.arange(len(pos), device=pos.device)
@@ -368,7 +365,7 @@ class Attention(nn.Module):
         return self.merge_heads(y.view(B, self.n_head, 1, hd))[:, 0]
 
     def step_state_bytes(self, context):
-        """Bytes of state a decoding step reads for a sequence after context tokens (bench.py): its cache."""
+        """Bytes of state a decoding step reads a sequence after context tokens: its cache."""
         return 2 * context * self.n_kv_head * self.head_dim * self.qkv_proj.weight.element_size()
 
     def init_state(self, batch_size, max_len, device):
@@ -379,9 +376,8 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- Mamba-2
 
 def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
-    """Mamba-2's SSD from h0 (None: zeros), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t, in chunks: a
-    masked (C B^T * decay) product inside, the state carried between. x (b, T, H, P), dt (b, T, H) after softplus,
-    A (H,) negative, B, C (b, T, N), h0 (b, H, P, N) -> y (b, T, H, P), hT (b, H, P, N)."""
+    """Mamba-2's SSD in chunks from h0 (None: zeros): h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
+    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) < 0, B, C (b, T, N), h0 (b, H, P, N) -> y (like x), hT."""
     out_dtype, dtype = x.dtype, compute_dtype(x.dtype)
     b, T, H, P = x.shape
     L = min(chunk_size, T)
@@ -426,63 +422,52 @@ class Mamba2(nn.Module):
         self.norm = RMSNorm(self.d_inner, config.norm_eps)
         self.out_proj = nn.Linear(self.d_inner, config.d_model, bias=False)
 
-    def ssd(self, x, dt, B, C, h0):
-        """x (b, T, H, P), dt (b, T, H), B, C (b, T, N), h0 (b, H, P, N) or None -> y (b, T, H, P), hT."""
-        A = -torch.exp(self.A_log)
-        if mamba_chunk_scan_combined is not None and x.is_cuda:
-            return mamba_chunk_scan_combined(x, dt, A, B[:, :, None], C[:, :, None], self.chunk_size,
-                                             initial_states=h0, return_final_states=True)
-        return ssd_scan(x, dt, A, B, C, self.chunk_size, h0)
-
     def forward(self, u, state=None, lengths=None):  # u (b, T, d_model)
         """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token."""
         b, T, _ = u.shape
+        state = state or {}
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
-        xBC, conv_state = fm_kernel.causal_conv(xBC, None if state is None else state['conv'], self.conv.weight[:, 0],
-                                               self.conv.bias, lengths)
+        xBC, conv_state = fm_kernel.causal_conv(xBC, state.get('conv'), self.conv.weight[:, 0], self.conv.bias, lengths)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(b, T, self.n_heads, self.head_dim)
         dt = F.softplus(dt + self.dt_bias)  # (b, T, H)
         if lengths is not None:  # padding: dt = 0, no decay and no input
             dt = dt * real_positions(lengths, T)[..., None]
-        y, ssm_state = self.ssd(x, dt, B, C, None if state is None else state['ssm'])
+        A = -torch.exp(self.A_log)
+        if mamba_chunk_scan_combined is not None and x.is_cuda:  # mamba-ssm's kernel
+            y, ssm_state = mamba_chunk_scan_combined(x, dt, A, B[:, :, None], C[:, :, None], self.chunk_size,
+                                                     initial_states=state.get('ssm'), return_final_states=True)
+        else:
+            y, ssm_state = ssd_scan(x, dt, A, B, C, self.chunk_size, state.get('ssm'))
         y = y + self.D[:, None] * x  # (b, T, H, P)
         y = self.norm(y.reshape(b, T, self.d_inner) * F.silu(z))
         return self.out_proj(y), {'conv': conv_state, 'ssm': ssm_state}
 
     def step(self, u, state):  # u (b, d_model)
-        """One token: updates the state in place -> y (b, d_model)."""
+        """One token: ssm (b, H, P, N) <- exp(dt A) ssm + dt x B^T in place, y = ssm C + D x -> (b, d_model)."""
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC = fm_kernel.conv_step_naive(xBC, state['conv'], self.conv.weight[:, 0], self.conv.bias)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(-1, self.n_heads, self.head_dim)  # (b, H, P)
-        if selective_state_update is not None and u.is_cuda:
-            y = self.fused_ssm_step(state['ssm'], x, dt, B, C)
+        ssm = state['ssm']  # (b, H, P, N)
+        if selective_state_update is not None and u.is_cuda:  # mamba-ssm's kernel, per-head values over (P, N)
+            b, H, P = x.shape
+            A = -torch.exp(self.A_log.float())[:, None, None].expand(H, P, self.d_state)
+            y = selective_state_update(ssm, x, dt[..., None].expand(b, H, P), A, B[:, None], C[:, None],
+                                       D=self.D[:, None].expand(H, P), dt_bias=self.dt_bias[:, None].expand(H, P),
+                                       dt_softplus=True)
         else:
-            y = self.ssm_step(state['ssm'], x, dt, B, C)
+            dtype = ssm.dtype
+            dt = F.softplus(dt + self.dt_bias).to(dtype)  # (b, H)
+            decay = torch.exp(dt * -torch.exp(self.A_log.to(dtype)))  # (b, H)
+            x_dt = dt[..., None] * x.to(dtype)  # (b, H, P)
+            ssm.mul_(decay[..., None, None]).add_(x_dt[..., None] * B.to(dtype)[:, None, None])
+            y = torch.einsum('bhpn,bn->bhp', ssm, C.to(dtype)).to(x.dtype) + self.D[:, None] * x
         y = self.norm(y.reshape(-1, self.d_inner) * F.silu(z))
         return self.out_proj(y)
 
-    def ssm_step(self, ssm, x, dt, B, C):
-        """ssm (b, H, P, N) <- exp(dt A) ssm + dt x B^T in place; -> y = ssm C + D x (b, H, P)."""
-        dtype = ssm.dtype
-        dt = F.softplus(dt + self.dt_bias).to(dtype)  # (b, H)
-        decay = torch.exp(dt * -torch.exp(self.A_log.to(dtype)))  # (b, H)
-        x_dt = dt[..., None] * x.to(dtype)  # (b, H, P)
-        ssm.mul_(decay[..., None, None]).add_(x_dt[..., None] * B.to(dtype)[:, None, None])
-        return torch.einsum('bhpn,bn->bhp', ssm, C.to(dtype)).to(x.dtype) + self.D[:, None] * x
-
-    def fused_ssm_step(self, ssm, x, dt, B, C):
-        """ssm_step in mamba-ssm's kernel (selective_state_update), the per-head values expanded over (P, N)."""
-        b, H, P = x.shape
-        N = self.d_state
-        A = -torch.exp(self.A_log.float())[:, None, None].expand(H, P, N)
-        return selective_state_update(ssm, x, dt[..., None].expand(b, H, P), A, B[:, None], C[:, None],
-                                      D=self.D[:, None].expand(H, P), dt_bias=self.dt_bias[:, None].expand(H, P),
-                                      dt_softplus=True)
-
     def step_state_bytes(self, context):
-        """Bytes of state a decoding step reads and writes for a sequence (bench.py): all of it."""
+        """Bytes of state a decoding step reads and writes a sequence: all of it."""
         return 2 * sum(t.numel() * t.element_size() for t in self.init_state(1, 1, 'meta').values())
 
     def init_state(self, batch_size, max_len, device):
@@ -494,7 +479,7 @@ class Mamba2(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # a new one: README, Changing the model
+MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # new: README, Changing the model
 
 
 def mixer_class(name):
@@ -523,9 +508,8 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = mixer_class(config.mixer)(config)
-        has_mlp = config.d_ff > 0
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if has_mlp else None
-        self.mlp = SwiGLU(config) if has_mlp else None
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.d_ff else None
+        self.mlp = SwiGLU(config) if config.d_ff else None
 
     def add_mlp(self, x):
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
@@ -535,8 +519,7 @@ class Block(nn.Module):
         return self.add_mlp(x + y), state
 
     def step(self, x, state):  # x (B, d_model)
-        x = x + self.mixer.step(self.mixer_norm(x), state)
-        return self.add_mlp(x)
+        return self.add_mlp(x + self.mixer.step(self.mixer_norm(x), state))
 
 
 class Model(nn.Module):
@@ -552,14 +535,12 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.apply(self._init_weights)
+        for module in self.modules():  # a bias is its module's (FM's rates: zero)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
         for name, p in self.named_parameters():  # residual output projections, GPT-2 style
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
-
-    def _init_weights(self, module):  # a bias is its module's (FM's rates: zero)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     def head(self, x):
         """Final norm and LM head: logits in the head's dtype."""
@@ -571,8 +552,8 @@ class Model(nn.Module):
         return logits.to(compute_dtype(logits.dtype))
 
     def hidden(self, idx, state=None, lengths=None):
-        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the layers' states after each row's
-        last real token (lengths (B,) of right-padded rows; None: T)."""
+        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the states after each row's last
+        real token (lengths (B,))."""
         x, states = self.embed(idx), []
         for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
             x, layer_state = block(x, layer_state, lengths)
@@ -582,15 +563,14 @@ class Model(nn.Module):
     def forward(self, idx, targets=None):
         """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets the mean loss over targets != -1."""
         logits = self.head(self.hidden(idx)[0])
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
-                                   ignore_index=-1)
-        return logits, loss
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
+                                       ignore_index=-1)
 
     def init_state(self, batch_size, max_len, device=None):
-        """Empty decoding states, static buffers for max_len tokens a row: a dict a layer, its mixer's."""
-        device = self.embed.weight.device if device is None else device
+        """Empty decoding states for max_len tokens a row: a dict a layer, its mixer's."""
+        device = device or self.embed.weight.device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def step(self, tokens, state):
@@ -602,33 +582,27 @@ class Model(nn.Module):
 
     def num_params(self, non_embedding=True):
         """Parameters; non_embedding: without the embedding and the LM head."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.embed.weight.numel()
-            if not self.config.tie_embeddings:
-                n -= self.lm_head.weight.numel()
-        return n
+        n = sum(p.numel() for p in self.parameters())  # the tied weight once
+        embedding = self.embed.weight.numel() + (0 if self.config.tie_embeddings else self.lm_head.weight.numel())
+        return n - embedding if non_embedding else n
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs (3 x forward) a token at context seq_len: 6 (N_nonembedding + d_model vocab_size) for the
-        weights, and n_layer times a mixer term: attn 12 seq_len d_model (QK^T, AV; no causal discount, as nanoGPT),
-        fm 3 k (9 d_memory + 5) (the paper's App. FLOPS), mamba2 3 * 5 d_inner d_state (decay, x B^T, add, C)."""
+        """Training FLOPs (3 x forward) a token at context seq_len: 6 (N_nonembedding + d_model V), n_layer mixers'."""
         c = self.config
-        if c.family == 'attn':
+        if c.family == 'attn':  # QK^T, AV; no causal discount, as nanoGPT
             mixer = 12 * seq_len * c.d_model
-        elif c.family == 'fm':
+        elif c.family == 'fm':  # the paper's App. FLOPS
             mixer = 3 * c.top_k * (9 * c.d_memory + 5)
-        elif c.family == 'mamba2':
+        elif c.family == 'mamba2':  # decay, x B^T, add, C
             mixer = 3 * 5 * c.mamba_d_inner * c.d_state
         else:
             raise ValueError(f'no FLOPs count for mixer {c.mixer!r}: add its term to Model.flops_per_token')
         return float(6 * (self.num_params() + c.d_model * c.vocab_size) + c.n_layer * mixer)
 
     def estimate_mfu(self, tokens_per_sec, device_name=None):
-        """Model FLOPs utilisation of a GPU (None: the model's) at tokens_per_sec, against PEAK_BF16_FLOPS (else 0)."""
-        device = self.embed.weight.device
-        if device_name is None and device.type == 'cuda':
-            device_name = torch.cuda.get_device_name(device)
+        """Model FLOPs utilisation of a GPU (None: the model's) at tokens_per_sec (0 if not in PEAK_BF16_FLOPS)."""
+        if device_name is None and self.embed.weight.is_cuda:
+            device_name = torch.cuda.get_device_name(self.embed.weight.device)
         peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in (device_name or '').upper()), math.inf)
         return self.flops_per_token(self.config.block_size) * tokens_per_sec / peak
 
@@ -641,7 +615,7 @@ class Model(nn.Module):
 
 
 def write_state(static, states, rows=slice(None)):
-    """Copy a parallel pass's states into rows of static decoding buffers, each at the start of every dimension."""
+    """Copy a parallel pass's states into rows of static decoding buffers, at the start of every dimension."""
     for static_layer, layer in zip(static, states):
         for name, tensor in layer.items():
             static_layer[name][rows][tuple(slice(0, n) for n in tensor.shape)] = tensor
