@@ -67,7 +67,6 @@ d_model = 128  # width of the residual stream
 # fm
 n_memory = 32  # m, memory rows
 top_k = 8  # k rows read and written per token; None: dense
-tau = 1.0  # router softmax temperature
 fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on xbar (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
 
@@ -92,7 +91,6 @@ _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isin
 AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, eval_interval=1,
                 eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
                 seed=0)
-CHOICES = dict(init_from=('scratch', 'resume'), dtype=DTYPES)
 BLOW_UP = 0.5  # nats above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
 EVAL_SEED = 2024  # of the validation windows alone: runs of other seeds compare
 RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files (eval.py writes routing)
@@ -124,8 +122,8 @@ def settings(argv):
     cfg = SimpleNamespace(**load_config(defaults, argv, optional_types(ModelConfig)))
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     for refused, message in (
-            *[(getattr(cfg, key) not in choices, f"--{key}={getattr(cfg, key)!r}: use one of {', '.join(choices)}")
-              for key, choices in CHOICES.items()],
+            (cfg.init_from not in ('scratch', 'resume'), f"--init_from={cfg.init_from!r}: use 'scratch' or 'resume'"),
+            (cfg.dtype not in DTYPES, f"--dtype={cfg.dtype!r}: use one of {', '.join(DTYPES)}"),
             *[(not getattr(cfg, key) >= low, f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
               for key, low in AT_LEAST.items()],
             (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to (the default is out)'),
@@ -331,11 +329,10 @@ def resume(cfg, run, ckpt):
     path, step = run.folder / 'ckpt.pt', ckpt['iter_num']
     saved = asdict(run.raw_model.config) | {'tokenizer': ckpt['tokenizer']}
     asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size'])) | {'tokenizer': cfg.tokenizer}
-    changed = [k for k, v in saved.items() if k != 'block_size' and asked.get(k) != v]
+    changed = [k for k, v in saved.items() if k != 'block_size' and asked[k] != v]
     if changed:
         raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
-                         f'for {", ".join(f"{k}={asked.get(k)!r}" for k in changed)}: drop those settings (or give its '
-                         f'config file), or train the new model in a new --out_dir')
+                         f'for {", ".join(f"{k}={asked[k]!r}" for k in changed)}: drop those, or use a new --out_dir')
     if step >= cfg.max_iters and not ckpt.get('eval_cut'):  # a last evaluation cut short: run it
         raise TrainError(f'{path} is at step {step}, which --max_iters={cfg.max_iters} does not pass: set it higher')
     seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
@@ -554,7 +551,7 @@ def train(cfg, run):
             step_loss += loss.detach() / grad_accum
         run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
-        # the first step of a loss or gradient norm not finite, noted without a sync (check_finite acts on it)
+        # noted without a sync (check_finite acts on it)
         finite = torch.stack([step_loss.isfinite(), grad_norm.isfinite() | run.scaler.is_enabled()])
         run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)
         run.scaler.step(run.optimizer)
