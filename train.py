@@ -41,7 +41,7 @@ from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
 
 # default settings: a small FM model on the default corpus, minutes on a CPU
 out_dir = 'out'  # the run's folder: ckpt.pt (the last step), best.pt (the best validation loss)
-eval_interval = 100  # evaluate, and write ckpt.pt (and best.pt when val improves), every eval_interval steps
+eval_interval = 100  # steps between evaluations, each writing ckpt.pt (and best.pt when val improves)
 eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10  # steps between log lines
 always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt whenever val improves)
@@ -59,7 +59,7 @@ verify_data = True  # check the token files' checksums on opening them (0.4 s a 
 gradient_accumulation_steps = 1  # micro-batches a step, over all processes
 batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
-vocab_multiple = 64  # pad the vocab of a tokenizer of more than 256 tokens to a multiple of this
+vocab_multiple = 64  # pad a vocab of more than 256 tokens to a multiple of this
 # model: these, and every other ModelConfig field of model.py
 mixer = 'fm'  # a mixer listed below, or module:Class extending one (e.g. research.levers:RowRatesFM)
 n_layer = 4  # blocks
@@ -126,7 +126,7 @@ def settings(argv):
             (cfg.dtype not in DTYPES, f"--dtype={cfg.dtype!r}: use one of {', '.join(DTYPES)}"),
             *[(not getattr(cfg, key) >= low, f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
               for key, low in AT_LEAST.items()],
-            (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to (the default is out)'),
+            (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to'),
             (cfg.gradient_accumulation_steps % world_size, f'--gradient_accumulation_steps counts micro-batches over '
              f'all {world_size} processes: make it a multiple of {world_size}'),
             (not cfg.learning_rate > 0, f'--learning_rate={cfg.learning_rate} is out of range: set it above 0'),
@@ -159,11 +159,11 @@ def settings(argv):
         vars(cfg).update({k: defaults[k] for k in ignored})
     if config.family == 'fm' and cfg.chunk_size > cfg.block_size:
         print(f"warning: --chunk_size={cfg.chunk_size} is above --block_size={cfg.block_size}: FM's scan pads each "
-              f"sequence to a whole chunk (about 10 times slower); set chunk_size at most {cfg.block_size}")
+              f"sequence to a whole chunk (10 times slower); set chunk_size at most {cfg.block_size}")
     check_device(cfg.device)
     check_batch_fits(cfg.batch_size, cfg.block_size, config, n_params, torch.device(cfg.device))
     if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
-        print("warning: --dtype=float16 on the CPU is slow (about 10 times float32's step): use --dtype=float32")
+        print("warning: --dtype=float16 on the CPU is slow (10 times float32's step): use --dtype=float32")
     return cfg
 
 
@@ -244,8 +244,8 @@ def save(cfg, run, names):
 
 
 def swap_in(folder, gone):
-    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in (the first replaces the earlier one's),
-    then remove the journal: out_dir holds one run's files at every point, and each step can be done again."""
+    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in, then remove the journal: out_dir
+    holds one run's files at every point, and each step can be done again."""
     if any(folder.glob('*.pt.tmp')):  # none once all are renamed in: gone is gone
         for name in gone:
             (folder / name).unlink(missing_ok=True)
@@ -435,8 +435,8 @@ def diverged(run, what):
 
 
 def catch_signals(cfg, run):
-    """From now on Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once, and so does
-    the first while a compiled model has trained no step (its compiles can outlast torchrun's 30 s grace)."""
+    """Ctrl-C or SIGTERM now stops the run after its step, saved; a second Ctrl-C quits at once, as does the first
+    before a compiled model's first step (its compiles can outlast torchrun's 30 s grace)."""
     start = run.iter_num
 
     def request_stop(signum, frame):
@@ -537,7 +537,6 @@ def train(cfg, run):
                       f" (the earlier run's {' and '.join(run.earlier)} in {run.folder} stay)" * bool(run.earlier))
             return history
 
-        # forward and backward over the micro-batches, clip, step
         lr = get_lr(run.iter_num, cfg)
         for param_group in run.optimizer.param_groups:
             param_group['lr'] = lr
@@ -551,20 +550,18 @@ def train(cfg, run):
             step_loss += loss.detach() / grad_accum
         run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
-        # noted without a sync (check_finite acts on it)
         finite = torch.stack([step_loss.isfinite(), grad_norm.isfinite() | run.scaler.is_enabled()])
-        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)
+        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)  # check_finite acts on it
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
         run.iter_num, steps_since_log, loss_sum = run.iter_num + 1, steps_since_log + 1, loss_sum + step_loss
 
-        # log this rank's loss, averaged since the last log line
         if run.iter_num % cfg.log_interval == 0 or run.iter_num == cfg.max_iters:
             check_finite(cfg, run)
             lossf = loss_sum.item() / steps_since_log  # waits for the GPU: the timing is right
             dt = (time.time() - t_log) / steps_since_log
-            history['train'].append((run.iter_num, lossf))
+            history['train'].append((run.iter_num, lossf))  # this rank's loss, averaged since the last log line
             if run.master:
                 mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)
                 memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \

@@ -473,7 +473,7 @@ def test_inconsistent_schedule_chunk_and_hf_config(data_dir, tmp_path, capsys):
     assert not (tmp_path / 'new').exists()
     train.settings(['--chunk_size=128', '--block_size=64'])
     assert capsys.readouterr().out == ("warning: --chunk_size=128 is above --block_size=64: FM's scan pads each "
-                                       'sequence to a whole chunk (about 10 times slower); set chunk_size at most 64\n')
+                                       'sequence to a whole chunk (10 times slower); set chunk_size at most 64\n')
     train.settings(['--chunk_size=64', '--block_size=64', '--warmup_iters=10', '--lr_decay_iters=11'])
     assert capsys.readouterr().out == ''
 
