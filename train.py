@@ -46,7 +46,7 @@ eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10  # steps between log lines
 always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt whenever val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
-overwrite = False  # True: a scratch run replaces the earlier run in out_dir when it first saves
+overwrite = False  # True: a scratch run replaces out_dir's earlier run at its first save
 wandb_log = False  # log to Weights & Biases (pip install wandb)
 wandb_project = 'factorization-memory'  # its project
 wandb_run_name = 'fm'  # its run name
@@ -55,7 +55,7 @@ dataset = 'default'  # 'default', or prepare_data.py's --dataset (a path or hf:N
 tokenizer = 'bytes'  # 'bytes' or a tiktoken encoding (e.g. cl100k_base)
 data_dir = ''  # prepare_data.py's --data_dir; '': its default, data/ here
 hf_config = ''  # prepare_data.py's --hf_config, if any
-verify_data = True  # check the token files' checksums on opening them (0.4 s a GB)
+verify_data = True  # check the token files' checksums (0.4 s a GB)
 gradient_accumulation_steps = 1  # micro-batches a step, over all processes
 batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
@@ -208,7 +208,7 @@ def save(cfg, run, names):
             'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,
             'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},
             'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
-            'eval_cut': run.eval_cut,  # a stop cut this step's evaluation short: a resume evaluates it
+            'eval_cut': run.eval_cut,  # a stop cut this step's evaluation: a resume runs it
             'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
                     'torch': torch.get_rng_state(), 'batch': batches,
                     'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
@@ -310,7 +310,7 @@ def setup(cfg, run):
     run.gen = np.random.default_rng([cfg.seed, run.rank])  # this rank's batches
     if ckpt is not None:
         resume(cfg, run, ckpt)
-    run.bad = torch.full((2,), NEVER, device=run.device)  # the first step of a loss, a gradient norm not finite
+    run.bad = torch.full((2,), NEVER, device=run.device)  # the first bad step of the loss, the gradient norm
     run.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     if run.master:
         print(f'device {run.device}, dtype {run.dtype}, world size {run.world_size}, tokens per step '
@@ -344,7 +344,7 @@ def resume(cfg, run, ckpt):
     if ckpt['data_state'].get('val_set') != run.data.val_set:  # losses that do not compare
         run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
         notes.append("the validation set is not the checkpoint's (other data, block_size, eval_iters or batch_size): "
-                     'the best validation loss starts over')
+                     'the best loss starts over')
     run.optimizer.load_state_dict(ckpt['optimizer'])
     if ckpt.get('scaler') and run.scaler.is_enabled():  # float16 runs only
         run.scaler.load_state_dict(ckpt['scaler'])
@@ -366,7 +366,7 @@ def resume(cfg, run, ckpt):
 def get_batch(tokens, starts, block_size, device, data):
     """Inputs tokens[s : s+block_size] and targets tokens[s+1 : s+block_size+1] for each start s."""
     xy = np.stack([tokens[s:s + block_size + 1] for s in starts])
-    if xy.max() >= data.tok.vocab_size:  # files unchecked (--verify_data=False): before the embedding fails
+    if xy.max() >= data.tok.vocab_size:  # --verify_data=False: before the embedding fails
         raise TrainError(f'a batch holds token id {xy.max()}, beyond the vocabulary of {data.tok.vocab_size}'
                          f': the token files in {data.folder} are damaged or of another tokenizer: prepare them again')
     xy = torch.from_numpy(xy.astype(np.int64))
@@ -376,7 +376,7 @@ def get_batch(tokens, starts, block_size, device, data):
 
 
 def next_batch(cfg, run):
-    """This rank's next random training batch; run.batch_state: the generator's state before it, for a resume."""
+    """This rank's next random batch; run.batch_state: the generator's state before it, for a resume."""
     run.batch_state = run.gen.bit_generator.state
     starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
     return get_batch(run.data.train, starts, cfg.block_size, run.device, run.data)
@@ -407,7 +407,7 @@ def get_lr(it, cfg):
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
-    ratio = min(1, (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters))  # 1: cos(pi) = -1, min_lr
+    ratio = min(1, (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters))  # cos(pi) = -1: min_lr
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
@@ -502,7 +502,7 @@ def train(cfg, run):
             check_finite(cfg, run)
             val_loss = estimate_loss(cfg, run)
             run.eval_cut = val_loss is None
-            if val_loss is not None:  # None: a Ctrl-C or SIGTERM stopped it
+            if val_loss is not None:  # None: a signal stopped it
                 run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
                 if not (math.isfinite(val_loss) and val_loss <= run.untrained_loss + BLOW_UP):
                     diverged(run, f"the validation loss is {val_loss:.4f} at step {run.iter_num}: not finite, or more "
@@ -521,7 +521,7 @@ def train(cfg, run):
             t_log = time.time()  # evaluation out of the timings
         if run.iter_num >= cfg.max_iters and val_loss is not None:  # its evaluation ran whole: done
             break
-        if run.group is not None:  # a Ctrl-C or SIGTERM on any rank stops every rank here
+        if run.group is not None:  # a signal on any rank stops every rank here
             stop = torch.tensor([float(run.stop)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
             run.stop = bool(stop.item())
@@ -559,7 +559,7 @@ def train(cfg, run):
             check_finite(cfg, run)
             lossf = loss_sum.item() / steps_since_log  # waits for the GPU: the timing is right
             dt = (time.time() - t_log) / steps_since_log
-            history['train'].append((run.iter_num, lossf))  # this rank's loss, averaged since the last log line
+            history['train'].append((run.iter_num, lossf))  # this rank's, averaged since the last log
             if run.master:
                 mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)
                 memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \
