@@ -39,15 +39,14 @@ from devices import DTYPES, check_batch_fits, check_device, resolve_dtype
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
 
-# -----------------------------------------------------------------------------
 # default settings: a small FM model on the default corpus, minutes on a CPU
 out_dir = 'out'  # the run's folder: ckpt.pt (the last step), best.pt (the best validation loss)
-eval_interval = 100  # evaluate, and write ckpt.pt (and best.pt when val improves), every eval_interval steps
+eval_interval = 100  # steps between evaluations, each writing ckpt.pt (and best.pt when val improves)
 eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10  # steps between log lines
 always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt whenever val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
-overwrite = False  # True: a scratch run replaces the earlier run in out_dir when it first saves
+overwrite = False  # True: a scratch run replaces out_dir's earlier run at its first save
 wandb_log = False  # log to Weights & Biases (pip install wandb)
 wandb_project = 'factorization-memory'  # its project
 wandb_run_name = 'fm'  # its run name
@@ -56,11 +55,11 @@ dataset = 'default'  # 'default', or prepare_data.py's --dataset (a path or hf:N
 tokenizer = 'bytes'  # 'bytes' or a tiktoken encoding (e.g. cl100k_base)
 data_dir = ''  # prepare_data.py's --data_dir; '': its default, data/ here
 hf_config = ''  # prepare_data.py's --hf_config, if any
-verify_data = True  # check the token files' checksums on opening them (0.4 s a GB)
+verify_data = True  # check the token files' checksums (0.4 s a GB)
 gradient_accumulation_steps = 1  # micro-batches a step, over all processes
 batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
-vocab_multiple = 64  # pad the vocab of a tokenizer of more than 256 tokens to a multiple of this
+vocab_multiple = 64  # pad a vocab of more than 256 tokens to a multiple of this
 # model: these, and every other ModelConfig field of model.py
 mixer = 'fm'  # a mixer listed below, or module:Class extending one (e.g. research.levers:RowRatesFM)
 n_layer = 4  # blocks
@@ -68,7 +67,6 @@ d_model = 128  # width of the residual stream
 # fm
 n_memory = 32  # m, memory rows
 top_k = 8  # k rows read and written per token; None: dense
-tau = 1.0  # router softmax temperature
 fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on xbar (0: none; config/paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
 
@@ -93,7 +91,6 @@ _TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isin
 AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, eval_interval=1,
                 eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
                 seed=0)
-CHOICES = dict(init_from=('scratch', 'resume'), dtype=DTYPES)
 BLOW_UP = 0.5  # nats above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
 EVAL_SEED = 2024  # of the validation windows alone: runs of other seeds compare
 RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files (eval.py writes routing)
@@ -116,32 +113,33 @@ def model_args(cfg):
 
 def settings(argv):
     """argv -> the run's settings (None for --help); ConfigError for one out of range."""
+    defaults = default_config()
+    notes = help_text(defaults, __file__, model_file.__file__)  # a line a setting: `  --key=default  [fm] comment`
     if '-h' in argv or '--help' in argv:
         mixers = ', '.join(f'{name} ({cls.__name__})' for name, cls in model_file.MIXER_CLASSES.items())
-        return print(__doc__ + '\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
-                     + help_text(default_config(), __file__, model_file.__file__) + f'\nmixers: {mixers}')
-    cfg = SimpleNamespace(**load_config(default_config(), argv, optional_types(ModelConfig)))
+        return print(f'{__doc__}\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
+                     f'{notes}\nmixers: {mixers}')
+    cfg = SimpleNamespace(**load_config(defaults, argv, optional_types(ModelConfig)))
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     for refused, message in (
-            *[(getattr(cfg, key) not in choices, f"--{key}={getattr(cfg, key)!r}: use one of {', '.join(choices)}")
-              for key, choices in CHOICES.items()],
+            (cfg.init_from not in ('scratch', 'resume'), f"--init_from={cfg.init_from!r}: use 'scratch' or 'resume'"),
+            (cfg.dtype not in DTYPES, f"--dtype={cfg.dtype!r}: use one of {', '.join(DTYPES)}"),
             *[(not getattr(cfg, key) >= low, f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
               for key, low in AT_LEAST.items()],
-            (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to (the default is out)'),
-            (cfg.gradient_accumulation_steps % world_size, f'--gradient_accumulation_steps counts the micro-batches of '
-             f'a step over all {world_size} processes: make it a multiple of {world_size}'),
+            (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to'),
+            (cfg.gradient_accumulation_steps % world_size, f'--gradient_accumulation_steps counts micro-batches over '
+             f'all {world_size} processes: make it a multiple of {world_size}'),
             (not cfg.learning_rate > 0, f'--learning_rate={cfg.learning_rate} is out of range: set it above 0'),
             (cfg.min_lr > cfg.learning_rate, f'--min_lr={cfg.min_lr} is above --learning_rate={cfg.learning_rate}: '
-             f'the cosine decays from learning_rate to min_lr; set min_lr lower (e.g. learning_rate / 10)'),
+             f'the cosine decays from learning_rate to min_lr; set min_lr lower'),
             (cfg.warmup_iters > cfg.max_iters, f'--warmup_iters={cfg.warmup_iters} is beyond --max_iters='
-             f'{cfg.max_iters}: the run would end before its learning rate peaks; set at most {cfg.max_iters}'),
+             f'{cfg.max_iters}: set at most {cfg.max_iters}'),
             (0 < cfg.lr_decay_iters <= cfg.warmup_iters, f'--lr_decay_iters={cfg.lr_decay_iters} is not after '
-             f'--warmup_iters={cfg.warmup_iters}: the learning rate would drop from its peak to min_lr at once; set '
-             f'lr_decay_iters above warmup_iters (or 0: max_iters)'),
-            (cfg.hf_config and not cfg.dataset.startswith('hf:'), f'--hf_config={cfg.hf_config} applies to hf: datasets '
-             f'only (--dataset={cfg.dataset!r} is not one): drop it, or pass --dataset=hf:NAME'),
-            *[(not 0 <= getattr(cfg, key) < 1, f"--{key}={getattr(cfg, key)} is out of range: AdamW's {key} must be "
-               f"at least 0 and below 1 (the default is {globals()[key]})") for key in ('beta1', 'beta2')],
+             f'--warmup_iters={cfg.warmup_iters}: set it above warmup_iters (or 0: max_iters)'),
+            (cfg.hf_config and not cfg.dataset.startswith('hf:'),
+             f'--hf_config={cfg.hf_config} applies to hf: datasets only: drop it, or pass --dataset=hf:NAME'),
+            *[(not 0 <= getattr(cfg, key) < 1, f'--{key}={getattr(cfg, key)} is out of range: set it to at least 0 '
+               f'and below 1') for key in ('beta1', 'beta2')],
             (os.path.isfile(cfg.data_dir), f'--data_dir={cfg.data_dir} is a file: give the folder of prepare_data.py'),
             (cfg.wandb_log and not importlib.util.find_spec('wandb'), '--wandb_log=True needs wandb: pip install it')):
         if refused:
@@ -152,22 +150,20 @@ def settings(argv):
             n_params = Model(config).num_params(non_embedding=False)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
-    tags, defaults = help_text(default_config(), __file__, model_file.__file__), default_config()
-    tagged = re.findall(r'^  --(\w+)=\S*\s+\[([\w, ]+)\] ', tags, re.M)  # --help's [fm] tags
-    known = config.family in {family for _, mixers in tagged for family in mixers.split(', ')}  # not a new family
-    ignored = {k: mixers for k, mixers in tagged if known and cfg.init_from != 'resume' and getattr(cfg, k) !=
-               defaults[k] and config.family not in mixers.split(', ')}  # a resume compares with its checkpoint
-    if ignored:
+    tags = {k: mixers.split(', ') for k, mixers in re.findall(r'^  --(\w+)=\S*\s+\[([\w, ]+)\] ', notes, re.M)}
+    ignored = [k for k, mixers in tags.items() if config.family not in mixers and getattr(cfg, k) != defaults[k]]
+    if ignored and cfg.init_from == 'scratch' and any(config.family in mixers for mixers in tags.values()):
+        mixers = ', '.join(sorted({mixer for k in ignored for mixer in tags[k]}))
         print(f"warning: --mixer={cfg.mixer} ignores {', '.join(f'--{k}={getattr(cfg, k)!r}' for k in ignored)} "
-              f"(settings of {', '.join(sorted(set(ignored.values())))}): not used, and recorded at the default")
+              f'(settings of {mixers}): not used, and recorded at the default')
         vars(cfg).update({k: defaults[k] for k in ignored})
     if config.family == 'fm' and cfg.chunk_size > cfg.block_size:
         print(f"warning: --chunk_size={cfg.chunk_size} is above --block_size={cfg.block_size}: FM's scan pads each "
-              f"sequence to a whole chunk (about 10 times slower); set chunk_size at most {cfg.block_size}")
+              f"sequence to a whole chunk (10 times slower); set chunk_size at most {cfg.block_size}")
     check_device(cfg.device)
     check_batch_fits(cfg.batch_size, cfg.block_size, config, n_params, torch.device(cfg.device))
     if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
-        print("warning: --dtype=float16 on the CPU is slow (about 10 times float32's step): use --dtype=float32")
+        print("warning: --dtype=float16 on the CPU is slow (10 times float32's step): use --dtype=float32")
     return cfg
 
 
@@ -181,19 +177,16 @@ def claim(cfg, run):
             fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder, run.lock = run.lock.seek(0) or run.lock.read().strip() or 'a process that is starting', None
-            raise TrainError(f'{run.folder} is in use by another training run ({holder}): wait for it, or use '
-                             f'another --out_dir') from None
+            raise TrainError(f'{run.folder} is in use by {holder}: wait for it, or use another --out_dir') from None
         except OSError as e:  # no folder, or a file system without locks (Lustre's)
             if run.lock is None:
                 reason = 'it is a file' if run.folder.is_file() else e.strerror
-                raise TrainError(f'cannot write to --out_dir={run.folder} ({reason}): pass a folder you can write '
-                                 f'to') from None
+                raise TrainError(f'cannot write --out_dir={run.folder} ({reason}): pass a writable folder') from None
             print(f'warning: cannot lock {lock} ({e.strerror}): nothing stops a second run in {run.folder}')
         if not lock.exists() or lock.stat().st_ino != os.fstat(run.lock.fileno()).st_ino:
             run.lock = run.lock.close()
     run.lock.truncate(0)
-    run.lock.write(f'process {os.getpid()} on {os.uname().nodename}, started {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
-    run.lock.flush()
+    print(f'process {os.getpid()} on {os.uname().nodename}, since {time.strftime("%F %T")}', file=run.lock, flush=True)
     if (run.folder / 'replacing').exists():  # the new files are whole: finish the swap
         swap_in(run.folder, (run.folder / 'replacing').read_text().split())
     for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a killed run
@@ -215,7 +208,7 @@ def save(cfg, run, names):
             'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,
             'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},
             'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
-            'eval_cut': run.eval_cut,  # a stop cut this step's evaluation short: a resume evaluates it
+            'eval_cut': run.eval_cut,  # a stop cut this step's evaluation: a resume runs it
             'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
                     'torch': torch.get_rng_state(), 'batch': batches,
                     'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
@@ -251,8 +244,8 @@ def save(cfg, run, names):
 
 
 def swap_in(folder, gone):
-    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in (the first replaces the earlier one's),
-    then remove the journal: out_dir holds one run's files at every point, and each step can be done again."""
+    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in, then remove the journal: out_dir
+    holds one run's files at every point, and each step can be done again."""
     if any(folder.glob('*.pt.tmp')):  # none once all are renamed in: gone is gone
         for name in gone:
             (folder / name).unlink(missing_ok=True)
@@ -295,8 +288,7 @@ def setup(cfg, run):
         raise TrainError(str(e)) from None
     for name, tokens in (('train', train), ('val', val)):
         if len(tokens) < cfg.block_size + 1:
-            raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens, fewer than block_size + 1 = '
-                             f'{cfg.block_size + 1}: use a smaller --block_size or more data')
+            raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens: set --block_size below that')
     windows = cfg.eval_iters * cfg.batch_size  # fixed validation windows
     run.data = SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_set=[str(folder), len(val),
                                cfg.block_size, windows], val_starts=np.random.default_rng(EVAL_SEED).integers(
@@ -318,16 +310,15 @@ def setup(cfg, run):
     run.gen = np.random.default_rng([cfg.seed, run.rank])  # this rank's batches
     if ckpt is not None:
         resume(cfg, run, ckpt)
-    run.bad = torch.full((2,), NEVER, device=run.device)  # the first step of a loss, a gradient norm not finite
+    run.bad = torch.full((2,), NEVER, device=run.device)  # the first bad step of the loss, the gradient norm
     run.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     if run.master:
         print(f'device {run.device}, dtype {run.dtype}, world size {run.world_size}, tokens per step '
               f'{run.tokens_per_iter:,} ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})\n'
               f'model: {run.raw_model.config}\nparameters: {run.raw_model.num_params(non_embedding=False):,} '
               f'({run.raw_model.num_params():,} without embeddings)')
-    run.wandb = __import__('wandb') if cfg.wandb_log and run.master else None
-    if run.wandb:
-        run.wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))
+    run.wandb = cfg.wandb_log and run.master and __import__('wandb').init(
+        project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))  # a wandb Run, or False
     run.model = torch.compile(run.raw_model) if cfg.compile else run.raw_model
     if run.group is not None:
         run.model = DDP(run.model, device_ids=[run.device.index] if run.device.type == 'cuda' else None)
@@ -335,34 +326,25 @@ def setup(cfg, run):
 
 def resume(cfg, run, ckpt):
     """Go on from ckpt (its step, losses, optimizer, random states) as if the run had not stopped."""
-    path, saved = run.folder / 'ckpt.pt', asdict(run.raw_model.config)
-    if ckpt['tokenizer'] != cfg.tokenizer:
-        raise TrainError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, this run uses {cfg.tokenizer!r}: '
-                         f'pass --tokenizer={ckpt["tokenizer"]}')
-    asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size']))
-    changed = [k for k, v in saved.items() if k != 'block_size' and asked.get(k) != v]
+    path, step = run.folder / 'ckpt.pt', ckpt['iter_num']
+    saved = asdict(run.raw_model.config) | {'tokenizer': ckpt['tokenizer']}
+    asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size'])) | {'tokenizer': cfg.tokenizer}
+    changed = [k for k, v in saved.items() if k != 'block_size' and asked[k] != v]
     if changed:
         raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
-                         f'for {", ".join(f"{k}={asked.get(k)!r}" for k in changed)}: drop those settings (or give its '
-                         f'config file), or train the new model in a new --out_dir')
-    if ckpt['iter_num'] >= cfg.max_iters and not ckpt.get('eval_cut'):  # a last evaluation cut short: run it
-        raise TrainError(f'{path} is at step {ckpt["iter_num"]}, which --max_iters={cfg.max_iters} does not pass: set '
-                         f'--max_iters above {ckpt["iter_num"]} to train on')
+                         f'for {", ".join(f"{k}={asked[k]!r}" for k in changed)}: drop those, or use a new --out_dir')
+    if step >= cfg.max_iters and not ckpt.get('eval_cut'):  # a last evaluation cut short: run it
+        raise TrainError(f'{path} is at step {step}, which --max_iters={cfg.max_iters} does not pass: set it higher')
     seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
-    changed = [f'{k}={vars(cfg)[k]!r} (was {v!r})' for k, v in ckpt['train_config'].items() if vars(cfg).get(k, v) != v
-               and (k == 'block_size' or k not in (*saved, 'init_from', 'out_dir'))] + [f'--seed={seed} is not used: '
-               f'the random states are restored from the checkpoint (seed {cfg.seed})'] * (seed != cfg.seed)
-    if run.master and changed:
-        print(f"resume: {', '.join(changed)}")
-    run.iter_num, run.best_val_loss, run.untrained_loss = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get(
-        'untrained_loss')
-    run.eval_cut = ckpt.get('eval_cut', False)
-    run.saved = {'ckpt.pt': ckpt['iter_num']}  # the last good checkpoint until this run saves
+    notes = [f'{k}={vars(cfg)[k]!r} (was {v!r})' for k, v in ckpt['train_config'].items() if vars(cfg).get(k, v) != v
+             and (k == 'block_size' or k not in (*saved, 'init_from', 'out_dir'))] + [f'--seed={seed} is not used: '
+             f'the random states are restored from the checkpoint (seed {cfg.seed})'] * (seed != cfg.seed)
+    run.iter_num, run.best_val_loss, run.untrained_loss = step, ckpt['best_val_loss'], ckpt.get('untrained_loss')
+    run.eval_cut, run.saved = ckpt.get('eval_cut', False), {'ckpt.pt': step}  # its last good checkpoint till a save
     if ckpt['data_state'].get('val_set') != run.data.val_set:  # losses that do not compare
         run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
-        if run.master:
-            print("resume: the validation set is not the checkpoint's (other data, block_size, eval_iters or "
-                  "batch_size): the best validation loss starts over")
+        notes.append("the validation set is not the checkpoint's (other data, block_size, eval_iters or batch_size): "
+                     'the best loss starts over')
     run.optimizer.load_state_dict(ckpt['optimizer'])
     if ckpt.get('scaler') and run.scaler.is_enabled():  # float16 runs only
         run.scaler.load_state_dict(ckpt['scaler'])
@@ -375,18 +357,18 @@ def resume(cfg, run, ckpt):
     if (ckpt['data_state']['world_size'], ckpt['data_state']['train_tokens']) == (run.world_size, len(run.data.train)):
         run.gen.bit_generator.state = rng['batch'][run.rank]
     else:
-        run.gen = np.random.default_rng([cfg.seed, run.rank, ckpt['iter_num']])
-        if run.master:
-            print('resume: the world size or the training data changed: the batches differ from a straight run')
+        run.gen = np.random.default_rng([cfg.seed, run.rank, step])
+        notes.append('the world size or the training data changed: the batches differ from a straight run')
+    if run.master and notes:
+        print(f"resume: {', '.join(notes)}")
 
 
 def get_batch(tokens, starts, block_size, device, data):
     """Inputs tokens[s : s+block_size] and targets tokens[s+1 : s+block_size+1] for each start s."""
     xy = np.stack([tokens[s:s + block_size + 1] for s in starts])
-    if xy.max() >= data.tok.vocab_size:  # token files unchecked (--verify_data=False): before the embedding fails
-        raise TrainError(f"a batch holds token id {xy.max()}, beyond the tokenizer's vocabulary of "
-                         f'{data.tok.vocab_size}: the token files in {data.folder} are damaged or of another tokenizer: '
-                         f'prepare them again (prepare_data.py), or check them with --verify_data=True')
+    if xy.max() >= data.tok.vocab_size:  # --verify_data=False: before the embedding fails
+        raise TrainError(f'a batch holds token id {xy.max()}, beyond the vocabulary of {data.tok.vocab_size}'
+                         f': the token files in {data.folder} are damaged or of another tokenizer: prepare them again')
     xy = torch.from_numpy(xy.astype(np.int64))
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
@@ -394,7 +376,7 @@ def get_batch(tokens, starts, block_size, device, data):
 
 
 def next_batch(cfg, run):
-    """This rank's next random training batch; run.batch_state: the generator's state before it, for a resume."""
+    """This rank's next random batch; run.batch_state: the generator's state before it, for a resume."""
     run.batch_state = run.gen.bit_generator.state
     starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
     return get_batch(run.data.train, starts, cfg.block_size, run.device, run.data)
@@ -402,8 +384,7 @@ def next_batch(cfg, run):
 
 @torch.no_grad()
 def estimate_loss(cfg, run):
-    """Mean loss per token over the fixed validation windows (split over the ranks under DDP); None if a Ctrl-C or
-    SIGTERM on any rank stopped it."""
+    """Mean loss per token over the fixed validation windows, split over the ranks; None if a signal stopped it."""
     model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync
     model.eval()
     total, mine = torch.zeros(3, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
@@ -426,9 +407,7 @@ def get_lr(it, cfg):
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
-    if it >= decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    ratio = min(1, (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters))  # cos(pi) = -1: min_lr
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
@@ -454,15 +433,14 @@ def diverged(run, what):
 
 
 def catch_signals(cfg, run):
-    """From now on Ctrl-C or SIGTERM stops the run after its step, saved; a second Ctrl-C quits at once, and so does
-    the first while a compiled model has trained no step (its compiles can outlast torchrun's 30 s grace)."""
+    """Ctrl-C or SIGTERM now stops the run after its step, saved; a second Ctrl-C quits at once, as does the first
+    before a compiled model's first step (its compiles can outlast torchrun's 30 s grace)."""
     start = run.iter_num
 
     def request_stop(signum, frame):
         if cfg.compile and run.iter_num == start:
             if run.master:
-                print(f'\n{signal.Signals(signum).name}: no step trained yet, nothing to save: quitting now',
-                      flush=True)
+                print(f'\n{signal.Signals(signum).name}: nothing trained yet to save: quitting now', flush=True)
             raise SystemExit(128 + signum)
         run.stop = True
         signal.signal(signum, run.handlers[signum])
@@ -494,7 +472,7 @@ def main(argv=()):
         if run.device.type == 'cuda':
             run.dtype = 'float16' if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported() else run.dtype
             torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
-        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, getattr(torch, run.dtype))
+        run.ctx = torch.autocast(run.device.type, getattr(torch, run.dtype), enabled=run.dtype != 'float32')
         run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
         setup(cfg, run)
         catch_signals(cfg, run)
@@ -524,13 +502,11 @@ def train(cfg, run):
             check_finite(cfg, run)
             val_loss = estimate_loss(cfg, run)
             run.eval_cut = val_loss is None
-            if val_loss is not None:  # None: a Ctrl-C or SIGTERM stopped it
+            if val_loss is not None:  # None: a signal stopped it
                 run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
-                if not math.isfinite(val_loss):
-                    diverged(run, f'the validation loss is {val_loss} at step {run.iter_num}')
-                if val_loss > run.untrained_loss + BLOW_UP:
-                    diverged(run, f"the validation loss {val_loss:.4f} is more than {BLOW_UP} above the untrained "
-                                  f"model's {run.untrained_loss:.4f} at step {run.iter_num}")
+                if not (math.isfinite(val_loss) and val_loss <= run.untrained_loss + BLOW_UP):
+                    diverged(run, f"the validation loss is {val_loss:.4f} at step {run.iter_num}: not finite, or more "
+                                  f"than {BLOW_UP} above the untrained model's {run.untrained_loss:.4f}")
                 history['val'].append((run.iter_num, val_loss))
                 new_best = fresh and val_loss < run.best_val_loss
                 run.best_val_loss = val_loss if new_best else run.best_val_loss
@@ -539,14 +515,13 @@ def train(cfg, run):
                     print(f'step {run.iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" * new_best}', flush=True)
                 if run.wandb:
                     run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
-                save_last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
-                names = [name for name, wanted in (('ckpt.pt', save_last), ('best.pt', new_best)) if wanted]
-                if fresh and names:
-                    save(cfg, run, names)
+                last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
+                if fresh and (last or new_best):
+                    save(cfg, run, ['ckpt.pt'] * last + ['best.pt'] * new_best)
             t_log = time.time()  # evaluation out of the timings
         if run.iter_num >= cfg.max_iters and val_loss is not None:  # its evaluation ran whole: done
             break
-        if run.group is not None:  # a Ctrl-C or SIGTERM on any rank stops every rank here
+        if run.group is not None:  # a signal on any rank stops every rank here
             stop = torch.tensor([float(run.stop)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
             run.stop = bool(stop.item())
@@ -555,14 +530,11 @@ def train(cfg, run):
                 check_finite(cfg, run)
                 save(cfg, run, ['ckpt.pt'])
             if run.master:
-                print(f"stopped at step {run.iter_num}, before this run's first checkpoint: nothing of it was saved, "
-                      f"and the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if
-                      run.earlier else f'stopped at step {run.iter_num} before training a step: nothing was saved' if
-                      run.iter_num == start else f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
-                                                 f'--init_from=resume')
+                print(f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with --init_from=resume' if
+                      start < run.iter_num and not run.earlier else f'stopped at step {run.iter_num}: nothing saved' +
+                      f" (the earlier run's {' and '.join(run.earlier)} in {run.folder} stay)" * bool(run.earlier))
             return history
 
-        # forward and backward over the micro-batches, clip, step
         lr = get_lr(run.iter_num, cfg)
         for param_group in run.optimizer.param_groups:
             param_group['lr'] = lr
@@ -576,28 +548,26 @@ def train(cfg, run):
             step_loss += loss.detach() / grad_accum
         run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
-        # the first step of a loss or gradient norm not finite, noted without a sync (check_finite acts on it)
         finite = torch.stack([step_loss.isfinite(), grad_norm.isfinite() | run.scaler.is_enabled()])
-        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)
+        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)  # check_finite acts on it
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
         run.iter_num, steps_since_log, loss_sum = run.iter_num + 1, steps_since_log + 1, loss_sum + step_loss
 
-        # log this rank's loss, averaged since the last log line
         if run.iter_num % cfg.log_interval == 0 or run.iter_num == cfg.max_iters:
             check_finite(cfg, run)
             lossf = loss_sum.item() / steps_since_log  # waits for the GPU: the timing is right
             dt = (time.time() - t_log) / steps_since_log
-            history['train'].append((run.iter_num, lossf))
+            history['train'].append((run.iter_num, lossf))  # this rank's, averaged since the last log
             if run.master:
                 mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)
                 memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \
                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
                 left = round(dt * (cfg.max_iters - run.iter_num))  # s, at the mean step time since the last line
-                print(f'iter {run.iter_num}/{cfg.max_iters}: loss {lossf:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} '
-                      f'tok/s{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, mem {memory:.2f}GB, '
-                      f'{1000 * dt:.1f}ms/iter, {left // 60}m {left % 60}s left', flush=True)
+                print(f'iter {run.iter_num}/{cfg.max_iters}: loss {lossf:.4f}, lr {lr:.2e}, '
+                      f'{tokens_per_iter / dt:,.0f} tok/s{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, '
+                      f'mem {memory:.2f}GB, {1000 * dt:.1f}ms/iter, {left // 60}m {left % 60}s left', flush=True)
             if run.wandb:
                 run.wandb.log({'iter': run.iter_num, 'train/loss': lossf, 'lr': lr, 'tok_s': tokens_per_iter / dt})
             t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
