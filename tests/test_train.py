@@ -1026,6 +1026,7 @@ def test_a_signal_during_a_ddp_evaluation_stops_every_rank(data_dir, tmp_path):
     assert output.count('stopped at step 0: nothing saved') == 1, output
     assert not (tmp_path / 'out').exists()
 
+
 def test_a_resume_says_what_changed_in_one_line(data_dir, tmp_path, trained, capsys):
     """A resume prints one line: the settings it changes, and that --seed is the checkpoint's (its random states
     are restored), which the new checkpoint records."""
