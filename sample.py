@@ -5,7 +5,6 @@ CUDA-graph replay). One sample streams to the terminal; several run as one batch
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --max_new_tokens=300 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
 """
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,12 +25,12 @@ from prepare_data import read_utf8
 out_dir = 'out'  # the training run's folder
 ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: the best validation loss), or a path
 start = '\n'  # the prompt, or FILE:path to read it from
-num_samples = 3  # generated together, as one batch
+num_samples = 3  # generated as one batch
 max_new_tokens = 500  # or fewer: a sample ends at end-of-text (bytes has none)
 temperature = 0.8  # below 1: more conservative; above 1: more random; 0: the most likely token
 top_k = None  # only the k most likely tokens; None: all
 top_p = 1.0  # only the fewest most likely tokens whose probability reaches top_p; 1.0: all
-seed = 1337  # of the sampling: the same seed, the same samples
+seed = 1337  # the same seed, the same samples
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, else float32
 # -----------------------------------------------------------------------------
@@ -46,7 +45,7 @@ def load(argv):
                           f"{cfg['max_new_tokens']}: use auto, float32, bfloat16 or float16, and counts of 1 or more")
     sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'])
     check_device(cfg['device'])
-    path = os.path.join(cfg['out_dir'], cfg['ckpt'])
+    path = Path(cfg['out_dir']) / cfg['ckpt']
     checkpoint = load_checkpoint(path)
     model, tok = model_from_checkpoint(checkpoint, path), tokenizer_of(checkpoint, path)
     if cfg['top_k'] is not None and cfg['top_k'] > tok.vocab_size:
@@ -121,7 +120,7 @@ class Stream:
         if not self.ended:  # the batch decodes on; this text ended
             self.ids.append(tokens[0])
             text = self.tok.decode(self.ids)
-            if not text.endswith('\ufffd'):  # an incomplete UTF-8 character waits
+            if not text.endswith('\ufffd'):
                 print(text[len(self.shown):], end='', flush=True)
                 self.shown = text
 
