@@ -25,7 +25,7 @@ from prepare_data import read_utf8
 out_dir = 'out'  # the training run's folder
 ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: the best validation loss), or a path
 start = '\n'  # the prompt, or FILE:path to read it from
-num_samples = 3  # generated as one batch
+num_samples = 3  # generated together, as one batch
 max_new_tokens = 500  # or fewer: a sample ends at end-of-text (bytes has none)
 temperature = 0.8  # below 1: more conservative; above 1: more random; 0: the most likely token
 top_k = None  # only the k most likely tokens; None: all
