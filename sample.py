@@ -78,7 +78,7 @@ def read_prompt(start):
     except UnicodeEncodeError as e:  # bytes of argv that are not UTF-8 come as surrogates
         raise ConfigError(f'--start is not UTF-8 text (character {e.start} is not): give UTF-8 text, or FILE:path to '
                           f'read the prompt from a UTF-8 file') from None
-    except ValueError as e:  # read_utf8's: the file, its first byte that is not UTF-8, how to convert it
+    except ValueError as e:  # read_utf8's: names the file, the byte, the fix
         raise ConfigError(f'--start={start}: {e}') from None
 
 
@@ -102,9 +102,8 @@ def main(argv=()):
                              on_progress=None if stream else progress)
     seconds, samples, n_tokens = time.perf_counter() - begin, [tok.decode(ids + row) for row in new], sum(map(len, new))
     print('\n---------------' if stream else '\n'.join(f'{text}\n---------------' for text in samples))
-    print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s (prompt of {len(ids)} tokens, '
-          f'batch {cfg["num_samples"]}, {generator.device}, {"CUDA graph" if generator.cuda_graph else "eager"})',
-          file=sys.stderr)
+    print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s (batch {cfg["num_samples"]}, '
+          f'{generator.device}, {"CUDA graph" if generator.cuda_graph else "eager"})', file=sys.stderr)
     return samples
 
 
