@@ -44,11 +44,11 @@ def check_batch_fits(batch_size, block_size, config, n_params, device):
     model, have = 16 * n_params / 1e9, memory(device) / 1e9  # GB
     need = batch_size * block_size * (16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model) / 1e9
     if model > have:
-        raise ConfigError(f"the model's {n_params:,} parameters need {model:,.1f} GB with AdamW; {device} has "
-                          f"{have:,.1f} GB: lower --n_layer or --d_model")
+        raise ConfigError(f"the model's {n_params:,} parameters need {model:,.1f} GB (weights, gradients, AdamW's "
+                          f"moments); {device} has {have:,.1f} GB: lower --n_layer or --d_model")
     if model + need > have:
         raise ConfigError(f'--batch_size={batch_size} x --block_size={block_size} tokens a micro-batch need more than '
-                          f'{need:,.1f} GB beside the model; {device} has {have - model:,.1f} GB for them: lower '
+                          f'{need:,.1f} GB beside the model; {device} has {have - model:,.1f} GB left: lower '
                           f'--batch_size (raise --gradient_accumulation_steps to keep the step)')
 
 
