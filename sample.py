@@ -1,6 +1,4 @@
-"""
-Sample from a model trained by train.py (generate.py: a parallel pass over the prompt, then a step a token, on CUDA a
-CUDA-graph replay). One sample streams to the terminal; several run as one batch.
+"""Sample from a model train.py trained (decoding: generate.py); one sample streams, several run as one batch:
     python sample.py                                   # out/ckpt.pt
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --max_new_tokens=300 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
@@ -23,13 +21,13 @@ from prepare_data import read_utf8
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the training run's folder
-ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: the best validation loss), or a path
+ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: best validation loss), or a path
 start = '\n'  # the prompt, or FILE:path to read it from
 num_samples = 3  # generated together, as one batch
 max_new_tokens = 500  # or fewer: a sample ends at end-of-text (bytes has none)
-temperature = 0.8  # below 1: more conservative; above 1: more random; 0: the most likely token
+temperature = 0.8  # below 1: more conservative; above 1: more random; 0: the likeliest token
 top_k = None  # only the k most likely tokens; None: all
-top_p = 1.0  # only the fewest most likely tokens whose probability reaches top_p; 1.0: all
+top_p = 1.0  # only the fewest most likely tokens reaching probability top_p; 1.0: all
 seed = 1337  # the same seed, the same samples
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, else float32
@@ -38,7 +36,7 @@ _DEFAULTS = {k: v for k, v in globals().items() if k[0] != '_' and isinstance(v,
 
 
 def load(argv):
-    """argv's settings, checked; the checkpoint's model (on the device, in the dtype), tokenizer, sampling, prompt."""
+    """argv's settings, checked; the checkpoint's model (on the device, in the dtype), tokenizer, sampling, ids."""
     cfg = load_config(_DEFAULTS, argv, types={'top_k': int}, config_files=False, program='sample.py')
     if cfg['dtype'] not in DTYPES or min(cfg['num_samples'], cfg['max_new_tokens']) < 1:
         raise ConfigError(f"--dtype={cfg['dtype']!r}, --num_samples={cfg['num_samples']}, --max_new_tokens="
@@ -75,7 +73,7 @@ def read_prompt(start):
     except OSError as e:
         raise ConfigError(f'--start={start}: cannot read {start[5:]} ({e.strerror}): give FILE:path of a UTF-8 text '
                           f'file') from None
-    except UnicodeEncodeError as e:  # bytes of argv that are not UTF-8 come as surrogates
+    except UnicodeEncodeError as e:  # argv's bytes that are not UTF-8 come as surrogates
         raise ConfigError(f'--start is not UTF-8 text (character {e.start} is not): give UTF-8 text, or FILE:path to '
                           f'read the prompt from a UTF-8 file') from None
     except ValueError as e:  # read_utf8's: names the file, the byte, the fix
@@ -92,7 +90,7 @@ def main(argv=()):
     torch.manual_seed(cfg['seed'])
     begin = last = time.perf_counter()
 
-    def progress(n):  # every 5 seconds of a long batch, to stderr
+    def progress(n):  # every 5 s of a long batch, to stderr
         nonlocal last
         if time.perf_counter() - last >= 5:
             last = time.perf_counter()
