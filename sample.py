@@ -73,7 +73,7 @@ def read_prompt(start):
     except OSError as e:
         raise ConfigError(f'--start={start}: cannot read {start[5:]} ({e.strerror}): give FILE:path of a UTF-8 text '
                           f'file') from None
-    except UnicodeEncodeError as e:  # argv's bytes that are not UTF-8 come as surrogates
+    except UnicodeEncodeError as e:  # argv's non-UTF-8 bytes come as surrogates
         raise ConfigError(f'--start is not UTF-8 text (character {e.start} is not): give UTF-8 text, or FILE:path to '
                           f'read the prompt from a UTF-8 file') from None
     except ValueError as e:  # read_utf8's: names the file, the byte, the fix
