@@ -1,8 +1,6 @@
 """train.py's checkpoints: atomic saves; loads that check torch.save's CRC-32s (0.5 s a GB) and the weights."""
 import errno
-import math
 import os
-import re
 import shutil
 import sys
 import zipfile
@@ -37,7 +35,7 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
         kept = f'{path} is unchanged' if os.path.exists(path) else f'{Path(path).name} was not written'
         full = getattr(cause, 'errno', None) in (errno.ENOSPC, errno.EDQUOT)
         need = 3 * sum({t.untyped_storage().data_ptr(): t.nbytes for t in ckpt.get('model', {}).values()}.values())
-        raise CheckpointError(f'could not write {path}' + (  # need: the weights (tied: once) and AdamW's 2 moments
+        raise CheckpointError(f'could not write {path}' + (  # need: the weights (tied: once), AdamW's 2 moments
             f': the disk is full ({cause.strerror}). A checkpoint needs about {need / 1e6:,.1f} MB; {tmp.parent} has '
             f'{shutil.disk_usage(tmp.parent).free / 1e6:,.1f} MB free. {kept}: free some space' if full else
             f' ({getattr(cause, "strerror", None) or e}). {kept}: make {tmp.parent} writable') + f', then {then}'
@@ -45,18 +43,18 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
 
 
 def nonfinite(tensors):
-    """The names of the {name: tensor} dict's float tensors holding a NaN or an infinity (a sum each, then exact)."""
+    """Names of the float tensors of {name: tensor} holding a NaN or an infinity (a sum each, then exact)."""
     sums = {name: t.sum(dtype=torch.float32) for name, t in tensors.items() if t.is_floating_point()}
-    return [name for name, total in sums.items() if not math.isfinite(total) and not tensors[name].isfinite().all()]
+    return [name for name, total in sums.items() if not total.isfinite() and not tensors[name].isfinite().all()]
 
 
 def load_checkpoint(path, advise=True):
     """The checkpoint at path; CheckpointError if missing, unreadable, damaged or not finite, naming what to use."""
     path = Path(path)
-    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # its run's other checkpoint
+    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # the run's other one
     if path.is_dir():
         raise CheckpointError(f'{path} is a folder, not a checkpoint file: give the folder as --out_dir and a file in '
-                              f'it as --ckpt (ckpt.pt, or best.pt)')
+                              f'it as --ckpt (ckpt.pt or best.pt)')
     if not path.is_file() and path.name in ('ckpt.pt', 'best.pt') and partner.is_file():
         raise CheckpointError(f'no checkpoint at {path}, only {partner.name} beside it: pass --ckpt={partner.name}'
                               + ' (to resume from it, copy it to ckpt.pt)' * (partner.name == 'best.pt'))
@@ -65,9 +63,9 @@ def load_checkpoint(path, advise=True):
                               f'--out_dir at the folder that holds it')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-        with zipfile.ZipFile(path) as archive:  # checked before the contents: damaged, they can be anything
+        with zipfile.ZipFile(path) as archive:  # before the contents: damaged, they can be anything
             checked = any(record.CRC for record in archive.infolist() if record.file_size)  # torch.save wrote CRCs
-            bad = archive.testzip() if checked else None  # the first record failing its CRC-32
+            bad = archive.testzip() if checked else None
         if not checked:
             print(f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
         missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
@@ -76,7 +74,7 @@ def load_checkpoint(path, advise=True):
                    f'is not a checkpoint of this train.py (missing {", ".join(missing)})' if missing else
                    f'holds weights that are not finite (NaN or infinity in {", ".join(broken[:3])}): it was saved by '
                    f'a run that diverged' if broken else None)
-    except Exception as e:  # a changed byte makes torch.load or zipfile raise almost anything
+    except Exception as e:  # a changed byte: torch.load or zipfile raise almost anything
         problem = f'is not a readable checkpoint: it is empty, cut short, damaged or not written by torch.save ' \
                   f'({type(e).__name__})'
     if problem is None:
@@ -92,9 +90,9 @@ def load_checkpoint(path, advise=True):
 
 
 def training_command(out_dir):
-    """The command whose run writes out_dir: python train.py with the config of that out_dir, else with --out_dir."""
+    """The command whose run writes out_dir: train.py with the config that names it, else with --out_dir."""
     configs = [path for path in sorted((Path(__file__).parent / 'config').glob('*.py'))
-               if re.search(f'^out_dir = {re.escape(repr(str(out_dir)))}', path.read_text(encoding='utf-8'), re.M)]
+               if f'\nout_dir = {str(out_dir)!r}' in '\n' + path.read_text(encoding='utf-8')]
     return f'python train.py config/{configs[0].name}' if configs else f'python train.py --out_dir={out_dir}'
 
 
@@ -110,7 +108,7 @@ def model_from_checkpoint(ckpt, path, device='cpu'):
         problem = ' '.join(str(e).split())[:300]
     if problem:
         raise CheckpointError(f'{path} holds a model this model.py cannot build or load ({problem}): use the version '
-                              f'of model.py that wrote it (git log), or train a new model in a new --out_dir')
+                              f'of model.py that wrote it (git log), or train anew in a new --out_dir')
     return model
 
 
@@ -120,4 +118,4 @@ def tokenizer_of(ckpt, path):
         return get_tokenizer(ckpt['tokenizer'])
     except Exception as e:
         raise CheckpointError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, which cannot be loaded '
-                              f'here ({e}); install what it needs (see requirements.txt)') from None
+                              f'here ({e}); install what it needs (requirements.txt)') from None

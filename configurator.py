@@ -17,7 +17,7 @@ class ConfigError(ValueError):
 
 
 def quit_on_ctrl_c():
-    """A script's first step: a Ctrl-C while torch loads is one line and exit code 130, not a traceback."""
+    """A script's first step: a Ctrl-C while torch loads exits 130 with one line, not a traceback."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
 
 
@@ -29,8 +29,7 @@ def run_main(main, *errors):
     except KeyboardInterrupt:
         sys.exit(sys.stderr.write('interrupted\n') and 130)
     except (ConfigError, *errors) as e:
-        sys.stderr.write(f'error: {e}\n')
-        sys.exit(1)
+        sys.exit(sys.stderr.write(f'error: {e}\n') and 1)
 
 def load_config(config, argv, types=None, config_files=True, program=None):
     """config with argv's config files and --key=value settings applied in order (a warning for an argument a later one
@@ -48,8 +47,8 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 with open(arg, encoding='utf-8') as f:
                     source = f.read()
             except (OSError, UnicodeDecodeError) as e:
-                raise ConfigError(f'{arg} is not a config file that can be read ({type(e).__name__}): a config file '
-                                  f'is Python text, e.g. config/fm_small.py') from None
+                raise ConfigError(f'{arg} is not a config file that can be read ({type(e).__name__}): give one '
+                                  f'like config/fm_small.py') from None
             try:
                 exec(compile(source, arg, 'exec'), settings)
             except Exception as e:  # named by its line in the file
@@ -102,7 +101,7 @@ def not_a_setting(arg, after, config, config_files, program):
     if config_files:
         return f'config file not found: {arg} (see config/, e.g. config/fm_small.py)'
     run = arg.endswith('.py') and os.path.isfile(arg) and re.search("^out_dir = '(.*)'", open(arg).read(), re.M)
-    if run:  # a training config: its out_dir holds the checkpoint
+    if run:
         return (f"{arg} is a training config; {program} reads the model from a checkpoint: pass --out_dir={run[1]}, "
                 f"the folder that config's run writes")
     return f'{program} takes no config files, only --key=value settings (see --help): got {arg!r}'
@@ -126,6 +125,6 @@ def help_text(config, *sources):
 
 
 def optional_types(cls):
-    """The type of a value of each dataclass field that defaults to None (top_k: int | None -> int)."""
+    """{name: X} of a dataclass's fields typed X | None (top_k: int | None -> int)."""
     return {f.name: typing.get_args(f.type)[0] for f in dataclasses.fields(cls)
             if type(None) in typing.get_args(f.type)}

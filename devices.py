@@ -41,15 +41,15 @@ def memory(device, free=False):
 def check_batch_fits(batch_size, block_size, config, n_params, device):
     """ConfigError if the model (weights, gradients, AdamW's 2 moments: 16 bytes a parameter) and a micro-batch (tokens,
     float32 logits and gradient, an activation a layer) cannot fit."""
-    model, memory_gb = 16 * n_params, memory(device) / 1e9
-    need = batch_size * block_size * (16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model)
-    if model + need > memory(device):
-        raise ConfigError(f"the model's {n_params:,} parameters need {model / 1e9:,.1f} GB (weights, gradients, "
-                          f"AdamW's moments) and {device} has {memory_gb:,.1f} GB: lower --n_layer or --d_model" if
-                          model > memory(device) else f'--batch_size={batch_size} x --block_size={block_size} tokens a '
-                          f"micro-batch need more than {need / 1e9:,.1f} GB beside the model's {model / 1e9:,.1f} GB, "
-                          f'and {device} has {memory_gb:,.1f} GB: lower --batch_size (raise '
-                          f'--gradient_accumulation_steps to keep the step)')
+    model, have = 16 * n_params / 1e9, memory(device) / 1e9  # GB
+    need = batch_size * block_size * (16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model) / 1e9
+    if model > have:
+        raise ConfigError(f"the model's {n_params:,} parameters need {model:,.1f} GB (weights, gradients, AdamW's "
+                          f"moments); {device} has {have:,.1f} GB: lower --n_layer or --d_model")
+    if model + need > have:
+        raise ConfigError(f'--batch_size={batch_size} x --block_size={block_size} tokens a micro-batch need more than '
+                          f'{need:,.1f} GB beside the model; {device} has {have - model:,.1f} GB left: lower '
+                          f'--batch_size (raise --gradient_accumulation_steps to keep the step)')
 
 
 def check_generation_fits(model, batch, prompt_len, max_new_tokens):
@@ -58,7 +58,7 @@ def check_generation_fits(model, batch, prompt_len, max_new_tokens):
     state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
     need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
     need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
-    if need > memory(device, free=True):
+    if need > (free := memory(device, free=True)):
         raise ConfigError(f'--num_samples={batch} x {prompt_len + max_new_tokens:,} tokens (prompt and '
-                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers, and {device} has '
-                          f'{memory(device, free=True) / 1e9:,.1f} GB free: lower --num_samples or --max_new_tokens')
+                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers; {device} has '
+                          f'{free / 1e9:,.1f} GB free: lower --num_samples or --max_new_tokens')

@@ -1,7 +1,4 @@
-"""
-Batched decoding from a Model (model.py) in static buffers, a step one CUDA-graph replay on a GPU; sample.py is its
-command line. In Python:
-
+"""Batched decoding, a step one CUDA-graph replay on a GPU; sample.py is its command line.
     generator = Generator(model, Sampling(temperature=0.8, top_p=0.95), eot=tokenizer.eot)
     new_tokens = generator.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=200)
 """
@@ -10,37 +7,37 @@ from dataclasses import dataclass
 
 import torch
 
+from configurator import ConfigError
 from model import write_state
 
 
 @dataclass
 class Sampling:
-    """How the next token is drawn from the logits."""
-    temperature: float = 1.0  # 0: greedy (the most likely token)
+    """How the next token is drawn; ConfigError if a field is out of range."""
+    temperature: float = 1.0  # 0: greedy
     top_k: int | None = None  # only the k most likely tokens
-    top_p: float = 1.0  # only the smallest set of most likely tokens reaching probability top_p (nucleus)
-    n_tokens: int | None = None  # only ids below this (the tokenizer's size, where the vocab is padded)
+    top_p: float = 1.0  # nucleus: the fewest likeliest tokens reaching top_p
+    n_tokens: int | None = None  # only ids below this (the tokenizer's size, of a padded vocab)
 
-    def validate(self):
-        """ValueError naming the first bad field and its range."""
+    def __post_init__(self):
         if not self.temperature >= 0:
-            raise ValueError(f'temperature={self.temperature!r}: must be >= 0 (0 is greedy decoding)')
+            raise ConfigError(f'temperature={self.temperature!r}: must be >= 0 (0: greedy)')
         if self.top_k is not None and not self.top_k >= 1:
-            raise ValueError(f'top_k={self.top_k!r}: must be >= 1, or None for every token')
+            raise ConfigError(f'top_k={self.top_k!r}: must be >= 1 (None: every token)')
         if not 0 < self.top_p <= 1:
-            raise ValueError(f'top_p={self.top_p!r}: must be in (0, 1] (1 keeps every token)')
+            raise ConfigError(f'top_p={self.top_p!r}: must be in (0, 1] (1: every token)')
 
 
 def nucleus(logits, top_p):
-    """logits (B, V), -inf but for the smallest set of most likely tokens reaching probability top_p."""
+    """logits (B, V), -inf but for the fewest most likely tokens reaching probability top_p."""
     ranked, order = logits.sort(-1, descending=True)
     probs = torch.softmax(ranked, -1)
-    dropped = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
+    dropped = probs.cumsum(-1) - probs >= top_p  # the mass before it reaches top_p
     return logits.scatter(-1, order, ranked.masked_fill(dropped, -math.inf))
 
 
 def sample_next(logits, sampling):
-    """logits (B, V) -> token ids (B,), from torch's default generator without a host sync (a CUDA graph holds it)."""
+    """logits (B, V) -> ids (B,), by torch's default generator, no host sync (a CUDA graph holds it)."""
     logits = logits[:, :sampling.n_tokens]
     if sampling.temperature == 0:
         return logits.argmax(-1)
@@ -55,17 +52,16 @@ def sample_next(logits, sampling):
     return (probs / race).argmax(-1)  # argmax p_i / E_i, E_i ~ Exp(1), is i with probability p_i
 
 
-# inductor options of the compiled step: coordinate descent (gpt-fast's) writes a one-row product (batch 1) as a
-# reduction tuned for the GPU, not a cuBLAS GEMV whose 64-row tiles idle most SMs at 2048 outputs (docs/kernel_log.md)
+# coordinate descent (gpt-fast's): batch 1's products as reductions tuned for the GPU, not cuBLAS GEMVs whose
+# 64-row tiles idle most SMs (docs/kernel_log.md)
 STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
 
 
 class Generator:
-    """Batched generation: the prompts prefilled in parallel, then each step updates static buffers in place."""
+    """Prompts prefilled in parallel, then each step updates static buffers in place."""
 
     def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
-        """compile: None, or a torch.compile mode for the step (with STEP_COMPILE_OPTIONS) and the prefill."""
-        sampling.validate()
+        """compile: a torch.compile mode for the step (with STEP_COMPILE_OPTIONS) and the prefill."""
         self.model, self.sampling, self.eot = model, sampling, eot
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
@@ -75,26 +71,26 @@ class Generator:
             options = {**torch._inductor.list_mode_options(compile), **STEP_COMPILE_OPTIONS}
             self.compiled_step = torch.compile(self._step, options=options)
             self.hidden = torch.compile(model.hidden, mode=compile)
-        self.prefill_tokens = prefill_tokens  # tokens of a prefill pass, at least a prompt's (bounds memory)
-        self.shape = self.graph = None
+        self.prefill_tokens = prefill_tokens  # tokens a prefill pass, at least a prompt's (bounds memory)
+        self.shape = None
 
     def _allocate(self, batch_size, max_len):
-        """Static buffers (state, next tokens, finished rows) for batch_size rows of max_len tokens; the graph."""
-        self.shape, self.graph = (batch_size, max_len), None
+        """Static buffers (state, next tokens, finished rows) of batch_size x max_len tokens; the graph."""
+        self.shape, self.replay = (batch_size, max_len), self.compiled_step
         self.state = self.model.init_state(batch_size, max_len, self.device)
         self.tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.done = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
         if self.cuda_graph:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            device = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            with torch.random.fork_rng(devices=[device]), torch.cuda.stream(stream):  # warm-up, outside the capture
-                for _ in range(2):  # and the seeded RNG
+            with torch.random.fork_rng(devices=[self.device]), torch.cuda.stream(stream):  # seeded RNG kept
+                for _ in range(2):  # warm-up, outside the capture
                     self.compiled_step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self.compiled_step()
+            self.replay = graph.replay
 
     def _step(self):
         logits = self.model.step(self.tokens, self.state)  # (B, V)
@@ -104,10 +100,10 @@ class Generator:
 
     @torch.no_grad()
     def start(self, prompts, max_new_tokens):
-        """Prefill prompts (lists of ids), with room for max_new_tokens more -> each row's first new token (B,)."""
+        """Prefill prompts (lists of ids), room for max_new_tokens more -> each row's first new token (B,)."""
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max_new_tokens < 1:
-            raise ValueError('every prompt needs at least one token, and max_new_tokens must be at least 1')
+            raise ValueError('give every prompt a token or more, and max_new_tokens of 1 or more')
         shape = (len(prompts), max(lengths) + max_new_tokens)
         if shape != self.shape:
             self._allocate(*shape)
@@ -123,7 +119,7 @@ class Generator:
         return self.tokens
 
     def _prefill(self, prompts):
-        """Passes over right-padded prompts -> the hidden state after each one's end (B, d_model), the states."""
+        """Passes over right-padded prompts -> the hidden state at each one's end (B, d_model), the states."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
         width = int(lengths.max())
         idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)
@@ -135,30 +131,24 @@ class Generator:
 
     @torch.no_grad()
     def step(self):
-        """Decode a token a row -> the next tokens (B,); up to max_new_tokens - 1 steps after a start."""
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.compiled_step()
+        """A token a row -> the next tokens (B,); at most max_new_tokens - 1 steps after a start."""
+        self.replay()  # the CUDA graph or the step
         return self.tokens
 
     def generate(self, prompts, max_new_tokens, on_tokens=None, on_progress=None):
-        """Up to max_new_tokens new tokens a prompt, each before its end-of-text. on_tokens(B ids): each step's
-        tokens; on_progress(n): the tokens so far, every 16 steps."""
+        """Up to max_new_tokens new tokens a prompt, cut at its end-of-text; on_tokens(B ids) each step, on_progress(n
+        tokens so far) every 16."""
         if max_new_tokens < 1:
             return [[] for _ in prompts]
         out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=self.device)  # (B, max_new_tokens)
         out[:, 0] = self.start(prompts, max_new_tokens)
-        n = 1
-        while True:
+        for n in range(1, max_new_tokens + 1):
             if on_tokens is not None:
                 on_tokens(out[:, n - 1].tolist())
             if on_progress is not None and n % 16 == 0:
                 on_progress(n)
-            finished = self.eot is not None and n % 16 == 0 and self.done.all()  # a host sync every 16
-            if n == max_new_tokens or finished:
+            if n == max_new_tokens or self.eot is not None and n % 16 == 0 and self.done.all():  # a sync every 16
                 break
             out[:, n] = self.step()
-            n += 1
         rows = out[:, :n].tolist()
         return [row[:row.index(self.eot)] if self.eot in row else row for row in rows]

@@ -1,11 +1,8 @@
-"""
-Sample from a model trained by train.py (generate.py: a parallel pass over the prompt, then a step a token, on CUDA a
-CUDA-graph replay). One sample streams to the terminal; several are generated as one batch.
+"""Sample from a model train.py trained (decoding: generate.py); one sample streams, several run as one batch:
     python sample.py                                   # out/ckpt.pt
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --max_new_tokens=300 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
 """
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,84 +21,76 @@ from prepare_data import read_utf8
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # the training run's folder
-ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: the best validation loss), or a path
+ckpt = 'ckpt.pt'  # a file in out_dir (best.pt: best validation loss), or a path
 start = '\n'  # the prompt, or FILE:path to read it from
 num_samples = 3  # generated together, as one batch
 max_new_tokens = 500  # or fewer: a sample ends at end-of-text (bytes has none)
-temperature = 0.8  # below 1: more conservative; above 1: more random; 0: always the most likely token
-top_k = None  # sample from the k most likely tokens only; None: all
-top_p = 1.0  # sample from the smallest set of most likely tokens whose probability reaches top_p; 1.0: all
-seed = 1337  # of the sampling: the same seed, the same samples
+temperature = 0.8  # below 1: more conservative; above 1: more random; 0: the likeliest token
+top_k = None  # only the k most likely tokens; None: all
+top_p = 1.0  # only the fewest most likely tokens reaching probability top_p; 1.0: all
+seed = 1337  # the same seed, the same samples
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'float32', 'bfloat16', 'float16'; 'auto': bfloat16 on CUDA, else float32
 # -----------------------------------------------------------------------------
-_DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
-_DEFAULTS['top_k'] = None
+_DEFAULTS = {k: v for k, v in globals().items() if k[0] != '_' and isinstance(v, (int, float, str, type(None)))}
 
 
 def load(argv):
-    """argv's settings, checked; the checkpoint's model (on the device, in the dtype), tokenizer and prompt's ids."""
+    """argv's settings, checked; the checkpoint's model (on the device, in the dtype), tokenizer, sampling, ids."""
     cfg = load_config(_DEFAULTS, argv, types={'top_k': int}, config_files=False, program='sample.py')
     if cfg['dtype'] not in DTYPES or min(cfg['num_samples'], cfg['max_new_tokens']) < 1:
         raise ConfigError(f"--dtype={cfg['dtype']!r}, --num_samples={cfg['num_samples']}, --max_new_tokens="
                           f"{cfg['max_new_tokens']}: use auto, float32, bfloat16 or float16, and counts of 1 or more")
-    try:
-        Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p']).validate()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'])
     check_device(cfg['device'])
-    path = os.path.join(cfg['out_dir'], cfg['ckpt'])
-    checkpoint = load_checkpoint(path)  # onto the CPU first
+    path = Path(cfg['out_dir']) / cfg['ckpt']
+    checkpoint = load_checkpoint(path)
     model, tok = model_from_checkpoint(checkpoint, path), tokenizer_of(checkpoint, path)
     if cfg['top_k'] is not None and cfg['top_k'] > tok.vocab_size:
         raise ConfigError(f"--top_k={cfg['top_k']} is more than the {tok.vocab_size} tokens of "
                           f"{checkpoint['tokenizer']}: give at most {tok.vocab_size}, or None for every token")
+    sampling.n_tokens = tok.vocab_size  # no padding ids
     dtype = getattr(torch, resolve_dtype(cfg['dtype'], cfg['device']))
     model = model.eval().to(cfg['device'], dtype)
     prompt = read_prompt(cfg['start'])
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else tok.encode('\n'))
-    if max(ids) >= model.config.vocab_size:
-        raise CheckpointError(f'the prompt has token {max(ids)}, outside the model vocab of {model.config.vocab_size}: '
-                              f'is the checkpoint from another tokenizer?')
     if model.config.family == 'attn' and len(ids) > model.config.block_size:
         print(f'warning: the prompt is {len(ids):,} tokens, past the {model.config.block_size} this attention model '
               f'was trained at (block_size): attention does not extrapolate past block_size', file=sys.stderr)
     check_generation_fits(model, cfg['num_samples'], len(ids), cfg['max_new_tokens'])
-    return cfg, model, tok, ids
+    return cfg, model, tok, sampling, ids
 
 
 def read_prompt(start):
     """The prompt --start gives: its text, or the text of the file FILE:path names; ConfigError if it is not UTF-8."""
-    if start.startswith('FILE:'):
-        if not start[5:]:
-            raise ConfigError('--start=FILE: names no file: give FILE:path, e.g. --start=FILE:prompt.txt')
-        try:
-            return read_utf8(Path(start[5:]))
-        except OSError as e:
-            raise ConfigError(f'--start={start}: cannot read {start[5:]} ({e.strerror}): give FILE:path of a UTF-8 '
-                              f'text file') from None
-        except ValueError as e:  # names the file, its first byte that is not UTF-8, how to convert it
-            raise ConfigError(f'--start={start}: {e}') from None
+    if start == 'FILE:':
+        raise ConfigError('--start=FILE: names no file: give FILE:path, e.g. --start=FILE:prompt.txt')
     try:
+        if start.startswith('FILE:'):
+            return read_utf8(Path(start[5:]))
         start.encode('utf-8')
-    except UnicodeEncodeError as e:  # bytes of argv that are not UTF-8 come as surrogates
+        return start
+    except OSError as e:
+        raise ConfigError(f'--start={start}: cannot read {start[5:]} ({e.strerror}): give FILE:path of a UTF-8 text '
+                          f'file') from None
+    except UnicodeEncodeError as e:  # argv's non-UTF-8 bytes come as surrogates
         raise ConfigError(f'--start is not UTF-8 text (character {e.start} is not): give UTF-8 text, or FILE:path to '
                           f'read the prompt from a UTF-8 file') from None
-    return start
+    except ValueError as e:  # read_utf8's: names the file, the byte, the fix
+        raise ConfigError(f'--start={start}: {e}') from None
 
 
 def main(argv=()):
     """python sample.py --key=value ... -> the samples' texts, prompt included ([] for --help)."""
     if '-h' in argv or '--help' in argv:
         return print(__doc__ + '\nsettings (--key=value):\n' + help_text(_DEFAULTS, __file__)) or []
-    cfg, model, tok, ids = load(list(argv))
-    sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'], n_tokens=tok.vocab_size)  # no padding ids
+    cfg, model, tok, sampling, ids = load(list(argv))
     generator = Generator(model, sampling, eot=tok.eot)
     stream = Stream(tok, ids) if cfg['num_samples'] == 1 else None
     torch.manual_seed(cfg['seed'])
     begin = last = time.perf_counter()
 
-    def progress(n):  # every 5 seconds of a long batch, to stderr
+    def progress(n):  # every 5 s of a long batch, to stderr
         nonlocal last
         if time.perf_counter() - last >= 5:
             last = time.perf_counter()
@@ -111,9 +100,8 @@ def main(argv=()):
                              on_progress=None if stream else progress)
     seconds, samples, n_tokens = time.perf_counter() - begin, [tok.decode(ids + row) for row in new], sum(map(len, new))
     print('\n---------------' if stream else '\n'.join(f'{text}\n---------------' for text in samples))
-    print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s (prompt of {len(ids)} tokens, '
-          f'batch {cfg["num_samples"]}, {generator.device}, {"CUDA graph" if generator.cuda_graph else "eager"})',
-          file=sys.stderr)
+    print(f'{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:,.0f} tokens/s (batch {cfg["num_samples"]}, '
+          f'{generator.device}, {"CUDA graph" if generator.cuda_graph else "eager"})', file=sys.stderr)
     return samples
 
 
@@ -125,11 +113,11 @@ class Stream:
         print(tok.decode(prompt), end='', flush=True)
 
     def __call__(self, tokens):
-        self.ended = self.ended or (self.tok.eot is not None and tokens[0] == self.tok.eot)
+        self.ended = self.ended or tokens[0] == self.tok.eot
         if not self.ended:  # the batch decodes on; this text ended
             self.ids.append(tokens[0])
             text = self.tok.decode(self.ids)
-            if not text.endswith('\ufffd'):  # an incomplete UTF-8 character waits
+            if not text.endswith('\ufffd'):
                 print(text[len(self.shown):], end='', flush=True)
                 self.shown = text
 
