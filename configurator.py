@@ -61,9 +61,7 @@ def load_config(config, argv, types=None, config_files=True, program=None):
             if key.startswith('_') or callable(value) or isinstance(value, type(os)):
                 continue
             if key not in config:
-                close = difflib.get_close_matches(key, list(config), n=3, cutoff=0.6)
-                hint = f". Did you mean {' or '.join(close)}?" if close else ''
-                raise ConfigError(f"{where}unknown config key '{key}'{hint}")
+                raise ConfigError(where + unknown_key(key, config))
             want = type(config[key]) if config[key] is not None else types.get(key)
             if not where:  # --key=value's text: a string without quotes, True/False in any case, a Python literal
                 with contextlib.suppress(ValueError, SyntaxError):  # else the text itself
@@ -92,7 +90,9 @@ def load_config(config, argv, types=None, config_files=True, program=None):
 def not_a_setting(arg, after, config, config_files, program):
     """What an argument (after: the next) neither --key=value nor a config file was meant to be, and what to pass."""
     key, eq, _ = arg.lstrip('-').partition('=')
-    if not eq and (key in config or arg.startswith('--')) and after and not after.startswith('--'):  # --key value
+    if arg.startswith('--') and key not in config:
+        return unknown_key(key, config)
+    if not eq and key in config and after and not after.startswith('--'):  # --key value
         return f"{arg} takes its value after '=': pass --{key}={after}"
     if arg.startswith('--'):
         return f'expected --key=value, got {arg!r}'
@@ -105,6 +105,12 @@ def not_a_setting(arg, after, config, config_files, program):
         return (f"{arg} is a training config; {program} reads the model from a checkpoint: pass --out_dir={run[1]}, "
                 f"the folder that config's run writes")
     return f'{program} takes no config files, only --key=value settings (see --help): got {arg!r}'
+
+
+def unknown_key(key, config):
+    """The refusal of a key config lacks, naming the closest keys it has."""
+    close = difflib.get_close_matches(key, list(config), n=3, cutoff=0.6)
+    return f"unknown config key '{key}'" + f". Did you mean {' or '.join(close)}?" * bool(close)
 
 
 def help_text(config, *sources):

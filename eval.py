@@ -937,8 +937,9 @@ def main(argv=()):
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --out_dir may repeat):\n' + help_text(settings, __file__))
         return None
-    out_dirs, argv = take_all(argv, 'out_dir')
-    cfg = load_config(settings, argv, types={'num_fewshot': int, 'limit': int}, config_files=False, program='eval.py')
+    out_dirs, argv = take_all(argv, 'out_dir')  # out_dir stays a key: '--out_dir value' gets its advice
+    cfg = load_config({**settings, 'out_dir': None}, argv, types={'num_fewshot': int, 'limit': int}, config_files=False,
+                      program='eval.py')
     check_ranges(cfg)
     if mode != 'routing' or cfg['out']:  # routing's default writes into each out_dir
         check_out(cfg['out'])

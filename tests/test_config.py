@@ -17,6 +17,9 @@ from conftest import REPO, defaults
     (evaluation.main, ['--out_dir', 'out-fm-small'],
      "--out_dir takes its value after '=': pass --out_dir=out-fm-small"),  # eval.py's repeated key
     (evaluation.main, ['routing', '--ckpt', 'best.pt'], "--ckpt takes its value after '=': pass --ckpt=best.pt"),
+    (train.main, ['--batch_sise', '4'],  # a typo, then the space: the typo first
+     "unknown config key 'batch_sise'. Did you mean batch_size or chunk_size or block_size?"),
+    (sample.main, ['--tmperature', '0'], "unknown config key 'tmperature'. Did you mean temperature?"),
 ])
 def test_a_value_after_a_space_is_refused_naming_the_setting(main, argv, message):
     """`--key value` (prepare_data.py's argparse form) in the scripts that take --key=value only."""
