@@ -113,9 +113,13 @@ def model_from_checkpoint(ckpt, path, device='cpu'):
 
 
 def tokenizer_of(ckpt, path):
-    """A checkpoint's tokenizer; CheckpointError if it cannot be loaded here."""
+    """A checkpoint's tokenizer; CheckpointError if it cannot be loaded here or holds ids past the model's vocab."""
     try:
-        return get_tokenizer(ckpt['tokenizer'])
+        tok = get_tokenizer(ckpt['tokenizer'])
     except Exception as e:
         raise CheckpointError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, which cannot be loaded '
                               f'here ({e}); install what it needs (requirements.txt)') from None
+    if tok.vocab_size > ckpt['model_config']['vocab_size']:
+        raise CheckpointError(f"{path} names tokenizer {ckpt['tokenizer']!r} of {tok.vocab_size:,} tokens, more than "
+                              f"its model's {ckpt['model_config']['vocab_size']:,}: use a checkpoint train.py wrote")
+    return tok

@@ -3,7 +3,7 @@
     new_tokens = generator.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=200)
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,8 +61,8 @@ class Generator:
     """Prompts prefilled in parallel, then each step updates static buffers in place."""
 
     def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
-        """compile: a torch.compile mode for the step (with STEP_COMPILE_OPTIONS) and the prefill."""
-        self.model, self.sampling, self.eot = model, sampling, eot
+        """compile: None, or a torch.compile mode for the step (with STEP_COMPILE_OPTIONS) and the prefill."""
+        self.model, self.sampling, self.eot = model, replace(sampling), eot  # a copy, checked again
         self.device = model.embed.weight.device
         self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
         self.compiled_step, self.hidden = self._step, model.hidden

@@ -51,7 +51,7 @@ class ModelConfig:
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
     fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar; 0: none (the paper's layer)
     fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
-    chunk_size: int = 64  # tokens a chunk of the parallel scans (a power of 2)
+    chunk_size: int = 64  # tokens a chunk of the PyTorch scans (FM's on a CPU, Mamba-2's; a power of 2)
     # attn
     n_head: int = 8  # query heads
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
@@ -220,7 +220,7 @@ class FactorizationMemory(nn.Module):
         return [w.new_zeros(*w.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi)]
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,))."""
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,); None: T)."""
         theta, phi = self.weights(*self.route(x))  # (B, T, M)
         if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
@@ -245,7 +245,7 @@ class FactorizationMemory(nn.Module):
     @torch.no_grad()
     def routes_as_the_kernel(self):
         """Whether the fused kernel's twin (fm_route_step_naive of kernel_scores, eager and compiled) steps as routed
-        does (fm_step_naive), output and memory, on float64 probes at scales 0.01 to 100."""
+        does (fm_step_naive), output and memory, on float64 probes at scales 0.01 to 100; if not, step uses routed."""
         device, gen = self.router.weight.device, torch.Generator().manual_seed(0)
         dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
         probe = torch.randn(5, 8, self.router.in_features, generator=gen, dtype=dtype)
@@ -535,12 +535,14 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        for module in self.modules():  # a bias is its module's (FM's rates: zero)
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
+        self.apply(self._init_weights)  # children before parents, as nn.Module.apply
         for name, p in self.named_parameters():  # residual output projections, GPT-2 style
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):  # a bias is its module's (FM's rates: zero)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     def head(self, x):
         """Final norm and LM head: logits in the head's dtype."""
@@ -553,7 +555,7 @@ class Model(nn.Module):
 
     def hidden(self, idx, state=None, lengths=None):
         """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the states after each row's last
-        real token (lengths (B,))."""
+        real token (lengths (B,) of right-padded rows; None: T)."""
         x, states = self.embed(idx), []
         for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
             x, layer_state = block(x, layer_state, lengths)
@@ -570,7 +572,7 @@ class Model(nn.Module):
 
     def init_state(self, batch_size, max_len, device=None):
         """Empty decoding states for max_len tokens a row: a dict a layer, its mixer's."""
-        device = device or self.embed.weight.device
+        device = self.embed.weight.device if device is None else device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def step(self, tokens, state):

@@ -117,7 +117,7 @@ class Stream:
         if not self.ended:  # the batch decodes on; this text ended
             self.ids.append(tokens[0])
             text = self.tok.decode(self.ids)
-            if not text.endswith('\ufffd'):
+            if not text.endswith('\ufffd'):  # an incomplete UTF-8 character waits
                 print(text[len(self.shown):], end='', flush=True)
                 self.shown = text
 

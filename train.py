@@ -131,7 +131,7 @@ def settings(argv):
              f'all {world_size} processes: make it a multiple of {world_size}'),
             (not cfg.learning_rate > 0, f'--learning_rate={cfg.learning_rate} is out of range: set it above 0'),
             (cfg.min_lr > cfg.learning_rate, f'--min_lr={cfg.min_lr} is above --learning_rate={cfg.learning_rate}: '
-             f'the cosine decays from learning_rate to min_lr; set min_lr lower'),
+             f'the cosine decays from learning_rate to min_lr; set min_lr lower (e.g. learning_rate / 10)'),
             (cfg.warmup_iters > cfg.max_iters, f'--warmup_iters={cfg.warmup_iters} is beyond --max_iters='
              f'{cfg.max_iters}: set at most {cfg.max_iters}'),
             (0 < cfg.lr_decay_iters <= cfg.warmup_iters, f'--lr_decay_iters={cfg.lr_decay_iters} is not after '
@@ -288,7 +288,8 @@ def setup(cfg, run):
         raise TrainError(str(e)) from None
     for name, tokens in (('train', train), ('val', val)):
         if len(tokens) < cfg.block_size + 1:
-            raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens: set --block_size below that')
+            raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens: set --block_size below that, or use '
+                             f'more data')
     windows = cfg.eval_iters * cfg.batch_size  # fixed validation windows
     run.data = SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_set=[str(folder), len(val),
                                cfg.block_size, windows], val_starts=np.random.default_rng(EVAL_SEED).integers(
@@ -332,7 +333,9 @@ def resume(cfg, run, ckpt):
     changed = [k for k, v in saved.items() if k != 'block_size' and asked[k] != v]
     if changed:
         raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
-                         f'for {", ".join(f"{k}={asked[k]!r}" for k in changed)}: drop those, or use a new --out_dir')
+                         f'for {", ".join(f"{k}={asked[k]!r}" for k in changed)}: pass '
+                         f'{" ".join(f"--{k}={saved[k]}" for k in changed)} (or its config file), or use a new '
+                         f'--out_dir')
     if step >= cfg.max_iters and not ckpt.get('eval_cut'):  # a last evaluation cut short: run it
         raise TrainError(f'{path} is at step {step}, which --max_iters={cfg.max_iters} does not pass: set it higher')
     seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
@@ -368,7 +371,8 @@ def get_batch(tokens, starts, block_size, device, data):
     xy = np.stack([tokens[s:s + block_size + 1] for s in starts])
     if xy.max() >= data.tok.vocab_size:  # --verify_data=False: before the embedding fails
         raise TrainError(f'a batch holds token id {xy.max()}, beyond the vocabulary of {data.tok.vocab_size}'
-                         f': the token files in {data.folder} are damaged or of another tokenizer: prepare them again')
+                         f': the token files in {data.folder} are damaged or of another tokenizer: prepare them again '
+                         f'(prepare_data.py)')
     xy = torch.from_numpy(xy.astype(np.int64))
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
@@ -472,7 +476,8 @@ def main(argv=()):
         if run.device.type == 'cuda':
             run.dtype = 'float16' if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported() else run.dtype
             torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
-        run.ctx = torch.autocast(run.device.type, getattr(torch, run.dtype), enabled=run.dtype != 'float32')
+        half = getattr(torch, run.dtype)
+        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, half)
         run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
         setup(cfg, run)
         catch_signals(cfg, run)
@@ -505,8 +510,9 @@ def train(cfg, run):
             if val_loss is not None:  # None: a signal stopped it
                 run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
                 if not (math.isfinite(val_loss) and val_loss <= run.untrained_loss + BLOW_UP):
-                    diverged(run, f"the validation loss is {val_loss:.4f} at step {run.iter_num}: not finite, or more "
-                                  f"than {BLOW_UP} above the untrained model's {run.untrained_loss:.4f}")
+                    diverged(run, f'the validation loss is {val_loss:.4f} at step {run.iter_num}' + (
+                        f", more than {BLOW_UP} above the untrained model's {run.untrained_loss:.4f}" if
+                        math.isfinite(val_loss) else ': not finite'))
                 history['val'].append((run.iter_num, val_loss))
                 new_best = fresh and val_loss < run.best_val_loss
                 run.best_val_loss = val_loss if new_best else run.best_val_loss
@@ -549,7 +555,7 @@ def train(cfg, run):
         run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
         finite = torch.stack([step_loss.isfinite(), grad_norm.isfinite() | run.scaler.is_enabled()])
-        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)  # check_finite acts on it
+        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)  # no sync: check_finite acts
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)

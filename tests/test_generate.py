@@ -74,8 +74,13 @@ def test_sampling_follows_the_probabilities():
 
 @pytest.mark.parametrize('field, value', [('temperature', -1.0), ('top_k', 0), ('top_p', 0.0), ('top_p', 1.5)])
 def test_bad_sampling_settings_raise_naming_the_field(field, value):
+    """Refused when made, and when set later on a Sampling a Generator then takes."""
     with pytest.raises(ValueError, match=field):
         Sampling(**{field: value})
+    sampling = Sampling()
+    setattr(sampling, field, value)
+    with pytest.raises(ValueError, match=field):
+        Generator(Model(tiny_config()), sampling)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -175,6 +180,16 @@ def test_sample(trained, tmp_path):
 def test_sample_refuses_bad_settings(trained, arg, message):
     with pytest.raises(ConfigError, match=message):
         sample.main([f'--out_dir={trained[0]}', arg])
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(trained, tmp_path):
+    """A checkpoint naming a tokenizer of more ids than its model's embedding: one line, not an IndexError."""
+    ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
+    torch.save({**ckpt, 'tokenizer': 'cl100k_base'}, tmp_path / 'ckpt.pt')
+    with pytest.raises(CheckpointError) as error:
+        sample.main([f'--out_dir={tmp_path}', '--start=hello'])
+    assert str(error.value) == (f"{tmp_path}/ckpt.pt names tokenizer 'cl100k_base' of 100,277 tokens, more than its "
+                                f"model's 256: use a checkpoint train.py wrote")
 
 
 def test_a_folder_holding_best_pt_only_names_it(trained, tmp_path):

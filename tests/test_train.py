@@ -747,7 +747,7 @@ def test_resume_keeps_the_model_and_needs_steps_to_go(data_dir, tmp_path, traine
     with pytest.raises(train.TrainError) as error:
         train.main(tiny(data_dir, tmp_path, '--max_iters=10', '--init_from=resume', '--n_memory=16', '--top_k=None'))
     assert 'holds a model with n_memory=8, top_k=2; this run asks for n_memory=16, top_k=16' in str(error.value)
-    assert 'new --out_dir' in str(error.value)
+    assert 'pass --n_memory=8 --top_k=2 (or its config file), or use a new --out_dir' in str(error.value)
     with pytest.raises(train.TrainError, match='is at step 8, which --max_iters=8 does not pass: set it higher'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
     train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume', '--learning_rate=5e-3'))
@@ -1161,7 +1161,7 @@ def test_a_diverging_run_stops_without_saving(data_dir, tmp_path, trained, monke
     ckpt['optimizer']['state'][0]['exp_avg'] *= math.nan  # step 9's loss and gradients are finite, its update not
     torch.save(ckpt, tmp_path / 'ckpt.pt')
     before = run_bytes(tmp_path)
-    with pytest.raises(train.TrainError, match='the validation loss is nan at step 9'):
+    with pytest.raises(train.TrainError, match='the validation loss is nan at step 9: not finite: training stopped'):
         train.main(tiny(data_dir, tmp_path, '--max_iters=9', '--init_from=resume'))
     ctrl_c_in_first_step(monkeypatch)
     with pytest.raises(train.TrainError, match=r'is not finite \(NaN or infinity\) at step 9: .*ckpt.pt \(step 8\) is '):
@@ -1310,8 +1310,8 @@ def test_a_blow_up_is_a_divergence(data_dir, tmp_path, trained, monkeypatch):
     assert 'training stopped without saving' in str(error.value) and run_bytes(tmp_path) == before
     with monkeypatch.context() as patch:
         patch.setattr(train, 'estimate_loss', lambda *args: untrained + 1.0)
-        with pytest.raises(train.TrainError, match=rf"the validation loss is {untrained + 1:.4f} at step 12: not finite, "
-                                                   rf"or more than 0.5 above the untrained model's {untrained:.4f}: "
+        with pytest.raises(train.TrainError, match=rf"the validation loss is {untrained + 1:.4f} at step 12, more than "
+                                                   rf"0.5 above the untrained model's {untrained:.4f}: "
                                                    "training stopped"):
             train.main(tiny(data_dir, tmp_path, '--max_iters=12', '--init_from=resume'))
     assert run_bytes(tmp_path) == before
@@ -1326,7 +1326,7 @@ def test_a_validation_loss_near_the_untrained_models_is_no_blow_up(data_dir, tmp
     train.main(tiny(data_dir, tmp_path / 'b', '--block_size=1', '--max_iters=3', '--eval_interval=3'))
     losses = iter([5.0, 5.0 + 0.49, 5.0 + 0.51])  # the untrained model's, a rise within the margin, one past it
     monkeypatch.setattr(train, 'estimate_loss', lambda *args: next(losses))
-    with pytest.raises(train.TrainError, match=r"the validation loss is 5.5100 at step 2: not finite, or more than 0.5 "
+    with pytest.raises(train.TrainError, match=r"the validation loss is 5.5100 at step 2, more than 0.5 "
                                                r"above the untrained model's 5.0000: training stopped without saving"):
         train.main(tiny(data_dir, tmp_path / 'c', '--max_iters=4', '--eval_interval=1'))
     assert torch.load(tmp_path / 'c' / 'ckpt.pt', weights_only=True)['iter_num'] == 1
@@ -1439,4 +1439,4 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(data_dir, tmp_path, monkey
     with pytest.raises(train.TrainError) as error:
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--verify_data=False'))
     assert str(error.value).startswith('a batch holds token id 300, beyond the vocabulary of 256: the token files in ')
-    assert str(error.value).endswith('are damaged or of another tokenizer: prepare them again')
+    assert str(error.value).endswith('are damaged or of another tokenizer: prepare them again (prepare_data.py)')
