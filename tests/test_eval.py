@@ -143,7 +143,8 @@ def test_loss_by_position_refuses_another_tokenizer(trained, tmp_path, monkeypat
     """A checkpoint of cl100k_base on the bytes of the default corpus's long.bin: refused before any work."""
     monkeypatch.chdir(tmp_path)  # eval.py makes the default --out's folder, results/, here
     ckpt = torch.load(os.path.join(trained[0], 'ckpt.pt'), weights_only=True)
-    torch.save({**ckpt, 'tokenizer': 'cl100k_base'}, tmp_path / 'ckpt.pt')
+    cl100k = {**ckpt['model_config'], 'vocab_size': 100352}  # as a model of cl100k_base (never built here)
+    torch.save({**ckpt, 'tokenizer': 'cl100k_base', 'model_config': cl100k}, tmp_path / 'ckpt.pt')
     long_bin = os.path.join(ckpt['data_state']['folder'], 'long.bin')
     with pytest.raises(evaluation.EvalError, match=r"long.bin holds tokens of 'bytes', but .* was trained with "
                                                    r"'cl100k_base': give data tokenized with 'cl100k_base'"):
