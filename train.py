@@ -411,7 +411,9 @@ def get_lr(it, cfg):
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
-    ratio = min(1, (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters))  # cos(pi) = -1: min_lr
+    if it >= decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / (decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 

@@ -492,6 +492,8 @@ def test_lr_schedule():
     assert train.get_lr(10, cfg) == pytest.approx(1.0)
     assert train.get_lr(60, cfg) == pytest.approx(0.55)
     assert train.get_lr(110, cfg) == train.get_lr(1000, cfg) == 0.1
+    cfg = train.SimpleNamespace(learning_rate=1.0, min_lr=0.1, warmup_iters=8, lr_decay_iters=0, max_iters=8)
+    assert train.get_lr(7, cfg) == pytest.approx(8 / 9) and train.get_lr(8, cfg) == 0.1  # no cosine: min_lr at the end
 
 
 def test_loss_falls(data_dir, tmp_path):
