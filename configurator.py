@@ -113,8 +113,8 @@ def unknown_key(key, config):
     return f"unknown config key '{key}'" + f". Did you mean {' or '.join(close)}?" * bool(close)
 
 
-def help_text(config, *sources):
-    """`  --key=default  comment` a key: the comment of `key = value  # comment` in sources ([fm] after `# fm`)."""
+def setting_notes(config, *sources):
+    """{key: comment} of `key = value  # comment` lines in sources ('[fm] comment' after a `# fm` line)."""
     notes = {}  # key -> (whether its line sets the default, '[section] comment')
     for source in sources:
         section = ''
@@ -125,9 +125,13 @@ def help_text(config, *sources):
             default = m and m[2] == repr(config.get(m[1]))
             if m and m[1] in config and (m[1] not in notes or default and not notes[m[1]][0]):
                 notes[m[1]] = (default, f'[{section}] ' * bool(section) + m[3])
-    width = max(len(f'{key}={value!r}') for key, value in config.items())
-    return '\n'.join(f"  --{f'{k}={v!r}':<{width}}  {notes.get(k, (0, ''))[1]}".rstrip()
-                     for k, v in config.items())
+    return {key: note for key, (_, note) in notes.items()}
+
+
+def help_text(config, *sources):
+    """`  --key=default  comment` a key, the comments as setting_notes finds them."""
+    notes, width = setting_notes(config, *sources), max(len(f'{key}={value!r}') for key, value in config.items())
+    return '\n'.join(f"  --{f'{k}={v!r}':<{width}}  {notes.get(k, '')}".rstrip() for k, v in config.items())
 
 
 def optional_types(cls):

@@ -23,7 +23,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from types import SimpleNamespace
 
-from configurator import ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c, run_main
+from configurator import ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c, run_main, setting_notes
 
 if __name__ == '__main__':
     quit_on_ctrl_c()
@@ -114,11 +114,10 @@ def model_args(cfg):
 def settings(argv):
     """argv -> the run's settings (None for --help); ConfigError for one out of range."""
     defaults = default_config()
-    notes = help_text(defaults, __file__, model_file.__file__)  # a line a setting: `  --key=default  [fm] comment`
     if '-h' in argv or '--help' in argv:
         mixers = ', '.join(f'{name} ({cls.__name__})' for name, cls in model_file.MIXER_CLASSES.items())
         return print(f'{__doc__}\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
-                     f'{notes}\nmixers: {mixers}')
+                     f'{help_text(defaults, __file__, model_file.__file__)}\nmixers: {mixers}')
     cfg = SimpleNamespace(**load_config(defaults, argv, optional_types(ModelConfig)))
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     for refused, message in (
@@ -150,7 +149,8 @@ def settings(argv):
             n_params = Model(config).num_params(non_embedding=False)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
-    tags = {k: mixers.split(', ') for k, mixers in re.findall(r'^  --(\w+)=\S*\s+\[([\w, ]+)\] ', notes, re.M)}
+    notes = setting_notes(defaults, __file__, model_file.__file__)  # {key: '[fm] comment'}
+    tags = {k: tag[1].split(', ') for k, note in notes.items() if (tag := re.match(r'\[([\w, ]+)\] ', note))}
     ignored = [k for k, mixers in tags.items() if config.family not in mixers and getattr(cfg, k) != defaults[k]]
     if ignored and cfg.init_from == 'scratch' and any(config.family in mixers for mixers in tags.values()):
         mixers = ', '.join(sorted({mixer for k in ignored for mixer in tags[k]}))
