@@ -269,8 +269,9 @@ class FactorizationMemory(nn.Module):
         """route, then weights -> the rows routed to, idx (B, K), their theta and phi."""
         idx, *routed = self.route(x)
         theta, phi = self.weights(idx, *routed)  # (B, M)
-        idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1) if idx is None else idx  # (B, K)
-        return idx, theta.gather(-1, idx), phi.gather(-1, idx)
+        if idx is None:  # dense: every row
+            return torch.arange(self.n_memory, device=x.device).expand(len(x), -1), theta, phi
+        return idx, theta.gather(-1, idx), phi.gather(-1, idx)  # (B, K) each
 
     def step(self, x, state):  # x (B, d_model)
         """One token: the state updated in place -> y (B, d_model); fused_router: one kernel (fm_route_step)."""
@@ -294,7 +295,8 @@ class FactorizationMemory(nn.Module):
 
     def init_state(self, batch_size, max_len, device):
         """Empty buffers; and whether step takes the fused kernel, for the router as it is now."""
-        self.fused_router = self.routes_as_the_kernel()
+        if torch.device(device).type != 'meta':  # a meta state only counts bytes
+            self.fused_router = self.routes_as_the_kernel()
         dtype = self.in_proj.weight.dtype
         state = {'h': torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)}
         if self.conv is not None:  # the convolution's last inputs
