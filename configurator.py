@@ -21,6 +21,12 @@ def quit_on_ctrl_c():
     signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
 
 
+def quit_on_sigterm():
+    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): one line, 'terminated', and exit
+    code 143."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(sys.stderr.write('terminated\n') and 143))
+
+
 def run_main(main, *errors):
     """main(sys.argv[1:]): a Ctrl-C, a ConfigError or one of errors is one line (one write), exit code 130 or 1."""
     signal.signal(signal.SIGINT, signal.default_int_handler)

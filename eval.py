@@ -41,7 +41,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, run_main
+from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm, run_main
 
 if __name__ == '__main__':
     quit_on_ctrl_c()
@@ -54,8 +54,7 @@ import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 import devices
 from generate import Generator, Sampling
-from prepare_data import (DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, quit_on_sigterm, read_utf8,
-                          replacing)
+from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8, replacing
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 POSITION_SETTINGS = dict(
@@ -728,7 +727,7 @@ def routing_tokens(docs, n_tokens):
 
 
 @torch.no_grad()
-def measure_routing(model, docs, cfg, progress=None):
+def measure_routing(model, docs, cfg, progress):
     """Run the documents through the model in chunks, carrying the state -> one RoutingStats a FM layer."""
     mixers = [block.mixer for block in model.blocks]
     c = model.config
@@ -743,8 +742,7 @@ def measure_routing(model, docs, cfg, progress=None):
             for start in range(0, len(ids), cfg['chunk_len']):
                 with ctx:
                     x, state = model.hidden(ids[None, start:start + cfg['chunk_len']], state)  # x (1, chunk, d_model)
-                if progress is not None:
-                    progress.update(x.shape[1])
+                progress.update(x.shape[1])
     finally:
         for hook in hooks:
             hook.remove()

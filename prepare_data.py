@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from configurator import quit_on_ctrl_c, run_main
+from configurator import quit_on_ctrl_c, quit_on_sigterm, run_main
 
 if __name__ == "__main__":
     quit_on_ctrl_c()
@@ -709,12 +709,6 @@ def _print_summary(out, verb):
     for name, stats in meta["files"].items():
         print(f"  {name:<10} {stats['documents']:>10,} documents {stats['tokens']:>15,} tokens "
               f"{stats['bytes'] / 1e6:>12,.1f} MB")
-
-
-def quit_on_sigterm():
-    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): one line, 'terminated', and exit
-    code 143."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(sys.stderr.write("terminated\n") and 143))
 
 
 def main(argv=None):

@@ -527,7 +527,7 @@ def train(cfg, run):
                 if fresh and (last or new_best):
                     save(cfg, run, ['ckpt.pt'] * last + ['best.pt'] * new_best)
             t_log = time.time()  # evaluation out of the timings
-        if run.iter_num >= cfg.max_iters and val_loss is not None:  # its evaluation ran whole: done
+        if run.iter_num >= cfg.max_iters and not run.eval_cut:  # its evaluation ran whole: done
             break
         if run.group is not None:  # a signal on any rank stops every rank here
             stop = torch.tensor([float(run.stop)])
