@@ -537,9 +537,9 @@ def table_rows(sweeps, positions):
     return rows
 
 
-def run_table(cfg, sources):
-    """The README's table from sweep .csv files (their best_lr marks) and loss-by-position .json/.csv files:
-    printed, and out.csv."""
+def table_inputs(sources):
+    """Sweep .csv files (told by their header) and loss-by-position .json/.csv files -> (the sweeps' records,
+    {checkpoint label: result}), table_rows' arguments."""
     sweeps, positions = [], {}
     for source in sources:
         with open(source, newline='') as f:
@@ -548,7 +548,13 @@ def run_table(cfg, sources):
             sweeps += csv_records(source)
         else:
             positions.update((r['label'], r) for r in positions_file(source))
-    rows = table_rows(sweeps, positions)
+    return sweeps, positions
+
+
+def run_table(cfg, sources):
+    """The README's table from sweep .csv files (their best_lr marks) and loss-by-position .json/.csv files:
+    printed, and out.csv."""
+    rows = table_rows(*table_inputs(sources))
     if not rows:
         raise EvalError(f'no runs at a best learning rate in {", ".join(sources)}: give the .csv of a sweep')
     print(f'{"name":<20} {"lr":>8} {"val loss (min-max, seeds)":>30} {"so far @1x":>10} {"@8x":>7} {"@64x":>7}')

@@ -135,10 +135,8 @@ def readme_table(after):
 
 def table(*files):
     """analysis.py table's rows of docs/results files (sweep .csv and loss-by-position .csv), by run name."""
-    sweeps = [r for f in files if f.endswith('_lr.csv') or 'frontier' in f for r in analysis.csv_records(RESULTS / f)]
-    positions = {r['label']: r for f in files if f.endswith('positions.csv')
-                 for r in analysis.positions_csv(str(RESULTS / f))}
-    return {row['name']: row for row in analysis.table_rows(sweeps, positions)}
+    rows = analysis.table_rows(*analysis.table_inputs([str(RESULTS / f) for f in files]))
+    return {row['name']: row for row in rows}
 
 
 def seeds_text(row, digits=3):
