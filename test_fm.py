@@ -1034,16 +1034,16 @@ def test_step_state_bytes(name):
     and the convolution's window of 3, Mamba-2's conv (80 channels x 3) and SSM (4 heads x 16 x 8, float32) states,
     attention's cache of 2 x 16 a token."""
     rows = 2 * (3 if name.endswith('sparse') else 8) * 32 * 4
-    hand = {4: {'fm_dense': rows, 'fm_sparse': rows, 'fm_block_dense': rows + 2 * 32 * 3 * 4,
-                'fm_block_sparse': rows + 2 * 32 * 3 * 4, 'attn': 2 * 100 * 16 * 4, 'mamba2': 2 * (80 * 3 + 512) * 4},
-            2: {'fm_dense': rows, 'fm_sparse': rows, 'fm_block_dense': rows + 2 * 32 * 3 * 2,
-                'fm_block_sparse': rows + 2 * 32 * 3 * 2, 'attn': 2 * 100 * 16 * 2, 'mamba2': 2 * (80 * 3 * 2 + 512 * 4)}}
     for dtype in (torch.float32, torch.bfloat16):
+        n = dtype.itemsize  # the windows and the cache; FM's rows and Mamba-2's SSM state stay float32
+        hand = {'fm_dense': rows, 'fm_sparse': rows, 'fm_block_dense': rows + 2 * 32 * 3 * n,
+                'fm_block_sparse': rows + 2 * 32 * 3 * n, 'attn': 2 * 100 * 16 * n,
+                'mamba2': 2 * (80 * 3 * n + 512 * 4)}
         model = Model(tiny_config(**MIXER_CASES[name])).to(dtype)
         counts = [block.mixer.step_state_bytes(100) for block in model.blocks]
         assert 0 < counts[0] <= 2 * sum(t.numel() * t.element_size() for t in model.init_state(1, 101)[0].values())
-        if name in hand[dtype.itemsize]:
-            assert counts == [hand[dtype.itemsize][name]] * 2
+        if name in hand:
+            assert counts == [hand[name]] * 2
 
 
 def test_estimate_mfu():

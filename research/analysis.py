@@ -178,12 +178,14 @@ def print_scaling(rows, best):
         print(f'left out, not finished: {", ".join(unfinished)}')
     for name in best:
         runs = [r for r in rows if SERIES[name](r['n_memory'], r['top_k']) and r['iter_num'] >= r['max_iters']]
-        ms, taus = sorted({r['n_memory'] for r in runs}), sorted({r['tau'] for r in runs}, reverse=True)
+        cells = {}  # {(tau, m): its runs' losses}
+        for r in runs:
+            cells.setdefault((r['tau'], r['n_memory']), []).append(r['val_loss'])
+        ms, taus = sorted({m for _, m in cells}), sorted({tau for tau, _ in cells}, reverse=True)
         print(f'\nvalidation loss, {name}\n{"tau / m":>10}' + ''.join(f'{m:>9}' for m in ms))
         for tau in taus:
-            losses = {m: np.mean([r['val_loss'] for r in runs if r['tau'] == tau and r['n_memory'] == m]) for m in ms
-                      if any(r['tau'] == tau and r['n_memory'] == m for r in runs)}
-            print(f'{tau:>10g}' + ''.join(f'{losses[m]:9.4f}' if m in losses else f'{"-":>9}' for m in ms))
+            print(f'{tau:>10g}' + ''.join(f'{np.mean(cells[tau, m]):9.4f}' if (tau, m) in cells else f'{"-":>9}'
+                                          for m in ms))
     print('\nbest over tau: validation loss, mean over seeds (min-max, seeds) (tau)')
     for name, points in best.items():
         print(f'{name:>14}: ' + ', '.join(f"m={m} {spread(p['losses'])} ({p['tau']:g})" for m, p in points.items()))
@@ -498,10 +500,16 @@ def positions_file(path):
                         f"the out.json or out.csv of `python eval.py --out_dir=... --out=out`") from None
 
 
+def positions_by_checkpoint(sources):
+    """The checkpoints of eval.py's loss-by-position .json or .csv files, {checkpoint: result}, each once: a
+    checkpoint that two files hold is the later one's."""
+    return {r['checkpoint']: r for path in sources for r in positions_file(path)}
+
+
 def run_positions(cfg, sources):
     """eval.py's loss-by-position plot, out.png, redrawn from its .json or .csv files; a checkpoint that two files
     hold: the later one's."""
-    results = {r['checkpoint']: r for path in sources for r in positions_file(path)}
+    results = positions_by_checkpoint(sources)
     if plot_positions(list(results.values()), f"{cfg['out']}.png"):
         print(f"wrote {cfg['out']}.png")
     return list(results.values())
@@ -537,9 +545,9 @@ def table_rows(sweeps, positions):
     return rows
 
 
-def run_table(cfg, sources):
-    """The README's table from sweep .csv files (their best_lr marks) and loss-by-position .json/.csv files:
-    printed, and out.csv."""
+def table_inputs(sources):
+    """Sweep .csv files (told by their header) and loss-by-position .json/.csv files -> (the sweeps' records,
+    {checkpoint label: result}), table_rows' arguments."""
     sweeps, positions = [], {}
     for source in sources:
         with open(source, newline='') as f:
@@ -548,7 +556,13 @@ def run_table(cfg, sources):
             sweeps += csv_records(source)
         else:
             positions.update((r['label'], r) for r in positions_file(source))
-    rows = table_rows(sweeps, positions)
+    return sweeps, positions
+
+
+def run_table(cfg, sources):
+    """The README's table from sweep .csv files (their best_lr marks) and loss-by-position .json/.csv files:
+    printed, and out.csv."""
+    rows = table_rows(*table_inputs(sources))
     if not rows:
         raise EvalError(f'no runs at a best learning rate in {", ".join(sources)}: give the .csv of a sweep')
     print(f'{"name":<20} {"lr":>8} {"val loss (min-max, seeds)":>30} {"so far @1x":>10} {"@8x":>7} {"@64x":>7}')
@@ -613,7 +627,7 @@ def plot_gaps(reference, table, contexts, path):
 
 def run_gap(cfg, sources):
     """The gaps at 1x, 8x, 64x and 512x the shortest training context, and out.png."""
-    results = {r['checkpoint']: r for path in sources for r in positions_file(path)}  # a checkpoint counts once
+    results = positions_by_checkpoint(sources)  # a checkpoint counts once
     reference, table = gaps(list(results.values()), cfg['reference'])
     contexts = sorted({r['block_size'] for r in results.values()})
     columns = [contexts[0] * 8 ** i for i in range(4)]

@@ -39,6 +39,12 @@ def assert_split_round_trip(folder, tokenizer, documents):
     assert sorted(texts["train"] + texts["val"]) == sorted(documents)
 
 
+def jsonl_corpus(path):
+    """DOCUMENTS as a .jsonl corpus at path, one {"text": ...} record a line -> path."""
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    return path
+
+
 # ----------------------------------------------------------------------------- tokenizers
 
 @pytest.mark.parametrize("name, vocab_size, eot", [("bytes", 256, None), ("cl100k_base", 100277, 100257)])
@@ -323,8 +329,7 @@ def test_jsonl_corpus_cl100k(tmp_path, capsys):
 
 
 def test_a_damaged_token_file_is_rebuilt_from_its_corpus(tmp_path, capsys):
-    corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    corpus = jsonl_corpus(tmp_path / "docs.jsonl")
     folder = prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
     flip_byte(folder / "train.bin", (folder / "train.bin").stat().st_size - 1)
     prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
@@ -337,6 +342,21 @@ def test_a_damaged_token_file_is_rebuilt_from_its_corpus(tmp_path, capsys):
 
 def disk_full(*args):
     raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def full_disk_exit(corpus, data_dir, val_fraction):
+    """prepare_data.py on corpus into data_dir at val_fraction, which must exit -> its exit message."""
+    with pytest.raises(SystemExit) as exit:
+        prepare_data.main(["--dataset", str(corpus), "--data_dir", str(data_dir), "--val_fraction", val_fraction,
+                           "--num_proc", "1"])
+    return exit.value.code
+
+
+def full_disk(folder, kept):
+    """The regex of the full-disk message for folder: the earlier files kept (a rebuild), or nothing written."""
+    outcome = "the earlier files are unchanged" if kept else "nothing was written"
+    return (r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
+            rf"{re.escape(str(folder))}\); {outcome}: free some space there or pass another --data_dir, and run again")
 
 
 class FullStagingFile:
@@ -358,18 +378,13 @@ class FullStagingFile:
 
 @pytest.mark.parametrize("where", ["staging file", "token file"])
 def test_a_full_disk_leaves_nothing_and_says_so(tmp_path, monkeypatch, where):
-    corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    corpus = jsonl_corpus(tmp_path / "docs.jsonl")
     if where == "staging file":
         monkeypatch.setattr(prepare_data._TokenWriter, "__enter__", FullStagingFile.enter)
     else:  # the header and offsets are in, the tokens do not fit
         monkeypatch.setattr(prepare_data.shutil, "copyfileobj", lambda source, destination, length: disk_full())
-    with pytest.raises(SystemExit) as exit:
-        prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25",
-                           "--num_proc", "1"])
-    assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
-                        rf"{re.escape(str(tmp_path / 'data' / 'docs_bytes'))}\); nothing was written: free some space "
-                        r"there or pass another --data_dir, and run again", exit.value.code)
+    assert re.fullmatch(full_disk(tmp_path / "data" / "docs_bytes", kept=False),
+                        full_disk_exit(corpus, tmp_path / "data", "0.25"))
     assert os.listdir(tmp_path / "data") == []  # no token file, temporary file or empty folder
 
 
@@ -377,8 +392,7 @@ def test_a_full_disk_leaves_nothing_and_says_so(tmp_path, monkeypatch, where):
 def test_a_failed_rebuild_keeps_the_earlier_files(tmp_path, monkeypatch, where):
     """A rebuild (another --val_fraction) that fails at its last token file or at meta.json: the folder keeps the
     earlier train.bin, val.bin and meta.json, all of them, and nothing else; the message names the fix."""
-    corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    corpus = jsonl_corpus(tmp_path / "docs.jsonl")
     folder = prepare(str(corpus), "bytes", tmp_path / "data", val_fraction=0.25, num_proc=1)
     earlier = {path.name: path.read_bytes() for path in folder.iterdir()}
     if where == "token file":  # the first of the two fits, the second does not
@@ -388,12 +402,7 @@ def test_a_failed_rebuild_keeps_the_earlier_files(tmp_path, monkeypatch, where):
     else:  # its first bytes go in
         monkeypatch.setattr(prepare_data.Path, "write_text", lambda path, text: open(path, "w").write(text[:9]) and
                             disk_full())
-    with pytest.raises(SystemExit) as exit:
-        prepare_data.main(["--dataset", str(corpus), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.5",
-                           "--num_proc", "1"])
-    assert re.fullmatch(r"error: could not write the token files: the disk is full \([0-9,.]+ MB free in "
-                        rf"{re.escape(str(folder))}\); the earlier files are unchanged: free some space there or pass "
-                        r"another --data_dir, and run again", exit.value.code)
+    assert re.fullmatch(full_disk(folder, kept=True), full_disk_exit(corpus, tmp_path / "data", "0.5"))
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == earlier
 
 
@@ -466,7 +475,7 @@ def test_an_empty_data_dir_is_the_repository_data_folder(tmp_path, monkeypatch):
     assert prepare_data.dataset_dir("default", "bytes", None) == prepare_data.DEFAULT_DATA_DIR / "default_bytes"
     monkeypatch.setattr(prepare_data, "DEFAULT_DATA_DIR", tmp_path / "repository" / "data")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    jsonl_corpus(tmp_path / "docs.jsonl")
     folder = prepare("docs.jsonl", "bytes", "", val_fraction=0.25, num_proc=1)
     assert folder == tmp_path / "repository" / "data" / "docs_bytes" and (folder / "meta.json").exists()
 
@@ -512,7 +521,7 @@ def test_hf_dataset(tmp_path):
     pytest.importorskip("datasets")
     corpus = tmp_path / "hub_like"
     corpus.mkdir()
-    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+    jsonl_corpus(corpus / "train.jsonl")
     folder = prepare(f"hf:{corpus}", "bytes", tmp_path / "data", val_fraction=0.25, num_proc=2)  # a local folder
     assert folder.name.startswith("hf_") and folder.name.endswith("hub_like_bytes")
     assert_split_round_trip(folder, "bytes", DOCUMENTS)

@@ -14,14 +14,21 @@ from conftest import REPO
 from research import analysis
 
 
+def readme_text():
+    return open(os.path.join(REPO, 'README.md'), encoding='utf-8').read()
+
+
+def readme_section(name):
+    """The text of the README's section `## name`, up to the next section."""
+    return readme_text().split(f'\n## {name}\n')[1].split('\n## ')[0]
+
+
 def readme_commands(sections=('Quickstart', 'Training', 'Sampling', 'Evaluating')):
     """The python commands in the code blocks of these README sections, in order, as argument lists."""
     import shlex
-    readme = open(os.path.join(REPO, 'README.md'), encoding='utf-8').read()
     commands = []
     for section in sections:
-        body = readme.split(f'\n## {section}\n')[1].split('\n## ')[0]
-        for block in body.split('```')[1::2]:
+        for block in readme_section(section).split('```')[1::2]:
             if block.startswith('python\n'):  # Python code, not commands
                 continue
             for line in block.splitlines():
@@ -82,15 +89,13 @@ def test_readme_commands_say_what_they_need():
     missing checkpoint's error gives); the Quickstart gives the threads advice of a busy machine."""
     import re
     from checkpoint import training_command
-    readme = readme_text()
     for section in ('Sampling', 'Evaluating'):
-        for block in readme.split(f'\n## {section}\n')[1].split('\n## ')[0].split('```')[1::2]:
+        for block in readme_section(section).split('```')[1::2]:
             default = {'out'} if 'python sample.py  ' in block else set()  # sample.py without --out_dir
             for folder in set(re.findall(r'--(?:out_dir|runs)=(out[\w-]*)(?:\s|$)', block)) | default:
                 needs = training_command(folder).removeprefix('python train.py ')
                 assert (needs if needs.startswith('config/') else 'python train.py') in block, (section, folder)
-    quickstart = readme.split('\n## Quickstart\n')[1].split('\n## ')[0]
-    assert 'OMP_NUM_THREADS=1 python train.py' in quickstart
+    assert 'OMP_NUM_THREADS=1 python train.py' in readme_section('Quickstart')
 
 
 def test_readme_bench_commands_parse_and_sweep():
@@ -100,7 +105,7 @@ def test_readme_bench_commands_parse_and_sweep():
     import re
     import shlex
     import bench
-    readme = open(os.path.join(REPO, 'README.md'), encoding='utf-8').read()
+    readme = readme_text()
     cited = [shlex.split(c)[1:] for c in re.findall(r'`(python bench\.py [^`]*)`', readme)]
     commands = [c for c in readme_commands(('Benchmarking',)) if c[0] == 'bench.py'] + cited
     assert len(commands) >= 7 and any(c[-1] == '--sweep' for c in commands)  # --sweep naming no lengths
@@ -121,10 +126,6 @@ def rounded(value, digits=3):
     return str(Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-digits), ROUND_HALF_UP))
 
 
-def readme_text():
-    return open(os.path.join(REPO, 'README.md'), encoding='utf-8').read()
-
-
 def readme_table(after):
     """The cells of the first Markdown table after the text `after` in the README, a list a row, less the header."""
     body = readme_text().split(after, 1)[1]
@@ -134,10 +135,8 @@ def readme_table(after):
 
 def table(*files):
     """analysis.py table's rows of docs/results files (sweep .csv and loss-by-position .csv), by run name."""
-    sweeps = [r for f in files if f.endswith('_lr.csv') or 'frontier' in f for r in analysis.csv_records(RESULTS / f)]
-    positions = {r['label']: r for f in files if f.endswith('positions.csv')
-                 for r in analysis.positions_csv(str(RESULTS / f))}
-    return {row['name']: row for row in analysis.table_rows(sweeps, positions)}
+    rows = analysis.table_rows(*analysis.table_inputs([str(RESULTS / f) for f in files]))
+    return {row['name']: row for row in rows}
 
 
 def seeds_text(row, digits=3):

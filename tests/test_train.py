@@ -832,13 +832,20 @@ def test_a_signal_before_a_compiled_runs_first_step_quits_at_once(when, data_dir
     assert 'SIGTERM: nothing trained yet to save: quitting now' in capsys.readouterr().out
 
 
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py']
+
+
+def logged(out):
+    """The iter and step lines of train.py's output, each up to its first comma, 'iter 1/4:' as 'iter 1:'."""
+    return [re.sub(r'/\d+:', ':', line.split(',')[0]) for line in out.splitlines() if line.startswith(('iter', 'step'))]
+
+
 def test_ddp_on_cpu(data_dir, tmp_path):
     """Two gloo processes: 4 steps straight == 2 steps, resume, 2 steps, bit for bit; a scratch run into the
     trained out_dir stops on both ranks with the message, not a traceback."""
     def start(out_dir, *extra):
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
-               *tiny(data_dir, out_dir, '--device=cpu', '--gradient_accumulation_steps=2', '--lr_decay_iters=4',
-                     '--eval_interval=2', *extra)]
+        cmd = [*TORCHRUN, *tiny(data_dir, out_dir, '--device=cpu', '--gradient_accumulation_steps=2',
+                                '--lr_decay_iters=4', '--eval_interval=2', *extra)]
         return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, 'OMP_NUM_THREADS': '1'})
 
@@ -857,9 +864,7 @@ def test_ddp_on_cpu(data_dir, tmp_path):
     errors = [line for line in diverged.splitlines() if line.startswith('error: ')]
     assert len(errors) == 2 and all("the earlier run's ckpt.pt and best.pt in" in line for line in errors), diverged
     resumed += torchrun(tmp_path / 'b', '--max_iters=4', '--init_from=resume').stdout
-    logged = [[re.sub(r'/\d+:', ':', line.split(',')[0]) for line in out.splitlines()  # 'iter 1/4:' -> 'iter 1:'
-               if line.startswith(('iter', 'step'))] for out in (straight, resumed)]
-    assert logged[0] == logged[1] and len(logged[0]) == 4 + 3
+    assert logged(straight) == logged(resumed) and len(logged(straight)) == 4 + 3
     a, b = (torch.load(tmp_path / run / 'ckpt.pt', weights_only=True) for run in 'ab')
     assert a['data_state']['world_size'] == 2 and len(a['rng']['batch']) == 2
     assert a['rng']['batch'][0] != a['rng']['batch'][1] and a['rng']['batch'] == b['rng']['batch']
@@ -911,7 +916,6 @@ def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
     with the same batch does: the same step-0 validation loss (the same weights and windows) within 1e-5, and within
     0.1 nats at step K (the ranks draw other batches than one process)."""
     env = {**os.environ, 'CUDA_VISIBLE_DEVICES': gpus(2), 'OMP_NUM_THREADS': '1'}
-    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py']
 
     def start(command, out_dir, *extra, **env_changes):
         args = tiny(data_dir, tmp_path / out_dir, '--device=cuda', '--dtype=float32', '--lr_decay_iters=8',
@@ -919,11 +923,7 @@ def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
         return subprocess.Popen(command + args, cwd=REPO, env={**env, **env_changes}, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    def logged(out):
-        return [re.sub(r'/\d+:', ':', line.split(',')[0]) for line in out.splitlines()  # 'iter 1/4:' -> 'iter 1:'
-                if line.startswith(('iter', 'step'))]
-
-    stopped, out = start(torchrun, 'b', '--max_iters=100000'), ''
+    stopped, out = start(TORCHRUN, 'b', '--max_iters=100000'), ''
     try:
         for line in stopped.stdout:
             out += line
@@ -936,7 +936,7 @@ def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
     saved = re.search(r'saved \S+ at step (\d+); continue with --init_from=resume', out + rest)
     assert 'SIGTERM: stopping after this step' in out + rest and saved, out + rest + err
     k = int(saved.group(1)) + 2
-    runs = [start(torchrun, 'b', f'--max_iters={k}', '--init_from=resume'), start(torchrun, 'a', f'--max_iters={k}'),
+    runs = [start(TORCHRUN, 'b', f'--max_iters={k}', '--init_from=resume'), start(TORCHRUN, 'a', f'--max_iters={k}'),
             start([sys.executable, 'train.py'], 'one', f'--max_iters={k}', CUDA_VISIBLE_DEVICES=gpus(1))]
     for proc in runs:
         proc.output = proc.communicate(timeout=300)
@@ -1010,8 +1010,8 @@ def test_a_signal_during_a_ddp_evaluation_stops_every_rank(data_dir, tmp_path):
     """A SIGTERM to torchrun during step 0's long evaluation (gloo, two ranks): both ranks stop within seconds, agreeing
     through the evaluation's all-reduce, and nothing is saved."""
     import time
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
-           *tiny(data_dir, tmp_path / 'out', '--device=cpu', '--gradient_accumulation_steps=2', '--eval_iters=100000')]
+    cmd = [*TORCHRUN, *tiny(data_dir, tmp_path / 'out', '--device=cpu', '--gradient_accumulation_steps=2',
+                            '--eval_iters=100000')]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, 'OMP_NUM_THREADS': '1'})
     try:
