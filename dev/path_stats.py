@@ -1,13 +1,14 @@
 """The learner's path in numbers (issue 54): python dev/path_stats.py [FILE ...]
 
-Per file and in all: lines, bytes, mean characters a non-blank line, lines over 100 columns, conditional
-expressions (`a if c else b`), and the longest functions. Default files: the path and fm_kernel.py.
+Per file and in all: lines, bytes, mean characters a non-blank line, lines over 100
+columns, conditional expressions (`a if c else b`), and the longest functions. Default files: the path and fm_kernel.py.
 """
 import ast
 import sys
 from pathlib import Path
 
-PATH = ['model.py', 'train.py', 'sample.py', 'generate.py', 'checkpoint.py', 'configurator.py', 'devices.py']
+PATH = ['model.py', 'train.py', 'sample.py', 'generate.py', 'checkpoint.py', 'configurator.py',
+        'devices.py']
 
 
 def function_lengths(tree):
@@ -39,7 +40,8 @@ def stats(path):
 
 def row(name, s):
     mean = s['chars'] / max(s['non_blank'], 1)
-    return f"{name:<16} {s['lines']:>6} {s['bytes']:>8} {mean:>6.1f} {s['over_100']:>5} {s['if_exps']:>6}"
+    numbers = f"{s['lines']:>6} {s['bytes']:>8} {mean:>6.1f} {s['over_100']:>5} {s['if_exps']:>6}"
+    return f"{name:<16} {numbers}"
 
 
 def main(files):
