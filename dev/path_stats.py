@@ -1,7 +1,8 @@
 """The learner's path in numbers (issue 54): python dev/path_stats.py [FILE ...]
 
 Per file and in all: lines, bytes, mean characters a non-blank line, lines over 100
-columns, conditional expressions (`a if c else b`), and the longest functions. Default files: the path and fm_kernel.py.
+columns, conditional expressions (`a if c else b`), and the longest functions.
+Default files: the path and fm_kernel.py.
 """
 import ast
 import sys
