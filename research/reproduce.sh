@@ -473,7 +473,7 @@ levers() {
 # in a PREVIOUS folder's recall.csv is not trained again. Writes recall.txt (the log and table), recall.csv,
 # recall_best.txt, recall_state.png, recall_step.png; each run's log in RUNS/recall/.
 #   D_MODELS="64 128 256"   the widths;  LRS_RECALL="1e-3 3e-3 3e-4 1e-2" the rates, in the order they are trained
-#   RECALL_ARGS=            more research/recall.py arguments for every run (--steps=1200 by default here); a dry
+#   RECALL_ARGS=            more research/recall.py arguments for every run (its default: 800 steps); a dry
 #                           run on a CPU: RECALL_ARGS="--device=cpu --steps=2 --batch_tokens=256 --test_examples=2"
 
 recall_models() {  # MODEL research/recall.py-arguments, the slowest first (m > 128: the PyTorch scan, not Triton)

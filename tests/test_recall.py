@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import REPO, randomized, rel_err, reproduce_sh, tiny_config
 from model import Model
 from research import analysis, recall
-from research.mqar import TEST, TRAIN, mqar, held_out
+from research.mqar import TEST, TRAIN, fillers, held_out, mqar
 
 SHAPES = [*TRAIN, *TEST, (16, 4)]  # (16, 4): every query slot asked
 
@@ -176,3 +176,10 @@ def test_a_run_with_rows_in_results_or_previous_is_not_trained_again(where, tmp_
                        RECALL_ARGS='')
     assert out == 'FAILED attn-d32-lr3e-3-s10 (exit 1), the end of ' \
                   f'{tmp_path}/runs/recall/attn-d32-lr3e-3-s10.log:\n'
+
+
+def test_fillers_are_uniform_over_the_tokens_that_are_not_keys():
+    """Keys 1 and 2 of 5 tokens: fillers 0, 3 and 4 alike; keys 0 and 4: 1, 2 and 3."""
+    counts = torch.stack([torch.bincount(row, minlength=5) for row in fillers(
+        2, 30000, torch.tensor([[2, 1], [0, 4]]), 5, torch.Generator().manual_seed(0))]) / 10000
+    assert rel_err(counts, torch.tensor([[1, 0, 0, 1, 1], [0, 1, 1, 1, 0]]).double()) < 0.03
