@@ -37,10 +37,11 @@ each model's loss so far, mean over its seeds, minus the reference's (a word of 
     python research/analysis.py gap --runs=results/levers.json --runs=results/extrapolation.json --reference=mamba2
 Writes --out's .png.
 
-Multi-query associative recall (research/recall.py's rows, a run and test slice each; issue 55): each model at its
-best learning rate (the highest mean accuracy over the slices up to 256 tokens of its first seed), its accuracy by
-test slice (mean over seeds), and accuracy against the bytes of a layer's state and of a decoding step:
-    python research/analysis.py recall --runs=docs/results/2026-11-29/recall.csv --out=results/recall
+Multi-query associative recall (research/recall.py's rows, a run and test slice each; issue 55):
+each model at its best learning rate (the highest mean accuracy over the slices up to 256 tokens of
+its first seed), its accuracy by test slice (mean over seeds), and accuracy against the bytes of a
+layer's state and of a decoding step:
+    python research/analysis.py recall --runs=docs/results/2026-11-29/recall.csv --out=results/r
 Writes --out's _best.txt (MODEL LR a line), _state.png and _step.png.
 """
 import csv
@@ -651,32 +652,35 @@ def run_gap(cfg, sources):
     return table
 
 
-# ----------------------------------------------------------------------------- multi-query associative recall
+# ------------------------------------------------------------------ multi-query associative recall
 
-RECALL_SLICES = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256))  # research/mqar.TEST
+RECALL_SLICES = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256))  # TEST
 RECALL_TRAINED = 256  # the longest training length: the best rate is chosen on the slices up to it
 RECALL_PANELS = {'64-256 tokens (mean of 5 slices)': (64, 256), '512 tokens, 128 pairs': (512, 512),
                  '1,024 tokens, 256 pairs': (1024, 1024)}  # title -> the slices' seq_len range
 
 
 def recall_rows(sources):
-    """The rows of research/recall.py's .csv files (a row a run and test slice); a later file's row of the same run
-    and slice wins."""
+    """The rows of research/recall.py's .csv files (a row a run and test slice); a later file's row
+    of the same run and slice wins."""
     rows = {}
     for source in sources:
         with open(source, newline='') as f:
             found = list(csv.DictReader(f))
-        if not found or not {'run', 'model', 'learning_rate', 'seed', 'seq_len', 'accuracy'} <= set(found[0]):
+        wanted = {'run', 'model', 'learning_rate', 'seed', 'seq_len', 'accuracy'}
+        if not found or not wanted <= set(found[0]):
             raise EvalError(f'--runs={source}: not a .csv that research/recall.py wrote')
         for row in found:
-            row.update({k: int(row[k]) for k in ('seed', 'seq_len', 'n_pairs', 'state_bytes', 'step_bytes')},
-                       learning_rate=float(row['learning_rate']), accuracy=float(row['accuracy']))
+            for key in ('seed', 'seq_len', 'n_pairs', 'state_bytes', 'step_bytes'):
+                row[key] = int(row[key])
+            row.update(learning_rate=float(row['learning_rate']), accuracy=float(row['accuracy']))
             rows[row['run'], row['seq_len'], row['n_pairs']] = row
     return list(rows.values())
 
 
 def recall_rate_name(rows, model, lr):
-    """The learning rate as the names of the model's runs at lr write it (1e-3 in NAME-lr1e-3-s1), else as %g."""
+    """The learning rate as the names of the model's runs at lr write it (1e-3 in NAME-lr1e-3-s1),
+    else as %g."""
     for r in rows:
         name = RUN_NAME.search(r['run'])
         if r['model'] == model and r['learning_rate'] == lr and name:
@@ -685,8 +689,9 @@ def recall_rate_name(rows, model, lr):
 
 
 def recall_best(rows):
-    """{model: (its best learning rate, the rates trained)}: the highest mean accuracy over the slices up to
-    RECALL_TRAINED tokens of the model's first seed (its lowest, trained at every rate)."""
+    """{model: (its best learning rate, the rates trained)}: the highest mean accuracy over the
+    slices up to RECALL_TRAINED tokens of the model's first seed (its lowest, trained at every
+    rate)."""
     best = {}
     for model in sorted({r['model'] for r in rows}):
         runs = [r for r in rows if r['model'] == model]
@@ -701,12 +706,13 @@ def recall_best(rows):
 
 
 def recall_table(rows, best):
-    """Each model at its best rate -> {'model', 'learning_rate', 'seeds', (seq_len, n_pairs): the accuracies of its
-    seeds, 'bytes': {(seq_len, n_pairs): (state bytes, step bytes)}}."""
+    """Each model at its best rate -> {'model', 'learning_rate', 'seeds', (seq_len, n_pairs): the
+    accuracies of its seeds, 'bytes': {(seq_len, n_pairs): (state bytes, step bytes)}}."""
     table = []
     for model, (lr, _) in best.items():
         runs = [r for r in rows if r['model'] == model and r['learning_rate'] == lr]
-        entry = {'model': model, 'learning_rate': lr, 'seeds': sorted({r['seed'] for r in runs}), 'bytes': {}}
+        entry = {'model': model, 'learning_rate': lr, 'seeds': sorted({r['seed'] for r in runs}),
+                 'bytes': {}}
         for r in runs:
             entry.setdefault((r['seq_len'], r['n_pairs']), []).append(r['accuracy'])
             entry['bytes'][r['seq_len'], r['n_pairs']] = (r['state_bytes'], r['step_bytes'])
@@ -715,40 +721,44 @@ def recall_table(rows, best):
 
 
 def print_recall(table, best):
-    """The accuracy table (mean over seeds; min-max where several) and a warning for a best rate at an edge."""
+    """The accuracy table (mean over seeds; min-max where several) and a warning for a best rate at
+    an edge."""
     slices = [s for s in RECALL_SLICES if any(s in entry for entry in table)]
-    print('accuracy at the answers, each model at its best rate (mean over seeds, min-max where several); bytes of '
-          'a layer: its state, a step (at 1,024 tokens)')
+    print('accuracy at the answers, each model at its best rate (mean over seeds, min-max where '
+          'several);\nbytes of a layer: its state, a step (at the longest slice)')
     print(f'{"model":<28} {"lr":>7} {"seeds":>5}' + ''.join(f'{f"{t}/{p}":>10}' for t, p in slices)
           + f'{"state":>10} {"step":>9}')
     for entry in table:
-        cells = ''.join(f'{np.mean(entry[s]):>10.3f}' if s in entry else f'{"-":>10}' for s in slices)
+        cells = ''.join(f'{np.mean(entry[s]):>10.3f}' if s in entry else f'{"-":>10}'
+                        for s in slices)
         state, step = entry['bytes'][max(entry['bytes'])]
-        print(f"{entry['model']:<28} {entry['learning_rate']:>7g} {len(entry['seeds']):>5}{cells}{state:>10,}"
-              f" {step:>9,}")
+        print(f"{entry['model']:<28} {entry['learning_rate']:>7g} {len(entry['seeds']):>5}{cells}"
+              f"{state:>10,} {step:>9,}")
         ranges = [f'{t}/{p} {min(entry[t, p]):.3f}-{max(entry[t, p]):.3f}' for t, p in slices
                   if len(entry.get((t, p), ())) > 1]
         if ranges:
             print(f"{'':<28} seeds {entry['seeds']}: {', '.join(ranges)}")
     for model, (lr, rates) in best.items():
         if len(rates) > 1 and lr in (rates[0], rates[-1]):
-            print(f"warning: {model}'s best rate {lr:g} is the {'lowest' if lr == rates[0] else 'highest'} of "
-                  f"those trained ({', '.join(f'{r:g}' for r in rates)}): train one beyond it")
+            edge = 'lowest' if lr == rates[0] else 'highest'
+            print(f"warning: {model}'s best rate {lr:g} is the {edge} of those trained "
+                  f"({', '.join(f'{r:g}' for r in rates)}): train one beyond it")
 
 
 def recall_family(model):
-    """A model's series in the plots: its name less its size (-mM rows, -nN state): fm-block-m64-k8-d128 ->
-    fm-block-k8-d128."""
+    """A model's series in the plots: its name less its size (-mM rows, -nN state):
+    fm-block-m64-k8-d128 -> fm-block-k8-d128."""
     return re.sub(r'-[mn]\d+', '', model)
 
 
 def plot_recall(table, index, label, path):
-    """Accuracy against bytes (index 0: the state's a layer, 1: a step's; log scale), a panel a length of
-    RECALL_PANELS, a line a family of models, a point a size. -> whether it wrote the plot."""
+    """Accuracy against bytes (index 0: the state's a layer, 1: a step's; log scale), a panel a
+    length of RECALL_PANELS, a line a family of models, a point a size. -> whether it wrote it."""
     plt = pyplot()
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, len(RECALL_PANELS), figsize=(6 * len(RECALL_PANELS), 5), sharey=True)
+    panels = len(RECALL_PANELS)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 5), sharey=True)
     families = sorted({recall_family(entry['model']) for entry in table})
     for ax, (title, (low, high)) in zip(axes, RECALL_PANELS.items()):
         for colour, family in enumerate(families):
@@ -756,7 +766,7 @@ def plot_recall(table, index, label, path):
             for entry in table:
                 slices = [s for s in RECALL_SLICES if low <= s[0] <= high and s in entry]
                 if recall_family(entry['model']) == family and slices:
-                    x = max(entry['bytes'][s][index] for s in slices)  # attention's grows with the text
+                    x = max(entry['bytes'][s][index] for s in slices)  # attention's grows
                     points.append((x, np.mean([np.mean(entry[s]) for s in slices])))
             if points:
                 ax.plot(*zip(*sorted(points)), marker='o', color=f'C{colour % 10}', label=family)
@@ -769,18 +779,21 @@ def plot_recall(table, index, label, path):
 
 
 def run_recall(cfg, sources):
-    """The accuracy table, out_best.txt (MODEL LR: each model's best rate, for reproduce.sh's seeds), out_state.png
-    and out_step.png."""
+    """The accuracy table, out_best.txt (MODEL LR: each model's best rate, for reproduce.sh's
+    seeds), out_state.png and out_step.png."""
     rows = recall_rows(sources)
     best = recall_best(rows)
     table = recall_table(rows, best)
     print_recall(table, best)
     with open(f"{cfg['out']}_best.txt", 'w') as f:
-        f.writelines(f'{model} {recall_rate_name(rows, model, lr)}\n' for model, (lr, _) in best.items())
-    plotted = [f"{cfg['out']}_{name}.png" for index, name, label in (
-        (0, 'state', "bytes of a layer's state (init_state's buffers, one sequence)"),
-        (1, 'step', 'bytes a decoding step reads and writes a layer (step_state_bytes)'))
-        if plot_recall(table, index, label, f"{cfg['out']}_{name}.png")]
+        for model, (lr, _) in best.items():
+            f.write(f'{model} {recall_rate_name(rows, model, lr)}\n')
+    plotted = []
+    for index, name, label in (
+            (0, 'state', "bytes of a layer's state (init_state's buffers, one sequence)"),
+            (1, 'step', 'bytes a decoding step reads and writes a layer (step_state_bytes)')):
+        if plot_recall(table, index, label, f"{cfg['out']}_{name}.png"):
+            plotted.append(f"{cfg['out']}_{name}.png")
     print(f"wrote {cfg['out']}_best.txt" + ''.join(f', {path}' for path in plotted))
     return table
 
