@@ -667,7 +667,8 @@ def recall_rows(sources):
     for source in sources:
         with open(source, newline='') as f:
             found = list(csv.DictReader(f))
-        wanted = {'run', 'model', 'learning_rate', 'seed', 'seq_len', 'accuracy'}
+        wanted = {'run', 'model', 'learning_rate', 'seed', 'seq_len', 'n_pairs', 'accuracy',
+                  'state_bytes', 'step_bytes'}
         if not found or not wanted <= set(found[0]):
             raise EvalError(f'--runs={source}: not a .csv that research/recall.py wrote')
         for row in found:

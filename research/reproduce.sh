@@ -524,8 +524,10 @@ recall_lines() {  # recall_lines SEED LR|best: the run lines of the models MODEL
         [[ $model == fm* ]] && args+=" --chunk_size=16"  # FM's PyTorch scan: 1/4 of 64's memory
         for d in $D_MODELS; do
             lr=$2
-            [[ $lr == best ]] && lr=$(awk -v m="$model-d$d" '$1 == m {print $2}' \
-                                          "$RESULTS/recall_best.txt" 2> /dev/null)
+            if [[ $lr == best ]]; then  # none without the file
+                lr=$(awk -v m="$model-d$d" '$1 == m {print $2}' "$RESULTS/recall_best.txt" \
+                     2> /dev/null || true)
+            fi
             if [[ -z $lr ]]; then
                 echo "no best rate of $model-d$d (seed 1 first): seed $seed not trained" >&2
                 continue
