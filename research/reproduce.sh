@@ -481,7 +481,7 @@ levers() {
 
 recall_models() {  # MODEL research/recall.py-arguments, the slowest first (m > 128: FM's PyTorch
     # scan, not Triton)
-    cat <<'EOF2'
+    cat <<'EOF'
 fm-block-m1024-dense --mixer=fm --n_memory=1024 --top_k=None --fm_conv=4 --fm_gate=True
 fm-block-m1024-k8    --mixer=fm --n_memory=1024 --top_k=8 --fm_conv=4 --fm_gate=True
 fm-m1024-dense       --mixer=fm --n_memory=1024 --top_k=None
@@ -502,7 +502,7 @@ fm-block-m16-k8      --mixer=fm --n_memory=16 --top_k=8 --fm_conv=4 --fm_gate=Tr
 fm-m16-dense         --mixer=fm --n_memory=16 --top_k=None
 fm-m16-k8            --mixer=fm --n_memory=16 --top_k=8
 attn                 --mixer=attn --n_head=2
-EOF2
+EOF
 }
 
 recall_runs() {  # recall_runs SEED: run lines "NAME research/recall.py-arguments", NAME =
