@@ -36,6 +36,13 @@ The gap to a reference model past the context, from eval.py's loss by position (
 each model's loss so far, mean over its seeds, minus the reference's (a word of its model name), by position:
     python research/analysis.py gap --runs=results/levers.json --runs=results/extrapolation.json --reference=mamba2
 Writes --out's .png.
+
+Multi-query associative recall (research/recall.py's rows, a run and test slice each; issue 55):
+each model at its best learning rate (the highest mean accuracy over the slices up to 256 tokens of
+its first seed), its accuracy by test slice (mean over seeds), and accuracy against the bytes of a
+layer's state and of a decoding step:
+    python research/analysis.py recall --runs=docs/results/2026-11-29/recall.csv --out=results/r
+Writes --out's _best.txt (MODEL LR a line), _state.png and _step.png.
 """
 import csv
 import json
@@ -66,6 +73,9 @@ TABLE_SETTINGS = dict(
 POSITIONS_SETTINGS = dict(
     out='results/positions',  # writes out.png
 )
+RECALL_SETTINGS = dict(
+    out='results/recall',  # writes out_best.txt, out_state.png and out_step.png
+)
 GAP_SETTINGS = dict(
     reference='mamba2',  # the model the others are measured against: a word of its name in eval.py's tables
     out='results/gap',  # writes out.png
@@ -83,14 +93,15 @@ SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m r
     'k = m/4': lambda m, k: 4 * k == m,
     'k = 4': lambda m, k: k == 4,
 }
-USAGE = ('research/analysis.py sweep|frontier|scaling|table|positions|gap --runs=PATH --key=value ...; routing '
-         'and harness are in eval.py')
+USAGE = ('research/analysis.py sweep|frontier|scaling|table|positions|gap|recall --runs=PATH --key=value ...; '
+         'routing and harness are in eval.py')
 RUNS = {  # what --runs takes
     'sweep': 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote',
     'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
     'table': "the .csv of a sweep and the .json or .csv of eval.py's loss by position",
     'positions': "a .json or .csv that eval.py's loss by position wrote",
     'gap': "a .json or .csv that eval.py's loss by position wrote",
+    'recall': 'a .csv that research/recall.py wrote',
 }
 SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'seed', 'val_loss', 'iter_num', 'max_iters')
 SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
@@ -641,6 +652,153 @@ def run_gap(cfg, sources):
     return table
 
 
+# ------------------------------------------------------------------ multi-query associative recall
+
+RECALL_SLICES = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256))  # TEST
+RECALL_TRAINED = 256  # the longest training length: the best rate is chosen on the slices up to it
+RECALL_PANELS = {'64-256 tokens (mean of 5 slices)': (64, 256), '512 tokens, 128 pairs': (512, 512),
+                 '1,024 tokens, 256 pairs': (1024, 1024)}  # title -> the slices' seq_len range
+
+
+def recall_rows(sources):
+    """The rows of research/recall.py's .csv files (a row a run and test slice); a later file's row
+    of the same run and slice wins."""
+    rows = {}
+    for source in sources:
+        with open(source, newline='') as f:
+            found = list(csv.DictReader(f))
+        wanted = {'run', 'model', 'learning_rate', 'seed', 'seq_len', 'n_pairs', 'accuracy',
+                  'state_bytes', 'step_bytes'}
+        if not found or not wanted <= set(found[0]):
+            raise EvalError(f'--runs={source}: not a .csv that research/recall.py wrote')
+        for row in found:
+            for key in ('seed', 'seq_len', 'n_pairs', 'state_bytes', 'step_bytes'):
+                row[key] = int(row[key])
+            row.update(learning_rate=float(row['learning_rate']), accuracy=float(row['accuracy']))
+            rows[row['run'], row['seq_len'], row['n_pairs']] = row
+    return list(rows.values())
+
+
+def recall_rate_name(rows, model, lr):
+    """The learning rate as the names of the model's runs at lr write it (1e-3 in NAME-lr1e-3-s1),
+    else as %g."""
+    for r in rows:
+        name = RUN_NAME.search(r['run'])
+        if r['model'] == model and r['learning_rate'] == lr and name:
+            return name[1]
+    return f'{lr:g}'
+
+
+def recall_best(rows):
+    """{model: (its best learning rate, the rates trained)}: the highest mean accuracy over the
+    slices up to RECALL_TRAINED tokens of the model's first seed (its lowest, trained at every
+    rate)."""
+    best = {}
+    for model in sorted({r['model'] for r in rows}):
+        runs = [r for r in rows if r['model'] == model]
+        first = min(r['seed'] for r in runs)
+        scores = {}
+        for r in runs:
+            if r['seed'] == first and r['seq_len'] <= RECALL_TRAINED:
+                scores.setdefault(r['learning_rate'], []).append(r['accuracy'])
+        if scores:
+            best[model] = (max(scores, key=lambda lr: np.mean(scores[lr])), sorted(scores))
+    return best
+
+
+def recall_table(rows, best):
+    """Each model at its best rate -> {'model', 'learning_rate', 'seeds', (seq_len, n_pairs): the
+    accuracies of its seeds, 'bytes': {(seq_len, n_pairs): (state bytes, step bytes)}}."""
+    table = []
+    for model, (lr, _) in best.items():
+        runs = [r for r in rows if r['model'] == model and r['learning_rate'] == lr]
+        entry = {'model': model, 'learning_rate': lr, 'seeds': sorted({r['seed'] for r in runs}),
+                 'bytes': {}}
+        for r in runs:
+            entry.setdefault((r['seq_len'], r['n_pairs']), []).append(r['accuracy'])
+            entry['bytes'][r['seq_len'], r['n_pairs']] = (r['state_bytes'], r['step_bytes'])
+        table.append(entry)
+    return table
+
+
+def print_recall(table, best):
+    """The accuracy table (mean over seeds; min-max where several) and a warning for a best rate at
+    an edge."""
+    slices = [s for s in RECALL_SLICES if any(s in entry for entry in table)]
+    print('accuracy at the answers, each model at its best rate (mean over seeds, min-max where '
+          'several);\nbytes of a layer: its state, a step (at the longest slice)')
+    print(f'{"model":<28} {"lr":>7} {"seeds":>5}' + ''.join(f'{f"{t}/{p}":>10}' for t, p in slices)
+          + f'{"state":>10} {"step":>9}')
+    for entry in table:
+        cells = ''.join(f'{np.mean(entry[s]):>10.3f}' if s in entry else f'{"-":>10}'
+                        for s in slices)
+        state, step = entry['bytes'][max(entry['bytes'])]
+        print(f"{entry['model']:<28} {entry['learning_rate']:>7g} {len(entry['seeds']):>5}{cells}"
+              f"{state:>10,} {step:>9,}")
+        ranges = [f'{t}/{p} {min(entry[t, p]):.3f}-{max(entry[t, p]):.3f}' for t, p in slices
+                  if len(entry.get((t, p), ())) > 1]
+        if ranges:
+            print(f"{'':<28} seeds {entry['seeds']}: {', '.join(ranges)}")
+    for model, (lr, rates) in best.items():
+        if len(rates) > 1 and lr in (rates[0], rates[-1]):
+            edge = 'lowest' if lr == rates[0] else 'highest'
+            print(f"warning: {model}'s best rate {lr:g} is the {edge} of those trained "
+                  f"({', '.join(f'{r:g}' for r in rates)}): train one beyond it")
+
+
+def recall_family(model):
+    """A model's series in the plots: its name less its size (-mM rows, -nN state):
+    fm-block-m64-k8-d128 -> fm-block-k8-d128."""
+    return re.sub(r'-[mn]\d+', '', model)
+
+
+def plot_recall(table, index, label, path):
+    """Accuracy against bytes (index 0: the state's a layer, 1: a step's; log scale), a panel a
+    length of RECALL_PANELS, a line a family of models, a point a size. -> whether it wrote it."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    panels = len(RECALL_PANELS)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 5), sharey=True)
+    families = sorted({recall_family(entry['model']) for entry in table})
+    for ax, (title, (low, high)) in zip(axes, RECALL_PANELS.items()):
+        for colour, family in enumerate(families):
+            points = []
+            for entry in table:
+                slices = [s for s in RECALL_SLICES if low <= s[0] <= high and s in entry]
+                if recall_family(entry['model']) == family and slices:
+                    x = max(entry['bytes'][s][index] for s in slices)  # attention's grows
+                    points.append((x, np.mean([np.mean(entry[s]) for s in slices])))
+            if points:
+                ax.plot(*zip(*sorted(points)), marker='o', color=f'C{colour % 10}', label=family)
+        ax.set_xscale('log', base=2)
+        ax.set(title=title, xlabel=label, ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel('accuracy at the answers (best rate, mean over seeds)')
+    axes[-1].legend(fontsize=7)
+    return save_figure(plt, fig, path)
+
+
+def run_recall(cfg, sources):
+    """The accuracy table, out_best.txt (MODEL LR: each model's best rate, for reproduce.sh's
+    seeds), out_state.png and out_step.png."""
+    rows = recall_rows(sources)
+    best = recall_best(rows)
+    table = recall_table(rows, best)
+    print_recall(table, best)
+    with open(f"{cfg['out']}_best.txt", 'w') as f:
+        for model, (lr, _) in best.items():
+            f.write(f'{model} {recall_rate_name(rows, model, lr)}\n')
+    plotted = []
+    for index, name, label in (
+            (0, 'state', "bytes of a layer's state (init_state's buffers, one sequence)"),
+            (1, 'step', 'bytes a decoding step reads and writes a layer (step_state_bytes)')):
+        if plot_recall(table, index, label, f"{cfg['out']}_{name}.png"):
+            plotted.append(f"{cfg['out']}_{name}.png")
+    print(f"wrote {cfg['out']}_best.txt" + ''.join(f', {path}' for path in plotted))
+    return table
+
+
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=()):
@@ -651,7 +809,8 @@ def main(argv=()):
         print(__doc__)
         return None
     modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS,
-             'table': TABLE_SETTINGS, 'positions': POSITIONS_SETTINGS, 'gap': GAP_SETTINGS}
+             'table': TABLE_SETTINGS, 'positions': POSITIONS_SETTINGS, 'gap': GAP_SETTINGS,
+             'recall': RECALL_SETTINGS}
     mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode], __file__))
@@ -676,6 +835,8 @@ def main(argv=()):
         return run_positions(cfg, sources)
     if mode == 'gap':
         return run_gap(cfg, sources)
+    if mode == 'recall':
+        return run_recall(cfg, sources)
     check_device(cfg['device'], cfg['dtype'])
     return run_frontier(cfg, sources)
 

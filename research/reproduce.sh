@@ -64,6 +64,9 @@ SIZES=${SIZES:-1M 2M 4M 8M}
 MEMORIES=${MEMORIES:-256 64 16}
 TAUS=${TAUS:-1 0.25}
 VARIANT=${VARIANT-block}
+D_MODELS=${D_MODELS:-64 128 256}
+LRS_RECALL=${LRS_RECALL:-1e-3 3e-3 3e-4 1e-2}
+RECALL_ARGS=${RECALL_ARGS:-}
 export PREVIOUS=${PREVIOUS:-}
 export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
 
@@ -461,11 +464,144 @@ levers() {
     return 0
 }
 
+# ------------------------------------------------------------------------ recall (issue 55)
+# bash research/reproduce.sh recall: multi-query associative recall (research/mqar.py, recall.py):
+# FM's block and the paper's layer at m = 1024, 256, 64, 16 rows with k = 8 and dense, Mamba-2 at
+# d_state 256, 64, 16, attention (recall_models), 2 layers at each width of D_MODELS, each at the
+# rates of LRS_RECALL with seed 1, then each other seed of SEEDS at the model's best rate
+# (RESULTS/recall_best.txt, from seed 1's runs here or in PREVIOUS). Every run appends its rows (a
+# test slice each) to RESULTS/recall.csv when it ends; a run found there or in a PREVIOUS folder's
+# recall.csv is not trained again. Writes recall.txt (the log and table), recall.csv,
+# recall_best.txt, recall_state.png, recall_step.png; each run's log in RUNS/recall/.
+#   D_MODELS="64 128 256"   the widths
+#   LRS_RECALL="1e-3 3e-3 3e-4 1e-2"   the rates, in the order they are trained
+#   RECALL_ARGS=            more research/recall.py arguments for every run (default: 800 steps);
+#                           a dry run on a CPU: RECALL_ARGS="--device=cpu --steps=2
+#                           --batch_tokens=256 --test_examples=2" (D_MODELS=32, a few MODELS)
+
+recall_models() {  # MODEL research/recall.py-arguments, the slowest first (m > 128: FM's PyTorch
+    # scan, not Triton)
+    cat <<'EOF'
+fm-block-m1024-dense --mixer=fm --n_memory=1024 --top_k=None --fm_conv=4 --fm_gate=True
+fm-block-m1024-k8    --mixer=fm --n_memory=1024 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-m1024-dense       --mixer=fm --n_memory=1024 --top_k=None
+fm-m1024-k8          --mixer=fm --n_memory=1024 --top_k=8
+fm-block-m256-dense  --mixer=fm --n_memory=256 --top_k=None --fm_conv=4 --fm_gate=True
+fm-block-m256-k8     --mixer=fm --n_memory=256 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-m256-dense        --mixer=fm --n_memory=256 --top_k=None
+fm-m256-k8           --mixer=fm --n_memory=256 --top_k=8
+mamba2-n256          --mixer=mamba2 --d_state=256
+mamba2-n64           --mixer=mamba2 --d_state=64
+mamba2-n16           --mixer=mamba2 --d_state=16
+fm-block-m64-dense   --mixer=fm --n_memory=64 --top_k=None --fm_conv=4 --fm_gate=True
+fm-block-m64-k8      --mixer=fm --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-m64-dense         --mixer=fm --n_memory=64 --top_k=None
+fm-m64-k8            --mixer=fm --n_memory=64 --top_k=8
+fm-block-m16-dense   --mixer=fm --n_memory=16 --top_k=None --fm_conv=4 --fm_gate=True
+fm-block-m16-k8      --mixer=fm --n_memory=16 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-m16-dense         --mixer=fm --n_memory=16 --top_k=None
+fm-m16-k8            --mixer=fm --n_memory=16 --top_k=8
+attn                 --mixer=attn --n_head=2
+EOF
+}
+
+recall_runs() {  # recall_runs SEED: run lines "NAME research/recall.py-arguments", NAME =
+    # MODEL-dD-lrLR-sSEED; seed 1 at each rate of LRS_RECALL in turn (every model at the first rate
+    # first), another seed at the model's best rate (RESULTS/recall_best.txt)
+    local seed=$1 lr
+    if [[ $seed == 1 ]]; then
+        for lr in $LRS_RECALL; do recall_lines "$seed" "$lr"; done
+    else
+        recall_lines "$seed" best
+    fi
+}
+
+recall_lines() {  # recall_lines SEED LR|best: the run lines of the models MODELS selects at each
+    # width of D_MODELS
+    local seed=$1 model args d lr
+    recall_models | while read -r model args; do
+        selected "$model" || continue
+        [[ $model == fm* ]] && args+=" --chunk_size=16"  # FM's PyTorch scan: 1/4 of 64's memory
+        for d in $D_MODELS; do
+            lr=$2
+            if [[ $lr == best ]]; then  # none without the file
+                lr=$(awk -v m="$model-d$d" '$1 == m {print $2}' "$RESULTS/recall_best.txt" \
+                     2> /dev/null || true)
+            fi
+            if [[ -z $lr ]]; then
+                echo "no best rate of $model-d$d (seed 1 first): seed $seed not trained" >&2
+                continue
+            fi
+            echo "$model-d$d-lr$lr-s$seed $args --d_model=$d --learning_rate=$lr --seed=$seed"
+        done
+    done
+}
+
+recall_one() {  # recall_one NAME research/recall.py-arguments...: train and test one run, unless
+    # RESULTS or a PREVIOUS folder holds its rows
+    local name=$1 folder left status=0 start limit=() gpu=()
+    shift
+    for folder in "$RESULTS" $PREVIOUS; do
+        grep -qs "^$name," "$folder/recall.csv" && return 0
+    done
+    left=$(( DEADLINE - $(date +%s) ))
+    if (( TRAIN_SECONDS > 0 && left < 30 )); then
+        echo "not started (time limit): $name"
+        return 0
+    fi
+    (( TRAIN_SECONDS > 0 )) && limit=(timeout "$left")
+    local gpus=($GPUS)  # with several GPUs, each run on one of them, chosen by its name
+    if (( ${#gpus[@]} )); then
+        local pick=$(( $(cksum <<< "$name" | cut -d' ' -f1) % ${#gpus[@]} ))
+        gpu=(env CUDA_VISIBLE_DEVICES="${gpus[$pick]}")
+    fi
+    mkdir -p "$RUNS/recall"
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # RECALL_ARGS: several arguments
+    OMP_NUM_THREADS=1 "${gpu[@]}" "${limit[@]}" python research/recall.py "$@" $RECALL_ARGS \
+        --name="$name" --out="$RESULTS/recall.csv" > "$RUNS/recall/$name.log" 2>&1 || status=$?
+    case $status in
+        0) echo "finished $name in $(( $(date +%s) - start )) s:" \
+                "$(grep '^step' "$RUNS/recall/$name.log" | tail -1)," \
+                "$(grep -c accuracy "$RUNS/recall/$name.log") slices";;
+        124) echo "stopped at the time limit: $name (run again to train it)";;
+        *) echo "FAILED $name (exit $status), the end of $RUNS/recall/$name.log:"
+           tail -5 "$RUNS/recall/$name.log";;
+    esac
+}
+export -f recall_one
+
+recall_analysis() {  # the table, recall_best.txt and the plots from RESULTS's recall.csv and
+    # PREVIOUS's
+    local runs="" folder
+    for folder in $PREVIOUS "$RESULTS"; do
+        [[ -f $folder/recall.csv ]] && runs+=" --runs=$folder/recall.csv"
+    done
+    [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    # shellcheck disable=SC2086  # several --runs
+    python research/analysis.py recall $runs --out="$RESULTS/recall"
+}
+
+recall() {
+    export RESULTS RECALL_ARGS
+    if [[ " $SEEDS " == *" 1 "* ]]; then
+        recall_runs 1 | xargs -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
+        echo "seed 1 done at $(( $(date +%s) - BEGIN )) s"
+    fi
+    recall_analysis
+    local seed
+    for seed in $SEEDS; do
+        [[ $seed == 1 ]] || recall_runs "$seed"
+    done | xargs -r -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
+    [[ $SEEDS == 1 ]] || recall_analysis
+    echo "training done at $(( $(date +%s) - BEGIN )) s"
+}
+
 # ----------------------------------------------------------------------------- the subset named
 
 case ${1:-} in
-    quality|extrapolation|frontier|routing|scaling|levers) subset=$1;;
-    *) echo "usage: bash research/reproduce.sh quality|frontier|routing|scaling|levers  (see research/README.md)" >&2
+    quality|extrapolation|frontier|routing|scaling|levers|recall) subset=$1;;
+    *) echo "usage: bash research/reproduce.sh quality|frontier|routing|scaling|levers|recall  (see research/README.md)" >&2
        exit 2;;
 esac
 mkdir -p "$RESULTS"

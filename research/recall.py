@@ -1,0 +1,199 @@
+"""
+Train one model of model.py on multi-query associative recall (research/mqar.py) and test it: a
+short loop with train.py's optimiser (Model.configure_optimizers: AdamW, betas 0.9 / 0.95, weight
+decay 0.1 on matrices, gradient clip 1), linear warmup then cosine decay to learning_rate / 10,
+bfloat16 autocast on CUDA, no torch.compile. Each step is a batch of the next training shape
+(seq_len, n_pairs) of mqar.TRAIN, batch_tokens / seq_len examples; the loss is the cross-entropy at
+the answers only (Model.forward's with targets -1 elsewhere; the head runs at the answers alone).
+Then the accuracy at the answers of the held-out examples of each test slice (mqar.TEST), appended
+to --out as a row a slice, with the bytes of a layer's state (the first layer's init_state buffers
+for one sequence of the slice's length) and the bytes a decoding step reads and writes there
+(step_state_bytes):
+    python research/recall.py --mixer=fm --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
+Any mixer of model.py (MIXER_CLASSES, or module:Class such as research.levers:RowRatesFM) and any
+ModelConfig field. `bash research/reproduce.sh recall` runs the sweep.
+"""
+import csv
+import fcntl
+import math
+import os
+import re
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import fields
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+from configurator import ConfigError, help_text, load_config, optional_types, run_main
+
+import torch
+import torch.nn.functional as F
+
+from devices import check_device
+from model import Model, ModelConfig
+from research.mqar import TEST, TRAIN, VOCAB, held_out, mqar
+
+SETTINGS = dict(
+    name='',  # the run's name ('': MIXER-dD_MODEL-lrLR-sSEED); its model: the name less -lr-s
+    out='results/recall.csv',  # the rows are appended to this .csv (its header first when new)
+    steps=800,  # training steps (sized for the sweep's 80 runs on one H200)
+    batch_tokens=8192,  # tokens a training batch: batch_tokens / seq_len examples
+    warmup_steps=50,  # linear warmup, then cosine decay to learning_rate / 10
+    learning_rate=1e-3,  # the peak learning rate
+    weight_decay=0.1,  # train.py's AdamW settings
+    beta1=0.9,
+    beta2=0.95,
+    grad_clip=1.0,
+    test_examples=512,  # held-out examples a test slice (the same for every run)
+    seed=1,  # of the initial weights and the training examples
+    device='cuda' if torch.cuda.is_available() else 'cpu',
+    log_interval=100,  # steps between log lines
+)
+MODEL_SETTINGS = {f.name: f.default for f in fields(ModelConfig)
+                  if f.name not in ('vocab_size', 'block_size')}
+MODEL_SETTINGS.update(n_layer=2, d_model=128)  # the papers' 2 layers
+FIELDS = ('run', 'model', 'mixer', 'd_model', 'n_memory', 'top_k', 'fm_conv', 'fm_gate', 'd_state',
+          'parameters', 'learning_rate', 'seed', 'steps', 'seq_len', 'n_pairs', 'answers',
+          'accuracy', 'state_bytes', 'step_bytes', 'train_loss', 'seconds')
+RUN_NAME = re.compile(r'-lr([0-9.e+-]+)-s(\d+)$')  # NAME-lrLR-sSEED: the model is NAME
+
+
+def learning_rate(step, cfg):
+    """Linear warmup to learning_rate, then cosine decay to learning_rate / 10 at the last step."""
+    peak = cfg['learning_rate']
+    if step < cfg['warmup_steps']:
+        return peak * (step + 1) / cfg['warmup_steps']
+    progress = (step - cfg['warmup_steps']) / max(1, cfg['steps'] - cfg['warmup_steps'])
+    return peak / 10 + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (peak - peak / 10)
+
+
+def answers(model, inputs, targets):
+    """The logits at the answers (A, V), in at least float32, and their targets (A,): the head runs
+    there alone."""
+    hidden = model.hidden(inputs)[0]  # (B, T, d_model)
+    asked = targets != -1  # (B, T)
+    return model.logits(hidden[asked]), targets[asked]
+
+
+def train(model, cfg, autocast):
+    """cfg['steps'] steps on fresh examples -> the mean loss of the last 10% of the steps."""
+    device = torch.device(cfg['device'])
+    betas = (cfg['beta1'], cfg['beta2'])
+    optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], betas,
+                                           device.type)
+    generator = torch.Generator(device).manual_seed(cfg['seed'])
+    losses, start = [], time.time()
+    model.train()
+    for step in range(cfg['steps']):
+        for group in optimizer.param_groups:
+            group['lr'] = learning_rate(step, cfg)
+        seq_len, n_pairs = TRAIN[step % len(TRAIN)]
+        rows = max(1, cfg['batch_tokens'] // seq_len)
+        inputs, targets = mqar(rows, seq_len, n_pairs, generator)
+        with autocast:
+            loss = F.cross_entropy(*answers(model, inputs, targets))
+        loss.backward()
+        if cfg['grad_clip']:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= cfg['steps'] - max(1, cfg['steps'] // 10):
+            losses.append(loss.detach())
+        if (step + 1) % cfg['log_interval'] == 0 or step + 1 == cfg['steps']:
+            ms = (time.time() - start) / (step + 1) * 1e3
+            print(f"step {step + 1}: loss {loss.item():.4f}, lr {group['lr']:.2e}, "
+                  f"{ms:.1f} ms a step", flush=True)
+    return torch.stack(losses).mean().item()
+
+
+@torch.no_grad()
+def accuracy(model, inputs, targets, batch_tokens, autocast):
+    """The share of answers whose argmax is the value asked for, and the number of answers."""
+    model.eval()
+    rows, correct, total = max(1, batch_tokens // inputs.shape[1]), 0, 0
+    device = model.embed.weight.device
+    for i in range(0, len(inputs), rows):
+        with autocast:
+            batch = inputs[i:i + rows].to(device), targets[i:i + rows].to(device)
+            logits, wanted = answers(model, *batch)
+        correct += (logits.argmax(-1) == wanted).sum().item()
+        total += len(wanted)
+    return correct / total, total
+
+
+def state_bytes(layer, seq_len):
+    """Bytes of a layer's decoding state for one sequence of seq_len tokens (its init_state
+    buffers)."""
+    return sum(t.numel() * t.element_size() for t in layer.init_state(1, seq_len, 'meta').values())
+
+
+def append_rows(rows, path):
+    """Append rows to the .csv at path (its header first when new), under a lock: many runs write
+    to one file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, 'a', newline='') as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        writer = csv.DictWriter(f, FIELDS, lineterminator='\n')
+        if f.tell() == 0:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def run(cfg, model_cfg):
+    """Train, test each slice of mqar.TEST, append a row a slice to cfg['out'] -> the rows."""
+    torch.manual_seed(cfg['seed'])
+    longest = max(seq_len for seq_len, _ in TRAIN)
+    config = ModelConfig(vocab_size=VOCAB, block_size=longest, **model_cfg)
+    model = Model(config).to(cfg['device'])
+    cuda = torch.device(cfg['device']).type == 'cuda'
+    if cuda:
+        torch.set_float32_matmul_precision('high')
+    autocast = torch.autocast('cuda', torch.bfloat16) if cuda else nullcontext()
+    name = cfg['name'] or (f"{config.mixer}-d{config.d_model}-lr{cfg['learning_rate']:g}"
+                           f"-s{cfg['seed']}")
+    print(f'{name}: {model.num_params():,} parameters without the embedding', flush=True)
+    start = time.time()
+    train_loss = train(model, cfg, autocast)
+    seconds = time.time() - start
+    layer, rows = model.blocks[0].mixer, []
+    for (seq_len, n_pairs), (inputs, targets) in held_out(cfg['test_examples']).items():
+        share, total = accuracy(model, inputs, targets, 4 * cfg['batch_tokens'], autocast)
+        model_fields = {key: getattr(config, key) for key in FIELDS[2:9]}  # mixer to d_state
+        rows.append({'run': name, 'model': RUN_NAME.sub('', name), **model_fields,
+                     'parameters': model.num_params(), 'learning_rate': cfg['learning_rate'],
+                     'seed': cfg['seed'], 'steps': cfg['steps'], 'seq_len': seq_len,
+                     'n_pairs': n_pairs, 'answers': total, 'accuracy': share,
+                     'state_bytes': state_bytes(layer, seq_len),
+                     'step_bytes': layer.step_state_bytes(seq_len), 'train_loss': train_loss,
+                     'seconds': round(seconds, 1)})
+        print(f'{seq_len}/{n_pairs}: accuracy {share:.4f} of {total} answers', flush=True)
+    append_rows(rows, cfg['out'])
+    print(f"{name}: trained in {seconds:.0f} s, wrote {len(rows)} rows to {cfg['out']}")
+    return rows
+
+
+def main(argv=()):
+    """python research/recall.py --key=value ... -> the rows written (None for --help)."""
+    argv = list(argv)
+    if '-h' in argv or '--help' in argv:
+        print(__doc__ + '\nsettings (--key=value; and every ModelConfig field of model.py):\n'
+              + help_text(SETTINGS, __file__))
+        return None
+    cfg = load_config(SETTINGS | MODEL_SETTINGS, argv, optional_types(ModelConfig),
+                      config_files=False, program='research/recall.py')
+    for key in ('steps', 'batch_tokens', 'test_examples', 'log_interval'):
+        if cfg[key] < 1:
+            raise ConfigError(f'--{key}={cfg[key]}: must be at least 1')
+    check_device(cfg['device'])
+    try:
+        model_cfg = {key: cfg[key] for key in MODEL_SETTINGS}
+        ModelConfig(vocab_size=VOCAB, **model_cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return run({key: cfg[key] for key in SETTINGS}, model_cfg)
+
+
+if __name__ == '__main__':
+    run_main(main)

@@ -1,0 +1,199 @@
+"""research/mqar.py, research/recall.py and reproduce.sh recall (issue 55): the task is as the
+Zoology paper defines it, the loss is Model.forward's at the answers, the bytes are init_state's and
+step_state_bytes', and the sweep runs, resumes and picks each model's best rate."""
+
+import csv
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, randomized, rel_err, reproduce_sh, tiny_config
+from model import Model
+from research import analysis, recall
+from research.mqar import TEST, TRAIN, fillers, held_out, mqar
+
+SHAPES = [*TRAIN, *TEST, (16, 4)]  # (16, 4): every query slot asked
+
+
+@pytest.mark.parametrize('seq_len, n_pairs', SHAPES)
+def test_each_key_is_asked_once_after_its_pair_and_answered_by_its_value(seq_len, n_pairs):
+    """Keys distinct in the lower half (not 0), values in the upper; each key asked exactly once, at
+    an even offset after the pairs, where it has been seen once before (at its pair); the target
+    there is the value that followed it; targets -1 elsewhere; no other token is a key of its
+    example."""
+    vocab = 8192 if seq_len > 64 else 64  # a small vocabulary: filler tokens clash with keys often
+    inputs, targets = mqar(50, seq_len, n_pairs, torch.Generator().manual_seed(0), vocab=vocab)
+    assert inputs.shape == targets.shape == (50, seq_len)
+    keys, values = inputs[:, 0:2 * n_pairs:2], inputs[:, 1:2 * n_pairs:2]
+    assert ((1 <= keys) & (keys < vocab // 2)).all()
+    assert ((vocab // 2 <= values) & (values < vocab)).all()
+    for row in range(50):
+        assert len(set(keys[row].tolist())) == n_pairs
+        asked = (targets[row] != -1).nonzero().flatten()
+        assert len(asked) == n_pairs and (asked >= 2 * n_pairs).all() and (asked % 2 == 0).all()
+        assert sorted(inputs[row, asked].tolist()) == sorted(keys[row].tolist())  # each key once
+        for q in asked.tolist():
+            seen = (inputs[row, :q] == inputs[row, q]).nonzero().flatten().tolist()
+            assert len(seen) == 1 and seen[0] < 2 * n_pairs
+            assert targets[row, q] == inputs[row, seen[0] + 1]
+        others = torch.ones(seq_len, dtype=torch.bool)
+        others[:2 * n_pairs], others[asked] = False, False
+        assert not torch.isin(inputs[row, others], keys[row]).any()
+
+
+def test_seeds_reproduce_and_the_test_set_is_apart():
+    """The same seed gives the same examples, another seed others; the test set is the same at every
+    call and none of its examples is one of the first training batches of seeds 1-3."""
+    def draw(seed):
+        return mqar(8, 64, 4, torch.Generator().manual_seed(seed))
+    assert all(torch.equal(a, b) for a, b in zip(draw(1), draw(1)))
+    assert not torch.equal(draw(1)[0], draw(2)[0])
+    first, again = held_out(16), held_out(16)
+    assert list(first) == list(TEST)
+    for shape in TEST:
+        assert all(torch.equal(a, b) for a, b in zip(first[shape], again[shape]))
+    trained = torch.cat([draw(seed)[0] for seed in (1, 2, 3)])
+    assert not (first[64, 4][0][:, None] == trained[None]).all(-1).any()
+
+
+def test_queries_come_soon_after_the_pairs_as_the_power_law_draws():
+    """Query slot g is drawn with weight g^(a - 1), a = 0.01: at 256 tokens and 16 pairs (112 slots)
+    the first slot is asked in nearly every example and the last in few (uniform draws: both in 1 of
+    7)."""
+    _, targets = mqar(2000, 256, 16, torch.Generator().manual_seed(0))
+    asked = (targets != -1).float().mean(0)  # (256,): the share of examples with a query there
+    assert asked[32] > 0.9 and asked[254] < 0.06
+
+
+def test_the_loss_is_model_forwards_at_the_answers():
+    """recall.answers (the head at the answers alone) + cross-entropy is Model.forward's loss with
+    targets -1 elsewhere (float64, every parameter random), for each mixer."""
+    for mixer in ('fm', 'attn', 'mamba2'):
+        model = randomized(Model(tiny_config(mixer=mixer, top_k=4, vocab_size=64))).double()
+        inputs, targets = mqar(3, 32, 4, torch.Generator().manual_seed(0), vocab=64)
+        _, want = model(inputs, targets)
+        assert rel_err(F.cross_entropy(*recall.answers(model, inputs, targets)), want) < 1e-12
+
+
+def test_state_bytes_are_the_layers_buffers():
+    """FM: m rows of d_memory floats (the block: and its convolution's window); Mamba-2: its SSM and
+    convolution states; attention: keys and values of every token so far, and its position."""
+    def layer(**kw):
+        return Model(tiny_config(**kw)).blocks[0].mixer
+    assert recall.state_bytes(layer(mixer='fm', n_memory=8), 64) == 8 * 32 * 4
+    block = layer(mixer='fm', n_memory=8, fm_conv=4, fm_gate=True)
+    assert recall.state_bytes(block, 64) == 8 * 32 * 4 + 32 * 3 * 4
+    mamba = layer(mixer='mamba2')  # 4 heads of 16, d_state 8; conv: x, B, C (64 + 2 x 8)
+    assert recall.state_bytes(mamba, 64) == 4 * 16 * 8 * 4 + 80 * 3 * 4
+    attention = layer(mixer='attn')  # 2 KV heads of 8
+    assert recall.state_bytes(attention, 100) == 2 * 100 * 2 * 8 * 4 + 8
+
+
+def test_recall_runs_and_appends_a_row_a_slice(tmp_path):
+    """research/recall.py, a step on the CPU: a row a test slice, accuracies in [0, 1], its bytes; a
+    second run appends below the same header."""
+    out = tmp_path / 'recall.csv'
+    args = ['--mixer=fm', '--d_model=32', '--n_memory=8', '--top_k=4', '--device=cpu', '--steps=1',
+            '--batch_tokens=128', '--test_examples=1', f'--out={out}']
+    recall.main([*args, '--name=a-lr1e-3-s1'])
+    rows = recall.main([*args, '--name=a-lr1e-3-s2', '--seed=2'])
+    assert [(r['seq_len'], r['n_pairs']) for r in rows] == list(TEST)
+    with open(out, newline='') as f:
+        written = list(csv.DictReader(f))
+    assert [r['run'] for r in written] == ['a-lr1e-3-s1'] * 7 + ['a-lr1e-3-s2'] * 7
+    assert {r['model'] for r in written} == {'a'}
+    assert all(0 <= float(r['accuracy']) <= 1 for r in written)
+    assert all(r['state_bytes'] == str(8 * 32 * 4) for r in written)
+    assert written[0]['step_bytes'] == str(2 * 4 * 32 * 4)  # k rows read and written
+
+
+def write_recall(path, rows):
+    fields = ('run', 'model', 'learning_rate', 'seed', 'seq_len', 'n_pairs', 'accuracy',
+              'state_bytes', 'step_bytes')
+    with open(path, 'w', newline='') as f:
+        writer = csv.writer(f)
+        writer.writerow(fields)
+        writer.writerows(rows)
+
+
+def test_the_best_rate_is_chosen_on_the_first_seed_within_the_training_lengths(tmp_path, capsys):
+    """analysis.py recall: a model's best rate is the one whose first seed is most accurate up to
+    256 tokens (the longer slices do not choose); its table cell holds its seeds at that rate;
+    best.txt names the rate as the runs do; a best rate at an edge is warned about."""
+    rows = []
+    for lr, short, long in (('1e-3', 0.5, 0.9), ('3e-3', 0.7, 0.1), ('1e-2', 0.6, 0.1)):
+        rows += [(f'm-lr{lr}-s1', 'm', float(lr), 1, 64, 4, short, 100, 50),
+                 (f'm-lr{lr}-s1', 'm', float(lr), 1, 1024, 256, long, 100, 50)]
+    rows += [('m-lr3e-3-s2', 'm', 3e-3, 2, 64, 4, 0.3, 100, 50),
+             ('e-lr1e-3-s1', 'e', 1e-3, 1, 64, 4, 0.9, 10, 5),
+             ('e-lr3e-3-s1', 'e', 3e-3, 1, 64, 4, 0.1, 10, 5)]
+    write_recall(tmp_path / 'recall.csv', rows)
+    table = analysis.main(['recall', f'--runs={tmp_path / "recall.csv"}',
+                           f'--out={tmp_path / "r"}'])
+    assert (tmp_path / 'r_best.txt').read_text() == 'e 1e-3\nm 3e-3\n'
+    cell = {entry['model']: entry for entry in table}['m']
+    assert cell['learning_rate'] == 3e-3 and cell['seeds'] == [1, 2] and cell[64, 4] == [0.7, 0.3]
+    printed = capsys.readouterr().out
+    assert "e's best rate 0.001 is the lowest" in printed and "m's best" not in printed
+
+
+def test_the_recall_sweep_lists_every_model_at_each_rate_then_seeds_at_the_best(tmp_path):
+    """reproduce.sh recall's run lines: seed 1 at each rate of LRS_RECALL, every model at the first
+    rate first, names unique; a later seed at the rate of RESULTS/recall_best.txt alone (none where
+    it has no line)."""
+    env = dict(MODELS='', D_MODELS='128', LRS_RECALL='1e-3 3e-3 3e-4 1e-2', RESULTS=str(tmp_path))
+    lines = reproduce_sh('recall_runs 1', **env).splitlines()
+    names = [line.split()[0] for line in lines]
+    assert len(names) == len(set(names)) == 20 * 4
+    assert all('-lr1e-3-s1' in name for name in names[:20])
+    assert names[0] == 'fm-block-m1024-dense-d128-lr1e-3-s1'
+    attention = 'attn-d128-lr1e-2-s1 --mixer=attn --n_head=2 --d_model=128 --learning_rate=1e-2'
+    assert f'{attention} --seed=1' in lines
+    assert '--chunk_size=16' in lines[0] and '--chunk_size' not in lines[19]
+    (tmp_path / 'recall_best.txt').write_text('attn-d128 3e-3\nmamba2-n16-d128 1e-2\n')
+    seeds = reproduce_sh('recall_runs 2 2> /dev/null', **env).split('\n')
+    assert [line.split()[0] for line in seeds if line] == ['mamba2-n16-d128-lr1e-2-s2',
+                                                          'attn-d128-lr3e-3-s2']
+
+
+def test_reproduce_recall_dry_run(tmp_path):
+    """bash research/reproduce.sh recall on the CPU (a step a run, attention at one rate, seeds 1
+    and 2): seed 1, then seed 2 at its best rate, 7 rows each, the table."""
+    env = {**os.environ, 'RUNS': str(tmp_path / 'runs'), 'RESULTS': str(tmp_path / 'results'),
+           'JOBS': '2', 'MODELS': 'attn', 'D_MODELS': '32', 'LRS_RECALL': '3e-3', 'SEEDS': '1 2',
+           'PREVIOUS': '',
+           'RECALL_ARGS': '--device=cpu --steps=1 --batch_tokens=128 --test_examples=1'}
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'recall'], cwd=REPO, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count('finished attn-d32') == 2, run.stdout
+    with open(tmp_path / 'results' / 'recall.csv', newline='') as f:
+        runs = [row['run'] for row in csv.DictReader(f)]
+    assert (tmp_path / 'results' / 'recall_best.txt').read_text() == 'attn-d32 3e-3\n'
+    assert runs == ['attn-d32-lr3e-3-s1'] * 7 + ['attn-d32-lr3e-3-s2'] * 7
+    assert 'attn-d32 ' in run.stdout  # the table
+
+
+@pytest.mark.parametrize('where', ['RESULTS', 'PREVIOUS'])
+def test_a_run_with_rows_in_results_or_previous_is_not_trained_again(where, tmp_path):
+    """recall_one skips a run whose rows RESULTS/recall.csv or a PREVIOUS folder's holds (else it
+    would start research/recall.py, which fails on --no_such_setting)."""
+    for folder in ('results', 'earlier'):
+        (tmp_path / folder).mkdir()
+    write_recall(tmp_path / ('results' if where == 'RESULTS' else 'earlier') / 'recall.csv',
+                 [('attn-d32-lr3e-3-s1', 'attn-d32', 3e-3, 1, 64, 4, 0.5, 1, 1)])
+    out = reproduce_sh('recall_one attn-d32-lr3e-3-s1 --no_such_setting=1',
+                       RESULTS=str(tmp_path / 'results'), RUNS=str(tmp_path / 'runs'),
+                       PREVIOUS=str(tmp_path / 'earlier'), TRAIN_SECONDS='0', DEADLINE='0', GPUS='',
+                       RECALL_ARGS='')
+    assert out == '' and not (tmp_path / 'runs').exists()
+
+
+def test_fillers_are_uniform_over_the_tokens_that_are_not_keys():
+    """Keys 1 and 2 of 5 tokens: fillers 0, 3 and 4 alike; keys 0 and 4: 1, 2 and 3."""
+    counts = torch.stack([torch.bincount(row, minlength=5) for row in fillers(
+        2, 30000, torch.tensor([[2, 1], [0, 4]]), 5, torch.Generator().manual_seed(0))]) / 10000
+    assert rel_err(counts, torch.tensor([[1, 0, 0, 1, 1], [0, 1, 1, 1, 0]]).double()) < 0.03
