@@ -840,8 +840,32 @@ class CastingRouterFM(FactorizationMemory):
         return torch.cat([self.router(x), self.rates(x)], -1)
 
 
+class FlooredFM(FactorizationMemory):
+    """Issue 51's fork 1b: alpha floored (alpha + 1e-5, renormalised), within 1e-3 of the paper's router."""
+
+    def route(self, x):
+        idx, alpha, eta, mu = super().route(x)
+        alpha = alpha + 1e-5
+        return idx, alpha / alpha.sum(-1, keepdim=True), eta, mu
+
+
+class RowScoresFM(FactorizationMemory):
+    """Issue 51's fork 2: router_scores with a learned bias and temperature a row, zero (neutral) at the start."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.row_bias = torch.nn.Parameter(torch.zeros(config.n_memory))
+        self.row_temperature = torch.nn.Parameter(torch.zeros(config.n_memory))
+
+    def router_scores(self, x):
+        scores = super().router_scores(x)
+        scale, bias = self.row_temperature.exp().to(scores.dtype), self.row_bias.to(scores.dtype)
+        return torch.cat([scores[..., :-2] * scale + bias, scores[..., -2:]], -1)
+
+
 ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
-           'kernel': KernelRouterFM, 'casting': CastingRouterFM}
+           'kernel': KernelRouterFM, 'casting': CastingRouterFM,
+           'floored': FlooredFM, 'row_scores': RowScoresFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -887,6 +911,41 @@ def test_a_router_override_reaches_decoding(router, top_k):
     idx = torch.randint(0, 64, (2, 20))
     assert rel_err(standard(idx)[0], model(idx)[0]) > 1e-2
     assert decodes_as_it_trains(model, idx, 9) < 1e-12 and fused(model) == [False, False]
+
+
+@core
+@pytest.mark.parametrize('init', ['default', 'random'])
+def test_a_route_near_the_papers_is_refused_in_every_layer(init):
+    """Fork 1b (issue 51): a route 1e-5 from the paper's decodes through route as written in every layer, at the
+    default initialisation and with every parameter random (float64, 4 layers)."""
+    torch.manual_seed(0)
+    model = fm_model('floored', n_layer=4, top_k=3, fm_conv=4, fm_gate=True).double().eval()
+    if init == 'random':
+        randomized(model)
+    gap = decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    assert fused(model) == [False] * 4, f"the fused kernel was chosen in layers {fused(model)}"
+    assert gap < 1e-12, f"decoding differs from training: relative gap {gap:.1e}"
+
+
+@core
+@pytest.mark.parametrize('compiled', [False, True])
+def test_router_scores_trained_after_the_state_was_made_reach_decoding(compiled, monkeypatch):
+    """Fork 2 (issue 51): a state made before training, while the fork's row bias and temperature are zero, then
+    trained (every parameter random): decoding, eager and as a compiled step (torch.compiler.is_compiling), takes
+    the trained router_scores, float64, with the fused kernel."""
+    torch.manual_seed(0)
+    model = fm_model('row_scores', top_k=3, fm_conv=4, fm_gate=True).double().eval()
+    state = model.init_state(2, 20)
+    randomized(model)
+    idx = torch.randint(0, 64, (2, 20))
+    logits, _ = model(idx)
+    model_module.write_state(state, model.hidden(idx[:, :9])[1])
+    if compiled:
+        monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+    stepped = torch.stack([model.step(idx[:, t], state) for t in range(9, 20)], 1)
+    gap = rel_err(stepped, logits[:, 9:])
+    assert gap < 1e-12, f"decoding differs from training: relative gap {gap:.1e}"
+    assert fused(model) == [True, True]
 
 
 def test_a_down_proj_of_ones_own_is_called():
