@@ -82,6 +82,7 @@ With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear attention
 and chunk-end states follow from H_next = e^{b_C} H + sum_s e^{b_C - b_s} theta_s xbar_s.
 """
 
+from copy import deepcopy
 from typing import Optional
 
 import torch
@@ -1459,6 +1460,49 @@ def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
     _check_block(h, xbar, z, conv)
     window, weight, bias = (None, None, None) if conv is None else conv
     return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps), z, window, weight, bias)
+
+
+@torch.no_grad()
+def route_step_takes_over(layer):
+    """Whether fm_route_step may stand in for an FM layer's route and weights (as written) after its
+    router_scores, for any values of its parameters: on a float64 copy of the layer with every
+    parameter and floating buffer random (uniform in [-1, 1]), at 40 probe inputs of scales 0.01 to
+    100, weights(*route(x)) are the theta and phi of route_naive(router_scores(x)) to 1e-9 a token;
+    and at the layer's own dtype router_scores gives (1, M + 2) scores in float32 at least (the
+    kernel's). A layer that fails to run on the probe is refused too."""
+    weight = layer.in_proj.weight
+    device = weight.device
+    if device.type == "mps":  # no float64
+        device = torch.device("cpu")
+    gen = torch.Generator(device).manual_seed(0)
+
+    def random(t):
+        values = t.new_empty(t.shape, dtype=torch.float64, device=device)
+        values.uniform_(-1, 1, generator=gen)
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(values, t.requires_grad)
+        return values
+
+    tensors = [*layer.parameters(), *layer.buffers()]
+    copy = deepcopy(layer, {id(t): random(t) for t in tensors if t.is_floating_point()})
+    d = layer.router.in_features
+    scales = torch.logspace(-2, 2, 5, dtype=torch.float64, device=device) / d**0.5
+    x = torch.randn(5, 8, d, generator=gen, dtype=torch.float64, device=device)
+    x = (x * scales[:, None, None]).flatten(0, 1)  # (40, d_model)
+    try:
+        written = copy.weights(*copy.route(x))  # theta, phi (40, M)
+        idx, alpha, eta, mu = route_naive(copy.router_scores(x), layer.top_k, layer.tau)
+        twin = [eta * alpha, mu * alpha]
+        if idx is not None:
+            twin = [w.new_zeros(written[0].shape).scatter_(-1, idx, w) for w in twin]
+        own = layer.router_scores(weight.new_zeros(1, d))
+    except Exception:  # an edit the probe cannot run (a dtype, a shape)
+        return False
+    for a, b in zip(written, twin):
+        if a.shape != b.shape or not ((a - b).norm(dim=-1) <= 1e-9 * b.norm(dim=-1)).all():
+            return False
+    want = torch.promote_types(weight.dtype, torch.float32)
+    return own.dtype == want and own.shape == (1, layer.n_memory + 2)
 
 
 # ----------------------------------------------------------------------------- decode product (batch 1)

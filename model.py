@@ -182,126 +182,126 @@ class FactorizationMemory(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_memory, self.top_k, self.d_memory = config.n_memory, config.top_k, config.d_memory
-        self.tau, self.eps, self.chunk_size, self.gated = config.tau, config.fm_eps, config.chunk_size, config.fm_gate
-        self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
-        self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
+        d, self.d_memory = config.d_model, config.d_memory
+        self.n_memory, self.top_k, self.tau = config.n_memory, config.top_k, config.tau
+        self.eps, self.chunk_size, self.gated = config.fm_eps, config.chunk_size, config.fm_gate
+        self.router = nn.Linear(d, self.n_memory, bias=False)  # W_alpha
+        self.rates = nn.Linear(d, 2)  # (w_eta, b_eta), (w_mu, b_mu)
         nn.init.zeros_(self.rates.bias)  # eta and mu start near 0.5
-        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_in (then W_z)
-        dim = self.d_memory
-        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on xbar
-        self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
-        self.fused_router = False  # step routes in the fused kernel (set by init_state)
+        self.in_proj = nn.Linear(d, (1 + self.gated) * self.d_memory, bias=False)  # W_in (then W_z)
+        self.conv = None
+        if config.fm_conv:  # on xbar
+            dim = self.d_memory
+            self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim)
+        self.out_proj = nn.Linear(self.d_memory, d, bias=False)  # W_o
+        self.fused_router = False  # step routes in fm_kernel.fm_route_step (init_state decides)
 
     def router_scores(self, x):
-        """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2), in at least float32."""
-        dtype = compute_dtype(x.dtype)
-        x = x.to(dtype)
-        rates = F.linear(x, self.rates.weight.to(dtype), self.rates.bias.to(dtype))  # (..., 2)
-        return torch.cat([F.linear(x, self.router.weight.to(dtype)), rates], dim=-1)
+        """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2), in float32 at least."""
+        with torch.autocast(x.device.type, enabled=False):
+            dtype = compute_dtype(x.dtype)
+            x = x.to(dtype)
+            weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model)
+            bias = F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))  # (M + 2,): W_alpha x has none
+            if x.dim() == 2 and torch.compiler.is_compiling():
+                # A compiled decoding step: the same product as one reduction, which inductor fuses
+                # with the casts (docs/kernel_log.md, change 61)
+                return (x[:, None, :] * weight).sum(-1) + bias
+            return F.linear(x, weight, bias)
 
     def route(self, x):
         """x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
-        with torch.autocast(x.device.type, enabled=False):
-            logits, eta_logit, mu_logit = self.router_scores(x).split([self.n_memory, 1, 1], dim=-1)
-            alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
-            idx = None
-            if self.top_k < self.n_memory:  # sparse: the top k, renormalised
-                alpha, idx = alpha.sort(dim=-1, descending=True)  # compiles to a kernel (topk: a library call)
-                alpha, idx = alpha[..., :self.top_k], idx[..., :self.top_k]
-                alpha = alpha / alpha.sum(-1, keepdim=True)
-            return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)  # eta, mu = sigmoid(w.x + b)
+        scores = self.router_scores(x)
+        logits, eta_logit, mu_logit = scores.split([self.n_memory, 1, 1], dim=-1)
+        alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
+        idx = None
+        if self.top_k < self.n_memory:  # sparse: the top k, renormalised
+            # sort compiles to a kernel (topk: a library call)
+            alpha, idx = alpha.sort(dim=-1, descending=True)
+            alpha, idx = alpha[..., :self.top_k], idx[..., :self.top_k]
+            alpha = alpha / alpha.sum(-1, keepdim=True)
+        # eta, mu = sigmoid(w.x + b)
+        return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)
 
     def weights(self, idx, alpha, eta, mu):
         """route's output -> theta = eta alpha, phi = mu alpha (..., M), zero outside the rows idx."""
         theta, phi = eta * alpha, mu * alpha
         if idx is None:
             return theta, phi
-        return [w.new_zeros(*w.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi)]
+        shape = (*theta.shape[:-1], self.n_memory)
+        return theta.new_zeros(shape).scatter_(-1, idx, theta), phi.new_zeros(shape).scatter_(-1, idx, phi)
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,); None: T)."""
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token
+        (lengths (B,); None: T)."""
         theta, phi = self.weights(*self.route(x))  # (B, T, M)
         if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
         state = state or {}
-        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, T, d_memory)
+        xbar, z = self.in_proj(x), None  # (B, T, d_memory)
+        if self.gated:
+            xbar, z = xbar.chunk(2, dim=-1)
         new_state = {}
         if self.conv is not None:  # from the last inputs of the pass before
-            xbar, new_state['conv'] = fm_kernel.causal_conv(xbar, state.get('conv'), self.conv.weight[:, 0],
-                                                             self.conv.bias, lengths)
+            weight, bias = self.conv.weight[:, 0], self.conv.bias
+            xbar, new_state['conv'] = fm_kernel.causal_conv(xbar, state.get('conv'), weight, bias, lengths)
         y, new_state['h'] = memory_scan(xbar, theta, phi, state.get('h'), self.eps, self.chunk_size)
-        return self.out_proj(y if z is None else y * F.silu(z)), new_state
+        if z is not None:
+            y = y * F.silu(z)
+        return self.out_proj(y), new_state
 
-    def kernel_scores(self, x, reduce):  # x (B, d_model) -> (B, M + 2)
-        """router_scores, or (reduce: compiled) one sum that inductor fuses with the casts (docs/kernel_log.md)."""
-        with torch.autocast(x.device.type, enabled=False):
-            if not reduce:
-                return self.router_scores(x)
-            dtype = compute_dtype(x.dtype)
-            weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model)
-            return (x.to(dtype)[..., None, :] * weight).sum(-1) + F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))
-
-    @torch.no_grad()
-    def routes_as_the_kernel(self):
-        """Whether the fused kernel's twin (fm_route_step_naive of kernel_scores, eager and compiled) steps as routed
-        does (fm_step_naive), output and memory, on float64 probes at scales 0.01 to 100; if not, step uses routed."""
-        device, gen = self.router.weight.device, torch.Generator().manual_seed(0)
-        dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
-        probe = torch.randn(5, 8, self.router.in_features, generator=gen, dtype=dtype)
-        probe = (probe * torch.logspace(-2, 2, 5, dtype=dtype)[:, None, None]).flatten(0, 1).to(device)  # (40, d_model)
-        h = torch.randn(40, self.n_memory, 4, generator=gen, dtype=dtype).to(device)  # 4 columns of the memory
-        xbar = torch.randn(40, 4, generator=gen, dtype=dtype).to(device)
-        try:
-            want_h = h.clone()
-            want = fm_kernel.fm_step_naive(want_h, xbar, *self.routed(probe), self.eps), want_h
-            for reduce in (False, True):  # eager, compiled
-                got_h = h.clone()
-                got = fm_kernel.fm_route_step_naive(got_h, xbar, self.kernel_scores(probe, reduce), self.top_k,
-                                                    self.tau, self.eps), got_h
-                if not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(got, want)):
-                    return False
-        except (RuntimeError, TypeError):  # e.g. an edit that casts the probe to its weights' float32
-            return False
-        return True
-
-    def routed(self, x):  # x (B, d_model)
-        """route, then weights -> the rows routed to, idx (B, K), their theta and phi."""
+    def step(self, x, state):  # x (B, d_model)
+        """One token: the state updated in place -> y (B, d_model). fused_router: from router_scores in
+        one kernel (fm_kernel.fm_route_step); else route and weights as written, then fm_step."""
+        h, xbar, z = state['h'], self.in_proj(x), None  # xbar (B, d_memory)
+        if self.gated:
+            xbar, z = xbar.chunk(2, dim=-1)
+        conv = None
+        if self.conv is not None:
+            conv = (state['conv'], self.conv.weight[:, 0], self.conv.bias)
+        if self.fused_router:
+            route_step = fm_kernel.fm_route_step_naive
+            if triton_step(h):
+                route_step = fm_kernel.fm_route_step
+            scores = self.router_scores(x)  # (B, M + 2)
+            return self.out_proj(route_step(h, xbar, scores, self.top_k, self.tau, self.eps, z, conv))
+        if conv is not None:
+            xbar = fm_kernel.conv_step_naive(xbar, *conv)
         idx, *routed = self.route(x)
         theta, phi = self.weights(idx, *routed)  # (B, M)
         if idx is None:  # dense: every row
-            return torch.arange(self.n_memory, device=x.device).expand(len(x), -1), theta, phi
-        return idx, theta.gather(-1, idx), phi.gather(-1, idx)  # (B, K) each
-
-    def step(self, x, state):  # x (B, d_model)
-        """One token: the state updated in place -> y (B, d_model); fused_router: one kernel (fm_route_step)."""
-        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
-        conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
-        if self.fused_router:
-            scores = self.kernel_scores(x, reduce=torch.compiler.is_compiling())  # (B, M + 2)
-            route_step = fm_kernel.fm_route_step if triton_step(state['h']) else fm_kernel.fm_route_step_naive
-            return self.out_proj(route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z=z, conv=conv))
-        if conv is not None:
-            xbar = fm_kernel.conv_step_naive(xbar, *conv)
-        step = fm_kernel.fm_step if triton_step(state['h']) else fm_kernel.fm_step_naive
-        y = step(state['h'], xbar, *self.routed(x), self.eps)
-        return self.out_proj(y if z is None else y * F.silu(z))
+            idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
+        else:
+            theta, phi = theta.gather(-1, idx), phi.gather(-1, idx)  # (B, K)
+        step = fm_kernel.fm_step_naive
+        if triton_step(h):
+            step = fm_kernel.fm_step
+        y = step(h, xbar, idx, theta, phi, self.eps)
+        if z is not None:
+            y = y * F.silu(z)
+        return self.out_proj(y)
 
     def step_state_bytes(self, context):
         """Bytes of state a decoding step reads and writes a sequence: k rows, the window."""
         dtype = self.in_proj.weight.dtype
-        window = self.d_memory * (self.conv.kernel_size[0] - 1) * dtype.itemsize if self.conv else 0
-        return 2 * (self.top_k * self.d_memory * compute_dtype(dtype).itemsize + window)
+        rows = self.top_k * self.d_memory * compute_dtype(dtype).itemsize
+        window = 0
+        if self.conv is not None:
+            window = self.d_memory * (self.conv.kernel_size[0] - 1) * dtype.itemsize
+        return 2 * (rows + window)
 
     def init_state(self, batch_size, max_len, device):
-        """Empty buffers; and whether step takes the fused kernel, for the router as it is now."""
+        """Empty buffers; and whether step routes in the fused kernel
+        (fm_kernel.route_step_takes_over, for any values of the parameters)."""
         if torch.device(device).type != 'meta':  # a meta state only counts bytes
-            self.fused_router = self.routes_as_the_kernel()
+            self.fused_router = fm_kernel.route_step_takes_over(self)
         dtype = self.in_proj.weight.dtype
-        state = {'h': torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)}
+        shape = (batch_size, self.n_memory, self.d_memory)
+        state = {'h': torch.zeros(shape, dtype=compute_dtype(dtype), device=device)}
         if self.conv is not None:  # the convolution's last inputs
             window = self.conv.kernel_size[0] - 1
-            state['conv'] = torch.zeros(batch_size, self.d_memory, window, dtype=dtype, device=device)
+            shape = (batch_size, self.d_memory, window)
+            state['conv'] = torch.zeros(shape, dtype=dtype, device=device)
         return state
 
 
