@@ -96,7 +96,7 @@ except ImportError:  # the PyTorch references work without Triton
 
 LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1, in the cumulative log-decays b (the Triton walks take the
 # decay itself there as 0): e^-80 = 1.8e-35 leaks nothing measurable
-CHUNK = 64  # tokens per chunk in the Triton scan
+CHUNK = 64  # tokens per chunk in the Triton scan: a power of 2 (tl.arange's ranges), at least 16 (tl.dot's)
 MAX_ROWS = 128  # memory rows fm_scan takes: at m = 256 some kernels' tiles overflow shared memory
 STEP_TILE = 16384  # elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
 

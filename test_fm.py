@@ -565,16 +565,28 @@ def hand_forward_flops(name, seq_len):
     elif name == 'mamba2':  # d_inner 64 (4 heads of 16), d_state 8, a conv of 4 over (x, B, C): 80 channels
         per_layer += d * (64 + 80 + 4) + 80 * 4 + 80 + 3 * 4 + 64 + 64 * d  # in_proj, conv, dt, A, D, norm, out_proj
         work = 5 * 64 * 8  # each state element: decay, input outer product, add, C readout (2)
-    else:  # m = 8 rows of 32; k = 3 (sparse) or 8 (dense)
+    elif name.startswith('fm'):  # m = 8 rows of 32; k = 3 (sparse) or 8 (dense)
         k = 3 if name.endswith('sparse') else 8
         per_layer += d * 8 + (2 * d + 2) + 2 * d * d  # router, rates (eta, mu; biased), in_proj, out_proj
         if name.startswith('fm_block'):
             per_layer += d * 4 + d + d * d  # a conv of 4 over xbar (and its bias), the gate's W_z
         work = k * (9 * d + 5)  # paper App. FLOPS: the recurrence costs 9 d_memory + 5 per row read and written
+    else:
+        pytest.fail(f"no hand count for MIXER_CASES[{name!r}]: add it to hand_forward_flops (test_fm.py)")
     params = layers * per_layer + d  # and the final norm
     return params, 2 * (params + d * vocab) + layers * work
 
 
+@core
+def test_every_mixer_has_a_case():
+    """Each key of model.MIXER_CLASSES has a case in MIXER_CASES, which every parity test and the FLOPs counts take
+    (README, Changing the model)."""
+    covered = {model_module.mixer_family(case['mixer']) for case in MIXER_CASES.values()}
+    for family in model_module.MIXER_CLASSES:
+        assert family in covered, f"mixer {family!r} has no case: add one to MIXER_CASES (test_fm.py)"
+
+
+@core
 @pytest.mark.parametrize('name', list(MIXER_CASES))
 def test_training_flops_match_a_hand_count(name, tmp_path):
     """Model.flops_per_token is 3x (forward + backward) the hand count, and analysis.py's training FLOPs of a run are
@@ -1118,6 +1130,7 @@ def test_flops_per_token(name):
         assert dense.flops_per_token(48) - model.flops_per_token(48) == 3 * 2 * (8 - 3) * (9 * 32 + 5)
 
 
+@core
 @pytest.mark.parametrize('name', MIXER_CASES)
 def test_step_state_bytes(name):
     """bench.py's decoding floor: each mixer's bytes of state a step reads and writes for one sequence after 100
