@@ -19,25 +19,14 @@ theta and phi are zero outside a token's top-k rows, so one code path serves den
 |                | xbar before and the output gate y * silu(z) after                        |
 | fm_step        | fm_step_naive's step in Triton                                           |
 | fm_route_step  | fm_route_step_naive in one Triton kernel (the model's decoding step)     |
+| route_step_takes_over | whether fm_route_step computes what an FM layer's route does      |
 | causal_conv    | the convolution of FM's block (and Mamba-2's) over a sequence, in PyTorch |
-| decode_product_naive | F.linear of one row: a decoding step's product at batch 1          |
-| decode_product | the same in Triton (generate.py's down product at batch 1)               |
 
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
 Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D); with the
 router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu; FM's block (not in the paper): the gate's
 z (B,D), the convolution's window (B,D,W-1) updated in place, its weight (D,W) and bias (D,).
 
-The file in order, one operation complete before the next, as the table: the scan, then the decode step. The
-scan: its references (fm_scan_naive, then fm_scan_torch after its helpers _pad_time, _log_decay, _chunk_cumsum and
-_ChunkDecays); the Triton device helpers and launch settings; the forward pass, then the backward pass, each kernel
-beside the function that launches it; the custom ops fm::scan_forward and fm::scan_backward, _check_scan_args and
-fm_scan. The decode step: its references (fm_step_naive, route_naive, conv_step_naive, fm_route_step_naive); the
-device functions _xbar, _gate, _gated, _step_rows and _route, _step_kernel and _step_meta; _unit_stride, the
-custom ops fm::step and fm::route_step, the checks _check_step_state and _check_block, fm_step and fm_route_step.
-Then causal_conv, conv_step_naive's parallel twin, and the decode product: decode_product_naive, its kernel, the
-custom op fm::decode_product, decode_product and decode_linear (which takes it at batch 1).
-Each section's header line starts "# ---".
 The calls, in order (grid of each kernel; NC chunks of CHUNK tokens, columns of D split among programs):
 
 fm_scan_naive, fm_scan_torch (_ChunkDecays: the decays in a chunk and their gradient)
@@ -1503,76 +1492,3 @@ def route_step_takes_over(layer):
             return False
     want = torch.promote_types(weight.dtype, torch.float32)
     return own.dtype == want and own.shape == (1, layer.n_memory + 2)
-
-
-# ----------------------------------------------------------------------------- decode product (batch 1)
-# At batch 1 a decoding step is a chain of one-row products, each reading its whole weight once: the step's speed is
-# the bandwidth they reach. inductor writes a one-row product as a reduction, fast alone, but inside a compiled step
-# it fuses SwiGLU's silu(gate) * up into the down product's loads, where every program recomputes it, and the
-# product then runs at 38% of the copy bandwidth (docs/kernel_log.md). decode_product is a custom op, so that its
-# input is computed once, and streams the weight in (BN, BK) tiles, STAGES of them in flight, one program per BN
-# outputs.
-
-
-def decode_product_naive(x, weight):
-    """x (1, K), weight (N, K) -> x W^T (1, N): the reference."""
-    return F.linear(x, weight)
-
-
-if triton is not None:
-    @triton.jit
-    def _decode_product_kernel(x_ptr, w_ptr, y_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr,
-                               STAGES: tl.constexpr, ACC: tl.constexpr):
-        """Outputs [pid BN, pid BN + BN): the (BN, K) slab of the weight in BK-wide tiles, STAGES of them in
-        flight, times x, summed in ACC."""
-        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-        acc = tl.zeros((BN,), dtype=ACC)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            offs_k = k0 + tl.arange(0, BK)
-            k_ok = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n < N)[:, None] & k_ok[None, :],
-                        other=0.0).to(ACC)  # (BN, BK)
-            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(ACC)  # (BK,)
-            acc += tl.sum(w * x[None, :], axis=1)
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
-
-
-def _decode_product_meta(K):
-    """Launch settings, the best of a sweep at fm_1b's down product (K = 5,504 inputs, N = 2048 outputs) on an H200
-    (docs/kernel_log.md): 8 outputs a program, 1024-wide tiles, 3 in flight, 4 warps."""
-    return dict(BN=8, BK=min(1024, triton.next_power_of_2(K)), STAGES=3, num_warps=4)
-
-
-@torch.library.custom_op("fm::decode_product", mutates_args=())
-def _decode_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T (1, N) in x's dtype."""
-    N, K = weight.shape
-    meta = _decode_product_meta(K)
-    y = x.new_empty(1, N)
-    _decode_product_kernel[(triton.cdiv(N, meta["BN"]),)](x.contiguous(), weight.contiguous(), y, N, K,
-                                                  ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **meta)
-    return y
-
-
-@_decode_product.register_fake
-def _(x, weight):
-    return x.new_empty(1, weight.shape[0])
-
-
-def decode_product(x, weight):
-    """Triton x W^T for one row x (1, K) and weight (N, K) of x's dtype -> (1, N)."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be one row (1, K) and weight (N, K) with the same K, got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x and weight must have one dtype, got {x.dtype} and {weight.dtype}")
-    return _decode_product(x, weight)
-
-
-def decode_linear(x, weight):
-    """A decoding step's product x (B, K) W^T: the Triton product for one row on CUDA in half precision, F.linear
-    elsewhere (for more rows this kernel is far slower than cuBLAS's, docs/kernel_log.md)."""
-    if triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 \
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
-        return decode_product(x, weight)
-    return F.linear(x, weight)
