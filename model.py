@@ -426,7 +426,9 @@ def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
     decay_to_end = (log_decay[:, :, -1:] - log_decay).exp()  # (b, c, L, H)
     # each chunk's own end state
     chunk_states = torch.einsum('bclh,bclhp,bcln->bchpn', decay_to_end, x_dt, B)
-    h = x.new_zeros(b, H, P, B.shape[-1]) if h0 is None else h0.to(dtype)
+    h = x.new_zeros(b, H, P, B.shape[-1])
+    if h0 is not None:
+        h = h0.to(dtype)
     states_in = []  # state entering each chunk
     for c in range(n_chunks):
         states_in.append(h)
@@ -551,11 +553,15 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = mixer_class(config.mixer)(config)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.d_ff else None
-        self.mlp = SwiGLU(config) if config.d_ff else None
+        self.mlp_norm, self.mlp = None, None
+        if config.d_ff:
+            self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+            self.mlp = SwiGLU(config)
 
     def add_mlp(self, x):
-        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
+        if self.mlp is None:
+            return x
+        return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         y, state = self.mixer(self.mixer_norm(x), state, lengths)
@@ -618,7 +624,8 @@ class Model(nn.Module):
 
     def init_state(self, batch_size, max_len, device=None):
         """Empty decoding states for max_len tokens a row: a dict a layer, its mixer's."""
-        device = self.embed.weight.device if device is None else device
+        if device is None:
+            device = self.embed.weight.device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def step(self, tokens, state):
