@@ -115,7 +115,9 @@ def fm_scan_naive(xbar, theta, phi, h0=None, eps=1e-6):
     B, T, D = xbar.shape
     M = theta.shape[-1]
     dtype = torch.promote_types(xbar.dtype, torch.float32)
-    h = xbar.new_zeros(B, M, D, dtype=dtype) if h0 is None else h0.to(dtype)
+    h = xbar.new_zeros(B, M, D, dtype=dtype)
+    if h0 is not None:
+        h = h0.to(dtype)
     ys = []
     for t in range(T):
         write = theta[:, t, :, None].to(dtype)  # (B, M, 1)
@@ -196,7 +198,9 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 
     chunk_write = torch.einsum("bnis,bnsd->bnid", L[..., -1, :], x)  # (B, NC, M, D)
     chunk_decay = eb[..., -1:]  # (B, NC, M, 1)
-    H = x.new_zeros(B, M, D) if h0 is None else h0.to(dtype)
+    H = x.new_zeros(B, M, D)
+    if h0 is not None:
+        H = h0.to(dtype)
     start_states = []
     for n in range(NC):
         start_states.append(H)
@@ -1231,7 +1235,8 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
     x, dy = xbar.contiguous(), dy.contiguous()
-    dhT = None if dhT is None else dhT.float().contiguous()
+    if dhT is not None:
+        dhT = dhT.float().contiguous()
     theta = _padded(theta)
     T, D = x.shape[1:]
     dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x)
@@ -1264,7 +1269,8 @@ def _scan_setup_context(ctx, inputs, output):
 
 def _scan_grads(ctx, dy, dhT, *unused):
     xbar, theta, hT, *saved = ctx.saved_tensors
-    dy = torch.zeros_like(xbar) if dy is None else dy
+    if dy is None:
+        dy = torch.zeros_like(xbar)
     dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
     return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None
 
@@ -1354,7 +1360,9 @@ def causal_conv(x, window, weight, bias, lengths=None):
     weight = weight.to(torch.promote_types(x.dtype, torch.float32))
     # (B, T, C)
     out = sum((inputs[:, i:i + T] * weight[:, i] for i in range(W)), bias.to(weight.dtype))
-    ends = torch.full((len(x),), T, device=x.device) if lengths is None else lengths
+    ends = lengths
+    if lengths is None:
+        ends = torch.full((len(x),), T, device=x.device)
     taps = ends[:, None] + torch.arange(W - 1, device=x.device)  # (B, W - 1)
     window = inputs.gather(1, taps[..., None].expand(-1, -1, inputs.shape[-1]))  # (B, W - 1, C)
     return F.silu(out).to(x.dtype), window.transpose(1, 2)
@@ -1370,7 +1378,9 @@ def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6, z=None, conv=None
     if idx is None:
         idx = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)  # (B, M)
     y = fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
-    return y if z is None else y * F.silu(z)
+    if z is not None:
+        y = y * F.silu(z)
+    return y
 
 
 # ----------------------------------------------------------------------- decode step: Triton kernel
@@ -1578,7 +1588,8 @@ def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float,
     x, z, scores = _unit_stride(xbar), _unit_stride(z), _unit_stride(scores)
     y = xbar.new_empty(B, D)
     taps = 0 if weight is None else weight.shape[-1]
-    window = window if taps > 1 else None  # one tap: an empty window
+    if taps <= 1:  # one tap: an empty window
+        window = None
     _step_kernel[(B,)](h, x, None, None, None, scores, y, z, window, weight, bias, eps, tau, D, M,
                        top_k,
                        scores.stride(0), x.stride(0), 0 if z is None else z.stride(0), ROUTE=True,
@@ -1641,7 +1652,9 @@ def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
     if not 1 <= top_k <= h.shape[1]:
         raise ValueError(f"top_k must be in [1, M = {h.shape[1]}], got {top_k}")
     _check_block(h, xbar, z, conv)
-    window, weight, bias = (None, None, None) if conv is None else conv
+    window = weight = bias = None
+    if conv is not None:
+        window, weight, bias = conv
     return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps), z, window, weight, bias)
 
 
