@@ -614,6 +614,7 @@ def papers(*methods):
 
 
 ROUTER = papers('route', 'router_scores', 'weights')
+PAPERS = papers('route', 'router_scores')  # eval.py's routing statistics (tests/test_eval.py)
 
 
 def paper_weights(layer, x):
@@ -876,6 +877,15 @@ class CastingRouterFM(FactorizationMemory):
         return torch.cat([self.router(x), self.rates(x)], -1)
 
 
+class Float32RouteFM(FactorizationMemory):
+    """A forker's route that runs in float32 alone (a kernel of one's own, say): the float64 probe cannot run it."""
+
+    def route(self, x):
+        if x.dtype == torch.float64:
+            raise TypeError('this route runs in float32')
+        return super().route(x)
+
+
 class FlooredFM(FactorizationMemory):
     """Issue 51's fork 1b: alpha floored (alpha + 1e-5, renormalised), within 1e-3 of the paper's router."""
 
@@ -901,7 +911,7 @@ class RowScoresFM(FactorizationMemory):
 
 ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
            'kernel': KernelRouterFM, 'casting': CastingRouterFM,
-           'floored': FlooredFM, 'row_scores': RowScoresFM}
+           'floored': FlooredFM, 'row_scores': RowScoresFM, 'float32': Float32RouteFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -1007,6 +1017,16 @@ def test_router_scores_in_the_weights_dtype_decode_as_written():
     assert fused(model) == [True, True], "the probe refused float32 scores"
     model.to(torch.bfloat16).init_state(1, 1)
     assert fused(model) == [False, False], "the probe took bfloat16 scores for the fused kernel"
+
+
+@core
+def test_a_router_the_probe_cannot_run_decodes_as_written():
+    """A float32 model whose route refuses float64: the probe cannot run it, and decoding takes route as written
+    (not a traceback at init_state)."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('float32', top_k=3, fm_conv=4, fm_gate=True)).eval()
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9, tol=1e-5)
+    assert fused(model) == [False, False], "the probe took the fused kernel for a route it could not run"
 
 
 IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
