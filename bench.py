@@ -6,7 +6,7 @@
     python bench.py generate     # prefill and decode after long prompts: fm_1b (k = 8, dense), mamba2_1b,
                                  # the published mamba2-1.3b shape, transformer_1b; --sweep: context sweep, plot
     python bench.py generate --profile   # one fm_1b decode step at batch 1 and 64 by kernel kind
-    python bench.py gemv         # one- and 64-row products of fm_1b's shapes (cuBLAS, inductor, fm_kernel's
+    python bench.py gemv         # one- and 64-row products of fm_1b's shapes (cuBLAS, inductor, decode_linear's
                                  # Triton product): GB/s against the copy bandwidth
 
 Kernel shapes: one layer, D = 2048, M = 64, k = 8, 16,384 tokens a batch,
@@ -26,6 +26,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+import decode_linear
 import fm_kernel
 
 SWEEP = [1024, 4096, 16384, 65536]  # generate --sweep's prompt lengths when it names none
@@ -247,7 +248,7 @@ def time_chain(products, x, weights):
 
 def bench_gemv():
     """Products of one and 64 rows at fm_1b's shapes, bf16: cuBLAS (F.linear), inductor's coordinate-descent
-    tuned product (a reduction for one row) and, for one row, fm_kernel.decode_product (the decoding step's down
+    tuned product (a reduction for one row) and, for one row, decode_linear.decode_product (the decoding step's down
     product), as
     GB/s of weight and activations read and written, and as % of the copy bandwidth measured in the same run."""
     bandwidth = measure_ceilings()[0]
@@ -263,7 +264,7 @@ def bench_gemv():
             row = {"product": name, "rows": batch}
             torch._dynamo.reset()  # a compile per shape (dynamo's recompile limit)
             compiled = torch.compile(F.linear, dynamic=False, options={"coordinate_descent_tuning": True})
-            triton = {"Triton": fm_kernel.decode_product} if batch == 1 else {}
+            triton = {"Triton": decode_linear.decode_product} if batch == 1 else {}
             ways = {"cuBLAS": F.linear, "inductor": compiled, **triton}
             for way, linear in ways.items():
                 us = time_chain(lambda x, ws: [linear(x, w) for w in ws], x, weights)
@@ -274,7 +275,7 @@ def bench_gemv():
         del weights
     print(f"\nproducts at fm_1b's decoding shapes, bf16, each weight read from memory (CUDA graph of a chain over "
           f"256 MB of weights); copy bandwidth {bandwidth / 1e12:.2f} TB/s measured now. inductor: coordinate-"
-          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: fm_kernel.decode_product, "
+          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: decode_linear.decode_product, "
           f"one row")
     print_table(rows)
 

@@ -19,61 +19,64 @@ theta and phi are zero outside a token's top-k rows, so one code path serves den
 |                | xbar before and the output gate y * silu(z) after                        |
 | fm_step        | fm_step_naive's step in Triton                                           |
 | fm_route_step  | fm_route_step_naive in one Triton kernel (the model's decoding step)     |
+| route_step_takes_over | whether fm_route_step computes what an FM layer's route does      |
 | causal_conv    | the convolution of FM's block (and Mamba-2's) over a sequence, in PyTorch |
-| decode_product_naive | F.linear of one row: a decoding step's product at batch 1          |
-| decode_product | the same in Triton (generate.py's down product at batch 1)               |
 
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
-Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D); with the
-router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu; FM's block (not in the paper): the gate's
-z (B,D), the convolution's window (B,D,W-1) updated in place, its weight (D,W) and bias (D,).
+Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D);
+with the router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu; FM's block (not
+in the paper): the gate's z (B,D), the convolution's window (B,D,W-1) updated in place, its weight
+(D,W) and bias (D,).
 
-The file in order, one operation complete before the next, as the table: the scan, then the decode step. The
-scan: its references (fm_scan_naive, then fm_scan_torch after its helpers _pad_time, _log_decay, _chunk_cumsum and
-_ChunkDecays); the Triton device helpers and launch settings; the forward pass, then the backward pass, each kernel
-beside the function that launches it; the custom ops fm::scan_forward and fm::scan_backward, _check_scan_args and
-fm_scan. The decode step: its references (fm_step_naive, route_naive, conv_step_naive, fm_route_step_naive); the
-device functions _xbar, _gate, _gated, _step_rows and _route, _step_kernel and _step_meta; _unit_stride, the
-custom ops fm::step and fm::route_step, the checks _check_step_state and _check_block, fm_step and fm_route_step.
-Then causal_conv, conv_step_naive's parallel twin, and the decode product: decode_product_naive, its kernel, the
-custom op fm::decode_product, decode_product and decode_linear (which takes it at batch 1).
-Each section's header line starts "# ---".
-The calls, in order (grid of each kernel; NC chunks of CHUNK tokens, columns of D split among programs):
+The calls, in order (grid of each kernel; NC chunks of CHUNK tokens, columns of D split among
+programs):
 
 fm_scan_naive, fm_scan_torch (_ChunkDecays: the decays in a chunk and their gradient)
 fm_scan, forward (fm::scan_forward)
-    _prepare       _decay_kernel           (chunk, batch)          decays a = 1 - theta, b, each chunk's keys K
-    _chunk_states  _chunk_states_kernel    (batch, group, columns) chunk-start states H and hT (with several
-                                                                    groups of chunks: each group's own end state,
-                   _chunk_scan_kernel      (batch, elements)       a scan over the groups, then the states from
-                   _chunk_states_kernel                            the group starts)
+    _prepare       _decay_kernel           (chunk, batch)          decays a = 1 - theta, b, each
+                                                                   chunk's keys K
+    _chunk_states  _chunk_states_kernel    (batch, group, columns) chunk-start states H and hT
+                                                                   (with several groups of chunks:
+                                                                   each group's own end state,
+                   _chunk_scan_kernel      (batch, elements)       a scan over the groups, then
+                   _chunk_states_kernel                            the states from the group
+                                                                   starts)
     _chunk_out     _chunk_products_kernel  (chunk, batch)          X X^T, H X^T, ||H_i||^2
-                   _chunk_norms_kernel     (chunk, batch)          row rms, q = phi / rms, P, h_t . x_t
+                   _chunk_norms_kernel     (chunk, batch)          row rms, q = phi / rms, P,
+                                                                   h_t . x_t
                    _chunk_y_kernel         (chunk, batch, split)   y = P X + (q e^b) H
 fm_scan, backward (fm::scan_backward)
     _chunk_grads   _chunk_products_kernel  (chunk, batch)          X X^T, dY X^T, H dY^T
-                   _chunk_grads_kernel     (chunk, batch)          dq, c, omega, kappa, dk (less its chunk-end term),
-                                                                    P_w
-    _chunk_dstate  _chunk_dstate_kernel    (chunk, batch, split)   each chunk's gradient to its start state
-    _scan_states   _chunk_scan_kernel      (batch, elements)       reversed: the gradients at the chunk ends, dh0
-    _chunk_dx      _chunk_dx_kernel        (chunk, batch, split)   dxbar, and dH_end X^T for dk's chunk-end term
-    _rate_grads    _decay_grads_kernel     (chunk, batch)          dk's chunk-end term, d loss / d b summed back
+                   _chunk_grads_kernel     (chunk, batch)          dq, c, omega, kappa, dk (less
+                                                                   its chunk-end term), P_w
+    _chunk_dstate  _chunk_dstate_kernel    (chunk, batch, split)   each chunk's gradient to its
+                                                                   start state
+    _scan_states   _chunk_scan_kernel      (batch, elements)       reversed: the gradients at the
+                                                                   chunk ends, dh0
+    _chunk_dx      _chunk_dx_kernel        (chunk, batch, split)   dxbar, and dH_end X^T for dk's
+                                                                   chunk-end term
+    _rate_grads    _decay_grads_kernel     (chunk, batch)          dk's chunk-end term, d loss /
+                                                                   d b summed back
                    _rate_grads_kernel      (chunk, batch)          dtheta and dphi
-    _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where theta = 1
+    _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where
+                                                                   theta = 1
 fm_step_naive; fm_route_step_naive (conv_step_naive, route_naive, fm_step_naive)
 fm_step (fm::step), fm_route_step (fm::route_step)
-    _step          _step_kernel            (batch)                 the top-k of the scores (route_step), the
-                                                                    convolution of xbar, the K rows' update,
-                                                                    their norms, y and its gate
+    _step          _step_kernel            (batch)                 the top-k of the scores
+                                                                   (route_step), the convolution
+                                                                   of xbar, the K rows' update,
+                                                                   their norms, y and its gate
 
 The chunked algorithm (chunk of C tokens, chunk-start state H, b = within-chunk cumulative
 log(1 - theta)). Row i inside a chunk is a gated linear recurrence:
 
-    h_t[i] = e^{b_t[i]} H[i] + sum_{s<=t} L_i[t,s] xbar_s,     L_i[t,s] = e^{b_t[i]-b_s[i]} theta_s[i]
+    h_t[i] = e^{b_t[i]} H[i] + sum_{s<=t} L_i[t,s] xbar_s,
+    L_i[t,s] = e^{b_t[i]-b_s[i]} theta_s[i]
 
 The only nonlinearity is one scalar per (t, i), the row norm, and it never needs h_t itself:
 
-    ||h_t[i]||^2 = e^{2b_t} ||H[i]||^2 + 2 e^{b_t} (L_i (H X^T)[i])_t + (L_i G L_i^T)_tt,   G = X X^T
+    ||h_t[i]||^2 = e^{2b_t} ||H[i]||^2 + 2 e^{b_t} (L_i (H X^T)[i])_t + (L_i G L_i^T)_tt,
+    G = X X^T
 
 With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear attention:
 
@@ -82,6 +85,7 @@ With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear attention
 and chunk-end states follow from H_next = e^{b_C} H + sum_s e^{b_C - b_s} theta_s xbar_s.
 """
 
+from copy import deepcopy
 from typing import Optional
 
 import torch
@@ -93,11 +97,14 @@ try:
 except ImportError:  # the PyTorch references work without Triton
     triton = None
 
-LOG_DECAY_FLOOR = -80.0  # log(1 - theta) at theta = 1, in the cumulative log-decays b (the Triton walks take the
-# decay itself there as 0): e^-80 = 1.8e-35 leaks nothing measurable
-CHUNK = 64  # tokens per chunk in the Triton scan
+# log(1 - theta) at theta = 1, in the cumulative log-decays b (the Triton walks take the decay
+# itself there as 0): e^-80 = 1.8e-35 leaks nothing measurable
+LOG_DECAY_FLOOR = -80.0
+# tokens per chunk in the Triton scan: a power of 2 (tl.arange's ranges), at least 16 (tl.dot's)
+CHUNK = 64
 MAX_ROWS = 128  # memory rows fm_scan takes: at m = 256 some kernels' tiles overflow shared memory
-STEP_TILE = 16384  # elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
+# elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
+STEP_TILE = 16384
 
 
 # ----------------------------------------------------------------------------- scan: references
@@ -108,7 +115,9 @@ def fm_scan_naive(xbar, theta, phi, h0=None, eps=1e-6):
     B, T, D = xbar.shape
     M = theta.shape[-1]
     dtype = torch.promote_types(xbar.dtype, torch.float32)
-    h = xbar.new_zeros(B, M, D, dtype=dtype) if h0 is None else h0.to(dtype)
+    h = xbar.new_zeros(B, M, D, dtype=dtype)
+    if h0 is not None:
+        h = h0.to(dtype)
     ys = []
     for t in range(T):
         write = theta[:, t, :, None].to(dtype)  # (B, M, 1)
@@ -124,7 +133,8 @@ def _pad_time(x, multiple):
 
 
 def _log_decay(theta):
-    """log(1 - theta), LOG_DECAY_FLOOR at theta = 1 (forward only: _ChunkDecays differentiates the decays)."""
+    """log(1 - theta), LOG_DECAY_FLOOR at theta = 1 (forward only: _ChunkDecays
+    differentiates the decays)."""
     below_one = theta < 1
     return torch.where(below_one, torch.log1p(-torch.where(below_one, theta, 0)), LOG_DECAY_FLOOR)
 
@@ -136,22 +146,25 @@ def _chunk_cumsum(log_decay, chunk):
 
 
 class _ChunkDecays(torch.autograd.Function):
-    """The decays inside each chunk from theta (B, Tp, M), padded to whole chunks: e^{b_t} (B, NC, M, C), from the
-    chunk start to token t, and e^{b_t - b_s} (B, NC, M, C, C), from token s to token t (0 for s > t), with b the
-    within-chunk cumulative log(1 - theta). The backward differentiates the decays a = 1 - theta themselves, not
-    their logs: a factor e^{b_t - b_s} with s < v <= t is e^{b_t - b_v} a_v e^{b_{v-1} - b_s}, so
+    """The decays inside each chunk from theta (B, Tp, M), padded to whole chunks: e^{b_t} (B, NC,
+    M, C), from the chunk start to token t, and e^{b_t - b_s} (B, NC, M, C, C), from token s to
+    token t (0 for s > t), with b the within-chunk cumulative log(1 - theta). The backward
+    differentiates the decays a = 1 - theta themselves, not their logs: a factor e^{b_t - b_s} with
+    s < v <= t is e^{b_t - b_v} a_v e^{b_{v-1} - b_s}, so
 
         d loss / d a_v = sum_{t >= v} sum_{s < v} e^{b_t - b_v} G[t, s] e^{b_{v-1} - b_s},
 
-    G the gradient of e^{b_t - b_s} (s = -1 standing for the chunk start, e^{b_{-1}} = 1). Nothing divides by a_v,
-    so the gradient is exact where theta = 1 (a_v = 0, the row forgets), whose log-decay is floored."""
+    G the gradient of e^{b_t - b_s} (s = -1 standing for the chunk start, e^{b_{-1}} = 1). Nothing
+    divides by a_v, so the gradient is exact where theta = 1 (a_v = 0, the row forgets), whose
+    log-decay is floored."""
 
     @staticmethod
     def forward(ctx, theta, chunk):
         b = _chunk_cumsum(_log_decay(theta), chunk).transpose(-1, -2)  # (B, NC, M, C)
         causal = torch.ones(chunk, chunk, dtype=torch.bool, device=theta.device).tril()
         from_start = b.exp()  # (B, NC, M, C)
-        between = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, NC, M, C, C)
+        # (B, NC, M, C, C)
+        between = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()
         ctx.save_for_backward(from_start, between)
         return from_start, between
 
@@ -159,9 +172,11 @@ class _ChunkDecays(torch.autograd.Function):
     def backward(ctx, d_from_start, d_between):
         from_start, between = ctx.saved_tensors
         later = between.transpose(-1, -2)  # [v, t] = e^{b_t - b_v}
-        earlier = F.pad(between, (0, 0, 1, 0))[..., :-1, :]  # [v, s] = e^{b_{v-1} - b_s}, zeros at v = 0
+        # [v, s] = e^{b_{v-1} - b_s}, zeros at v = 0
+        earlier = F.pad(between, (0, 0, 1, 0))[..., :-1, :]
         earlier_start = F.pad(from_start, (1, 0), value=1.0)[..., :-1]  # [v] = e^{b_{v-1}}
-        d_decay = ((later @ d_between) * earlier).sum(-1) + (later @ d_from_start[..., None])[..., 0] * earlier_start
+        from_start_term = (later @ d_from_start[..., None])[..., 0] * earlier_start
+        d_decay = ((later @ d_between) * earlier).sum(-1) + from_start_term
         B, NC, M, C = d_decay.shape
         return -d_decay.transpose(-1, -2).reshape(B, NC * C, M), None  # a = 1 - theta
 
@@ -183,7 +198,9 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 
     chunk_write = torch.einsum("bnis,bnsd->bnid", L[..., -1, :], x)  # (B, NC, M, D)
     chunk_decay = eb[..., -1:]  # (B, NC, M, 1)
-    H = x.new_zeros(B, M, D) if h0 is None else h0.to(dtype)
+    H = x.new_zeros(B, M, D)
+    if h0 is not None:
+        H = h0.to(dtype)
     start_states = []
     for n in range(NC):
         start_states.append(H)
@@ -203,32 +220,36 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     return y.reshape(B, NC * C, D)[:, :T].to(xbar.dtype), H
 
 
-# ----------------------------------------------------------------------------- scan: Triton device helpers
+# ---------------------------------------------------------------------- scan: Triton device helpers
 #
-# The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles through the
-# chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0 at theta = 1; stored,
-# not formed from the log-decays step by step) as plain factors: no exponent of a difference of
-# log-decays, so nothing overflows however fast a row decays. Two kinds of walk:
-#   _walk_dots:    D[i, t] = h_s[i] . v_t for all t, from H_i . v_t, as s goes: D <- a_s D + theta_s (x_s . v_t);
-#                  kept where s = t, it gives h_t[i] . x_t (for the norms) and h_t[i] . dy_t (for dq)
-#   _store_reads:  W[i, s] = e^{b_t - b_s} theta_s as t goes (W <- a_t W, column t set to theta_t), and row t of a
-#                  read matrix sum_i query_t[i] W[i, :]: P with q = phi / rms, P_w with omega
+# The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles
+# through the chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0
+# at theta = 1; stored, not formed from the log-decays step by step) as plain factors: no exponent
+# of a difference of log-decays, so nothing overflows however fast a row decays. Two kinds of walk:
+#   _walk_dots:    D[i, t] = h_s[i] . v_t for all t, from H_i . v_t, as s goes:
+#                  D <- a_s D + theta_s (x_s . v_t); kept where s = t, it gives h_t[i] . x_t
+#                  (for the norms) and h_t[i] . dy_t (for dq)
+#   _store_reads:  W[i, s] = e^{b_t - b_s} theta_s as t goes (W <- a_t W, column t set to
+#                  theta_t), and row t of a read matrix sum_i query_t[i] W[i, :]: P with
+#                  q = phi / rms, P_w with omega
 # plus one scan over the tokens for the squared norms (forward) and one for Gamma (backward).
 #
-# With g_u = q_u dy_u + c_u h_u the gradient reaching h_u directly, the norm's part of the backward reduces to
-# Gamma_s = sum_{u>=s} c_u e^{2(b_u - b_s)}: sum_u L_i[u,s] c_u h_u[i] = omega_s[i] h_s[i] + sum_{s'>s} P_w[s', s] x_s'
-# with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T - diag P_w) X + (omega e^b) H + K_end^T dH_end.
-# The gradient wrt the log-decays follows from an identity (see _rate_grads); divided by a = 1 - theta it gives
-# dtheta's decay term d loss / d a, except where a = 0 (theta = 1), which _forget_grads_kernel computes directly.
+# With g_u = q_u dy_u + c_u h_u the gradient reaching h_u directly, the norm's part of the backward
+# reduces to Gamma_s = sum_{u>=s} c_u e^{2(b_u - b_s)}: sum_u L_i[u,s] c_u h_u[i] = omega_s[i]
+# h_s[i] + sum_{s'>s} P_w[s', s] x_s' with omega = theta Gamma, so dxbar = P^T dY + (P_w + P_w^T -
+# diag P_w) X + (omega e^b) H + K_end^T dH_end. The gradient wrt the log-decays follows from an
+# identity (see _rate_grads); divided by a = 1 - theta it gives dtheta's decay term d loss / d a,
+# except where a = 0 (theta = 1), which _forget_grads_kernel computes directly.
 #
-# All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a multiple of
-# CHUNK: theta, phi, a = 1 - theta (the decays), b (within-chunk cumulative log-decay), r (row rms), q, all
-# (B, Tp, M). The chunk-start states and their gradients (B, NC, M, D) are stored in bfloat16 for bfloat16 inputs
-# (_start_dtype), else float32; the carries between chunks, hT and dh0 stay float32. Products with X, dY and the
-# states run on bfloat16 tensor cores for bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves
-# (_split: 16 bits kept, more than tf32's 11; X, dY and bfloat16 states are exact), except the products of y and
-# dxbar, which are rounded to bfloat16 anyway and take single bfloat16 operands; for float32 inputs they are exact
-# float32, for float16 tf32. The walks run in float32 on CUDA cores.
+# All tensors the kernels read besides xbar/dy and the states are float32 and padded in time to a
+# multiple of CHUNK: theta, phi, a = 1 - theta (the decays), b (within-chunk cumulative log-decay),
+# r (row rms), q, all (B, Tp, M). The chunk-start states and their gradients (B, NC, M, D) are
+# stored in bfloat16 for bfloat16 inputs (_start_dtype), else float32; the carries between chunks,
+# hT and dh0 stay float32. Products with X, dY and the states run on bfloat16 tensor cores for
+# bfloat16 inputs, a float32 factor split into hi + lo bfloat16 halves (_split: 16 bits kept, more
+# than tf32's 11; X, dY and bfloat16 states are exact), except the products of y and dxbar, which
+# are rounded to bfloat16 anyway and take single bfloat16 operands; for float32 inputs they are
+# exact float32, for float16 tf32. The walks run in float32 on CUDA cores.
 
 if triton is not None:
 
@@ -239,15 +260,15 @@ if triton is not None:
 
     @triton.jit
     def _split(a, OP: tl.constexpr):
-        """A float32 tile as (hi, lo) in the operand dtype OP: hi + lo = a to about 16 bits for bfloat16
-        (lo = 0 when OP is float32)."""
+        """A float32 tile as (hi, lo) in the operand dtype OP: hi + lo = a to about 16 bits for
+        bfloat16 (lo = 0 when OP is float32)."""
         hi = a.to(OP)
         return hi, (a - hi.to(tl.float32)).to(OP)
 
     @triton.jit
     def _mm_split(a_hi, a_lo, b, precision: tl.constexpr):
-        """(a_hi + a_lo) @ b for b exact in the operand dtype: two bfloat16 products, or for float32 operands
-        (a_lo = 0) one product at `precision`."""
+        """(a_hi + a_lo) @ b for b exact in the operand dtype: two bfloat16 products, or for float32
+        operands (a_lo = 0) one product at `precision`."""
         if a_hi.dtype == tl.float32:
             acc = tl.dot(a_hi, b, input_precision=precision)
         else:
@@ -256,7 +277,8 @@ if triton is not None:
 
     @triton.jit
     def _load_cols(row_ptrs, rows_ok, offs_d, D):
-        """Columns offs_d of the rows at row_ptrs (R,): an (R, BD) tile in their own dtype, zeros where masked."""
+        """Columns offs_d of the rows at row_ptrs (R,): an (R, BD) tile in their own dtype,
+        zeros where masked."""
         mask = rows_ok[:, None] & (offs_d < D)[None, :]
         return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
@@ -272,29 +294,33 @@ if triton is not None:
 
     @triton.jit
     def _start_factor(v_ptr, b_ptr, offs_tile, m_ok):
-        """v e^b at the (C, BM) offsets offs_tile, a per-token factor onto the chunk-start state: q e^b, how much each
-        token reads of it, or omega e^b, the norm's share of its gradient."""
+        """v e^b at the (C, BM) offsets offs_tile, a per-token factor onto the chunk-start state: q
+        e^b, how much each token reads of it, or omega e^b, the norm's share of its gradient."""
         v = tl.load(v_ptr + offs_tile, mask=m_ok[None, :], other=0.0)
         return v * tl.exp(tl.load(b_ptr + offs_tile, mask=m_ok[None, :], other=0.0))
 
     @triton.jit
     def _chunk_tile(bi, n, Tp, M, C: tl.constexpr, BM: tl.constexpr):
-        """Chunk n of sequence bi in a (B, Tp, M) array: token offsets (C,), row offsets (BM,), the (C, BM) offsets
-        of the tile and its row mask (1, BM)."""
+        """Chunk n of sequence bi in a (B, Tp, M) array: token offsets (C,), row offsets (BM,), the
+        (C, BM) offsets of the tile and its row mask (1, BM)."""
         offs_t = n * C + tl.arange(0, C)
         offs_m = tl.arange(0, BM)
-        return offs_t, offs_m, bi * Tp * M + offs_t[:, None] * M + offs_m[None, :], (offs_m < M)[None, :]
+        offs_tile = bi * Tp * M + offs_t[:, None] * M + offs_m[None, :]
+        return offs_t, offs_m, offs_tile, (offs_m < M)[None, :]
 
     @triton.jit
     def _chunk_at(step, NC, REVERSE: tl.constexpr):
-        """The chunk a scan visits at `step`; steps past the end give the last one (prefetches re-read it)."""
+        """The chunk a scan visits at `step`; steps past the end give the last one
+        (prefetches re-read it)."""
         step = tl.minimum(step, NC - 1)
         return NC - 1 - step if REVERSE else step
 
     @triton.jit
     def _tile(ptr, base, offs_m, m_ok, offs_t, M, other=0.0):
-        """(rows, tokens) tile of a (B, Tp, M) float32 array: [i, t] at base + t * M + i, `other` on padded rows."""
-        return tl.load(ptr + base + offs_t[None, :] * M + offs_m[:, None], mask=m_ok[:, None], other=other)
+        """(rows, tokens) tile of a (B, Tp, M) float32 array: [i, t] at base + t * M + i,
+        `other` on padded rows."""
+        return tl.load(ptr + base + offs_t[None, :] * M + offs_m[:, None], mask=m_ok[:, None],
+                       other=other)
 
     @triton.jit
     def _store_tile(ptr, base, offs_m, m_ok, offs_t, M, value):
@@ -324,17 +350,20 @@ if triton is not None:
 
     @triton.jit
     def _rows_first(ptr, offs_m, offs_c, BM: tl.constexpr):
-        """(BM, C) tile of a chunk's (C, BM) float32 array (stored tokens first). Unmasked and contiguous along the
-        rows, the load gives the walks their layout: rows along a warp's lanes, so that a row vector (BM,) costs a
-        thread a few registers, and the sums over rows of _store_reads stay inside a warp."""
+        """(BM, C) tile of a chunk's (C, BM) float32 array (stored tokens first). Unmasked and
+        contiguous along the rows, the load gives the walks their layout: rows along a warp's lanes,
+        so that a row vector (BM,) costs a thread a few registers, and the sums over rows of
+        _store_reads stay inside a warp."""
         return tl.load(ptr + offs_c[None, :] * BM + offs_m[:, None])
 
     @triton.jit
-    def _walk_dots(dots, decay_ptr, theta_ptr, dot_ptr, dot_step, dot_stride, chunk_base, offs_m, m_ok, M,
+    def _walk_dots(dots, decay_ptr, theta_ptr, dot_ptr, dot_step, dot_stride, chunk_base, offs_m,
+                   m_ok, M,
                    C: tl.constexpr, S: tl.constexpr):
-        """dots[i, t] = H_i . v_t at the chunk start (BM, C), for vectors v_t (x_t or dy_t), walked through the
-        chunk's writes: h_s[i] . v_t = a_s h_{s-1}[i] . v_t + theta_s x_s . v_t, where x_s . v_t is at
-        dot_ptr + s * dot_step + t * dot_stride. Returns h_t[i] . v_t, each row at its own token."""
+        """dots[i, t] = H_i . v_t at the chunk start (BM, C), for vectors v_t (x_t or dy_t), walked
+        through the chunk's writes: h_s[i] . v_t = a_s h_{s-1}[i] . v_t + theta_s x_s . v_t, where
+        x_s . v_t is at dot_ptr + s * dot_step + t * dot_stride. Returns h_t[i] . v_t, each row at
+        its own token."""
         offs_c = tl.arange(0, C)
         diagonal = tl.zeros_like(dots)
         for s0 in range(0, C, S):  # S steps unrolled: their loads do not wait on the walk
@@ -348,12 +377,13 @@ if triton is not None:
         return diagonal
 
     @triton.jit
-    def _store_reads(matrix_ptr, query_ptr, decay_ptr, theta_ptr, weights, chunk_base, offs_m, m_ok, M,
+    def _store_reads(matrix_ptr, query_ptr, decay_ptr, theta_ptr, weights, chunk_base, offs_m, m_ok,
+                     M,
                      C: tl.constexpr, S: tl.constexpr):
-        """A chunk's read matrix (C, C), P[t, s] = sum_i query_t[i] L_i[t, s], row by row: the write weights
-        L_i[t, s] = e^{b_t - b_s} theta_s of every earlier token s into row i (`weights`, zeros (BM, C) in the walks'
-        layout) walk with t. The rows collect in registers and go out in one store, cheaper than a store a row
-        (docs/kernel_log.md)."""
+        """A chunk's read matrix (C, C), P[t, s] = sum_i query_t[i] L_i[t, s], row by row: the write
+        weights L_i[t, s] = e^{b_t - b_s} theta_s of every earlier token s into row i (`weights`,
+        zeros (BM, C) in the walks' layout) walk with t. The rows collect in registers and go out in
+        one store, cheaper than a store a row (docs/kernel_log.md)."""
         offs_c = tl.arange(0, C)
         reads = tl.zeros([C, C], dtype=tl.float32)
         for t0 in range(0, C, S):
@@ -363,11 +393,12 @@ if triton is not None:
                 write = _at(theta_ptr, chunk_base, t, offs_m, m_ok, M)
                 weights = tl.where(offs_c[None, :] == t, write[:, None], decay[:, None] * weights)
                 query = _at(query_ptr, chunk_base, t, offs_m, m_ok, M)
-                reads = tl.where(offs_c[:, None] == t, tl.sum(query[:, None] * weights, axis=0)[None, :], reads)
+                reads = tl.where(offs_c[:, None] == t, tl.sum(query[:, None] * weights,
+                                                              axis=0)[None, :], reads)
         tl.store(matrix_ptr + offs_c[:, None] * C + offs_c[None, :], reads)
 
 
-# ----------------------------------------------------------------------------- scan: launch settings
+# ---------------------------------------------------------------------------- scan: launch settings
 
 
 def _precision(x):
@@ -376,23 +407,26 @@ def _precision(x):
 
 
 def _operand(x):
-    """Operand dtype of the products with X, dY and the states. bfloat16 inputs (and their bfloat16 states) are
-    exact in bfloat16, and float32 tiles meet them as hi + lo bfloat16 pairs (16 bits, finer than tf32's 11), but
-    in the products of y and dxbar, which are rounded to bfloat16, as single bfloat16 tiles; float16 (whose range
-    is too narrow for such pairs) and float32 inputs take float32 products at _precision."""
+    """Operand dtype of the products with X, dY and the states. bfloat16 inputs (and their bfloat16
+    states) are exact in bfloat16, and float32 tiles meet them as hi + lo bfloat16 pairs (16 bits,
+    finer than tf32's 11), but in the products of y and dxbar, which are rounded to bfloat16, as
+    single bfloat16 tiles; float16 (whose range is too narrow for such pairs) and float32 inputs
+    take float32 products at _precision."""
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
 
 
 def _block_m(M):
-    """Padded row count: a power of two, at least 32 (Triton 3.6 once faulted on 16-row products)."""
+    """Padded row count: a power of two, at least 32 (Triton 3.6 once faulted on 16-row
+    products)."""
     return max(32, triton.next_power_of_2(M))
 
 
 def _start_dtype(x):
-    """Storage dtype of the chunk-start states and of the state gradients (each chunk's own and those at the
-    chunk ends): bfloat16 for bfloat16 inputs, else float32 (half the bytes of the largest tensors of the scan;
-    the products take them as single bfloat16 operands, the scans add them into float32 carries, and hT and dh0
-    stay float32), for bfloat16-level errors in the float32 gradients (docs/kernel_log.md)."""
+    """Storage dtype of the chunk-start states and of the state gradients (each chunk's own and
+    those at the chunk ends): bfloat16 for bfloat16 inputs, else float32 (half the bytes of the
+    largest tensors of the scan; the products take them as single bfloat16 operands, the scans add
+    them into float32 carries, and hT and dh0 stay float32), for bfloat16-level errors in the
+    float32 gradients (docs/kernel_log.md)."""
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
@@ -403,27 +437,28 @@ def _sm_count(x):
 
 def _meta(x, M, num_warps, num_stages=1):
     """Launch settings shared by the per-chunk kernels."""
-    return dict(C=CHUNK, BM=_block_m(M), PRECISION=_precision(x), num_warps=num_warps, num_stages=num_stages)
+    return dict(C=CHUNK, BM=_block_m(M), PRECISION=_precision(x), num_warps=num_warps,
+                num_stages=num_stages)
 
 
 def _walk_meta(x, M, unroll, warps):
-    """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop iteration,
-    `warps` at m = 64, scaled with the padded rows (_block_m); the callers' values are the best of sweeps
-    (docs/kernel_log.md)."""
+    """Settings of the kernels that walk (rows, tokens) tiles through a chunk: `unroll` steps a loop
+    iteration, `warps` at m = 64, scaled with the padded rows (_block_m); the callers' values are
+    the best of sweeps (docs/kernel_log.md)."""
     return dict(C=CHUNK, BM=_block_m(M), S=unroll, num_warps=max(2, warps * _block_m(M) // 64))
 
 
 def _columns_per_program(x):
-    """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up, a few
-    (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the GPU's SMs
-    (docs/kernel_log.md)."""
+    """Columns of D each program of the streaming kernels takes: all of them (the per-chunk set-up,
+    a few (C, C) and (C, m) tiles, then runs once per chunk), unless the chunks are fewer than the
+    GPU's SMs (docs/kernel_log.md)."""
     chunks = x.shape[0] * triton.cdiv(x.shape[1], CHUNK)
     return triton.cdiv(x.shape[-1], triton.cdiv(_sm_count(x), chunks))
 
 
 def _streaming(x, M, num_stages=3):
-    """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT at a time
-    (num_stages: tiles in flight, swept in docs/kernel_log.md)."""
+    """Grid axis 2 and settings of the kernels that stream a chunk's columns of X and states, SPLIT
+    at a time (num_stages: tiles in flight, swept in docs/kernel_log.md)."""
     split = 64 * triton.cdiv(_columns_per_program(x), 64)  # whole steps of BD = 64 columns
     return triton.cdiv(x.shape[-1], split), dict(BD=64, SPLIT=split, OP=_operand(x),
                                                  **_meta(x, M, num_warps=4, num_stages=num_stages))
@@ -440,17 +475,20 @@ def _scratch(theta, NC, *rows):
 if triton is not None:
 
     @triton.jit
-    def _decay_kernel(theta_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr, BM: tl.constexpr,
+    def _decay_kernel(theta_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
+                      BM: tl.constexpr,
                       FLOOR: tl.constexpr):
-        """The decays a = e^{log(1 - theta)} (0 at theta = 1), the within-chunk cumulative
-        sum b of the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s} theta_s,
-        (BM, C) a chunk (0 on padded rows)."""
+        """The decays a = e^{log(1 - theta)} (0 at theta = 1), the within-chunk cumulative sum b of
+        the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s}
+        theta_s, (BM, C) a chunk (0 on padded rows)."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
         theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
         kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
-        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1 (Goldberg)
-        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / tl.where(kept == 1.0, -1.0, kept - 1.0)))
+        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1
+        # (Goldberg)
+        denominator = tl.where(kept == 1.0, -1.0, kept - 1.0)
+        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / denominator))
         forget = theta >= 1.0
         tl.store(decay_ptr + offs_tile, tl.where(forget, 0.0, tl.exp(log_decay)), mask=rows_ok)
         log_decay = tl.where(forget, FLOOR, log_decay)
@@ -459,65 +497,79 @@ if triton is not None:
         offs_c = tl.arange(0, C)
         b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
         keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
-        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None], keys)
+        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None],
+                 keys)
 
 
 def _padded(weights):
-    """theta or phi as float32 (B, Tp, M), zero-padded in time to a multiple of CHUNK (no copy when it is)."""
+    """theta or phi as float32 (B, Tp, M), zero-padded in time to a multiple of CHUNK
+    (no copy when it is)."""
     return _pad_time(weights.float(), CHUNK).contiguous()
 
 
 def _decays(theta_p):
-    """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative sum b of
-    log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys to its end state
-    (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of CHUNK (_padded)."""
+    """The decays e^{log(1 - theta)} (0 where the memory forgets) and the within-chunk cumulative
+    sum b of log(1 - theta) (_log_decay and _chunk_cumsum), both (B, Tp, M), and each chunk's keys
+    to its end state (B, NC, BM, C); theta_p is contiguous float32, padded in time to a multiple of
+    CHUNK (_padded)."""
     B, Tp, M = theta_p.shape
     decay, b = torch.empty_like(theta_p), torch.empty_like(theta_p)
     keys = theta_p.new_empty(B, Tp // CHUNK, _block_m(M), CHUNK)
-    _decay_kernel[(Tp // CHUNK, B)](theta_p, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M), FLOOR=LOG_DECAY_FLOOR,
+    _decay_kernel[(Tp // CHUNK, B)](theta_p, decay, b, keys, Tp, M, C=CHUNK, BM=_block_m(M),
+                                    FLOOR=LOG_DECAY_FLOOR,
                                     num_warps=8)
     return decay, b, keys
 
 
 def _prepare(theta, phi):
-    """What the forward makes of theta and phi first: padded theta and phi, the decays, b and the keys."""
+    """What the forward makes of theta and phi first: padded theta and phi, the decays, b
+    and the keys."""
     theta_p = _padded(theta)
     return (theta_p, _padded(phi), *_decays(theta_p))
 
 
-# ----------------------------------------------------------------------------- scan forward: chunk-start states
+# ----------------------------------------------------------------- scan forward: chunk-start states
 
 
 if triton is not None:
 
     @triton.jit
-    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, states_ptr, end_ptr, T, Tp, D, M, NC, GROUP,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, FINAL: tl.constexpr,
+    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, states_ptr, end_ptr, T, Tp, D, M, NC,
+                             GROUP,
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             FINAL: tl.constexpr,
                              HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD columns:
-        carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start state, or h0 for one
-        group), stores the carry entering each chunk in states and, from the last group, hT; the first (several
-        groups) starts from zero and stores only the group's end carry, its own contribution to the next group's
-        start."""
+        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD
+        columns: carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start
+        state, or h0 for one group), stores the carry entering each chunk in states and, from the
+        last group, hT; the first (several groups) starts from zero and stores only the group's end
+        carry, its own contribution to the next group's start."""
         bi, g, column_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m, offs_d = tl.arange(0, BM), column_block * BD + tl.arange(0, BD)
         offs_state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
         state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
-        offs_keys = offs_m[:, None] * C + tl.arange(0, C)[None, :]  # (BM, C) offsets in one chunk's keys
+        # (BM, C) offsets in one chunk's keys
+        offs_keys = offs_m[:, None] * C + tl.arange(0, C)[None, :]
         if HAS_INIT:
-            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state, mask=state_ok, other=0.0)
+            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state,
+                            mask=state_ok, other=0.0)
         else:
             carry = tl.zeros([BM, BD], dtype=tl.float32)
-        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):  # loads pipelined num_stages deep
+        # loads pipelined num_stages deep
+        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):
             k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + offs_keys), OP)
             b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d, D)  # (C, BD)
+            # (C, BD)
+            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d,
+                           D)
             if FINAL:
-                tl.store(states_ptr + (bi * NC + n) * M * D + offs_state, carry.to(states_ptr.dtype.element_ty),
+                tl.store(states_ptr + (bi * NC + n) * M * D + offs_state,
+                         carry.to(states_ptr.dtype.element_ty),
                          mask=state_ok)
             carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
         if not FINAL:
-            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state, carry, mask=state_ok)
+            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state, carry,
+                     mask=state_ok)
         elif g == tl.num_programs(1) - 1:
             tl.store(end_ptr + bi * M * D + offs_state, carry, mask=state_ok)
 
@@ -525,49 +577,57 @@ if triton is not None:
     def _chunk_scan_kernel(added_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
                            C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
                            REVERSE: tl.constexpr):
-        """out[n] <- carry; carry <- e^{b_end[n]} * carry + added[n], over n. Loads run two chunks ahead, so
-        that a program walking many chunks (batch 1) does not wait on memory at each (docs/kernel_log.md)."""
+        """out[n] <- carry; carry <- e^{b_end[n]} * carry + added[n], over n. Loads run two chunks
+        ahead, so that a program walking many chunks (batch 1) does not wait on memory at each
+        (docs/kernel_log.md)."""
         bi, block = tl.program_id(0), tl.program_id(1)
         offs = block * BLOCK + tl.arange(0, BLOCK)
         ok = offs < M * D
-        added_ptrs, out_ptrs = added_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs  # chunk 0
-        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D  # b at chunk 0's last token, on each element's row
+        # chunk 0
+        added_ptrs, out_ptrs = added_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs
+        # b at chunk 0's last token, on each element's row
+        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D
         if HAS_INIT:
             carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
         else:
             carry = tl.zeros([BLOCK], dtype=tl.float32)
         n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
-        added0, log_decay0 = tl.load(added_ptrs + n0 * M * D, mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
-        added1, log_decay1 = tl.load(added_ptrs + n1 * M * D, mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
+        added0, log_decay0 = tl.load(added_ptrs + n0 * M * D,
+                                     mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
+        added1, log_decay1 = tl.load(added_ptrs + n1 * M * D,
+                                     mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
         for step in range(NC):
             n2 = _chunk_at(step + 2, NC, REVERSE)
-            added2, log_decay2 = tl.load(added_ptrs + n2 * M * D, mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
-            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D, carry.to(out_ptr.dtype.element_ty), mask=ok)
+            added2, log_decay2 = tl.load(added_ptrs + n2 * M * D,
+                                         mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
+            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D,
+                     carry.to(out_ptr.dtype.element_ty), mask=ok)
             carry = tl.exp(log_decay0) * carry + added0
             added0, log_decay0, added1, log_decay1 = added1, log_decay1, added2, log_decay2
         tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
 
 
 def _state_groups(x, NC, columns):
-    """Groups of chunks that the state kernel walks in parallel: one while the sequences' column blocks make at
-    least half a program an SM; with fewer sequences (long T), as many as make two programs an SM, one wave:
-    first each group's own end state, then a scan over groups, then the states from the group starts
-    (docs/kernel_log.md)."""
+    """Groups of chunks that the state kernel walks in parallel: one while the sequences' column
+    blocks make at least half a program an SM; with fewer sequences (long T), as many as make two
+    programs an SM, one wave: first each group's own end state, then a scan over groups, then the
+    states from the group starts (docs/kernel_log.md)."""
     programs, sms = x.shape[0] * triton.cdiv(x.shape[-1], columns), _sm_count(x)
     return 1 if 2 * programs >= sms else min(NC, 2 * sms // programs)
 
 
 def _state_columns(M):
-    """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above 64 rows, so
-    that its float32 carry stays 8K elements and does not spill (docs/kernel_log.md)."""
+    """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above
+    64 rows, so that its float32 carry stays 8K elements and does not spill (docs/kernel_log.md)."""
     return 128 if _block_m(M) <= 64 else 64
 
 
 def _scan_states(added, carries, b, init, final, reverse):
-    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC, M, D), what
-    each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is chunk n's log-decay: the
-    gradients at the chunk ends, or the start states of groups of chunks (C = 1, b the groups' log-decays). Not in
-    place: in place, the loads ahead would wait on the stores before them (docs/kernel_log.md)."""
+    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC,
+    M, D), what each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is
+    chunk n's log-decay: the gradients at the chunk ends, or the start states of groups of chunks (C
+    = 1, b the groups' log-decays). Not in place: in place, the loads ahead would wait on the stores
+    before them (docs/kernel_log.md)."""
     B, NC, M, D = added.shape
     BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs
     _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
@@ -589,14 +649,19 @@ def _chunk_states(x, keys, b, h0):
     meta = dict(BD=columns, OP=_operand(x), **_meta(x, M, num_warps=4, num_stages=3))
     init = h0
     if groups > 1:
-        group_ends = x.new_empty(B, groups, M, D, dtype=torch.float32)  # each group's end state from zero
-        _chunk_states_kernel[grid](x, keys, b, x, x, group_ends, x.shape[1], Tp, D, M, NC, group, FINAL=False,
+        # each group's end state from zero
+        group_ends = x.new_empty(B, groups, M, D, dtype=torch.float32)
+        _chunk_states_kernel[grid](x, keys, b, x, x, group_ends, x.shape[1], Tp, D, M, NC, group,
+                                   FINAL=False,
                                    HAS_INIT=False, **meta)
-        chunk_decays = F.pad(b[:, CHUNK - 1::CHUNK], (0, 0, 0, groups * group - NC))  # (B, groups * group, M)
-        group_decays = chunk_decays.view(B, groups, group, M).sum(2)  # (B, groups, M) log-decay over each group
+        # (B, groups * group, M)
+        chunk_decays = F.pad(b[:, CHUNK - 1::CHUNK], (0, 0, 0, groups * group - NC))
+        # (B, groups, M) log-decay over each group
+        group_decays = chunk_decays.view(B, groups, group, M).sum(2)
         init = torch.empty_like(group_ends)
         _scan_states(group_ends, init, group_decays, h0, final, reverse=False)
-    _chunk_states_kernel[grid](x, keys, b, x if init is None else init, states, final, x.shape[1], Tp, D, M, NC,
+    _chunk_states_kernel[grid](x, keys, b, x if init is None else init, states, final, x.shape[1],
+                               Tp, D, M, NC,
                                group, FINAL=True, HAS_INIT=init is not None, **meta)
     return states, final
 
@@ -607,17 +672,20 @@ def _chunk_states(x, keys, b, h0):
 if triton is not None:
 
     @triton.jit
-    def _chunk_products_kernel(x_ptr, dy_ptr, states_ptr, gram_ptr, h_dots_ptr, h_sq_ptr, dyx_ptr, T, D, M, NC,
-                               C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+    def _chunk_products_kernel(x_ptr, dy_ptr, states_ptr, gram_ptr, h_dots_ptr, h_sq_ptr, dyx_ptr,
+                               T, D, M, NC,
+                               C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                               PRECISION: tl.constexpr,
                                OP: tl.constexpr, BACKWARD: tl.constexpr):
-        """A chunk's inner products over D, H its start state: X X^T, H X^T and ||H_i||^2, or for the backward
-        X X^T, H dY^T and dY X^T."""
+        """A chunk's inner products over D, H its start state: X X^T, H X^T and ||H_i||^2, or for
+        the backward X X^T, H dY^T and dY X^T."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        # (C,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
         h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
         gram = tl.zeros([C, C], dtype=tl.float32)
         h_dots = tl.zeros([BM, C], dtype=tl.float32)  # H X^T, or H dY^T
@@ -636,7 +704,8 @@ if triton is not None:
                 h_dots += _mm(h, tl.trans(x), PRECISION)
                 h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
         chunk = bi * NC + n
-        offs_square, offs_tokens_first = offs_c[:, None] * C + offs_c[None, :], offs_c[None, :] * BM + offs_m[:, None]
+        offs_square = offs_c[:, None] * C + offs_c[None, :]
+        offs_tokens_first = offs_c[None, :] * BM + offs_m[:, None]
         tl.store(gram_ptr + chunk * C * C + offs_square, gram)
         tl.store(h_dots_ptr + chunk * BM * C + offs_tokens_first, h_dots)
         if BACKWARD:
@@ -645,34 +714,42 @@ if triton is not None:
             tl.store(h_sq_ptr + chunk * BM + offs_m, h_sq)
 
     @triton.jit
-    def _chunk_norms_kernel(theta_ptr, phi_ptr, decay_ptr, gram_ptr, h_dot_x_ptr, h_sq_ptr, q_ptr, p_ptr, rms_ptr, eps,
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, decay_ptr, gram_ptr, h_dot_x_ptr, h_sq_ptr, q_ptr,
+                            p_ptr, rms_ptr, eps,
                             Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
-        """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s]. The squared norms
-        follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2 x_t . x_t (a scan over the chunk
-        from ||H_i||^2), with h_t . x_t from the walk of H . x_t through the chunk's writes (_walk_dots); h_t . x_t
-        replaces H . x_t in place, for the backward (_chunk_grads_kernel)."""
+        """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s].
+        The squared norms follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2
+        x_t . x_t (a scan over the chunk from ||H_i||^2), with h_t . x_t from the walk of H . x_t
+        through the chunk's writes (_walk_dots); h_t . x_t replaces H . x_t in place, for the
+        backward (_chunk_grads_kernel)."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
         m_ok = offs_m < M
         chunk = bi * NC + n
         gram_chunk = gram_ptr + chunk * C * C
-        chunk_base = bi * Tp * M + n * C * M  # offset of the chunk's first token in (B, Tp, M) arrays
-        start_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) H_i . x_t
-        h_dot_x = _walk_dots(start_dot_x, decay_ptr, theta_ptr, gram_chunk, C, 1, chunk_base, offs_m, m_ok, M, C,
+        # offset of the chunk's first token in (B, Tp, M) arrays
+        chunk_base = bi * Tp * M + n * C * M
+        # (BM, C) H_i . x_t
+        start_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)
+        h_dot_x = _walk_dots(start_dot_x, decay_ptr, theta_ptr, gram_chunk, C, 1, chunk_base,
+                             offs_m, m_ok, M, C,
                              S)  # (BM, C) h_t . x_t
-        tl.store(h_dot_x_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], h_dot_x)  # tokens first
+        # tokens first
+        tl.store(h_dot_x_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], h_dot_x)
         theta = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
         decay = _tile(decay_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)
         decay2 = decay * decay  # a_t^2
         growth = theta * (2.0 * h_dot_x - theta * tl.load(gram_chunk + offs_c * (C + 1))[None, :])
-        growth += tl.where(offs_c[None, :] == 0, decay2 * tl.load(h_sq_ptr + chunk * BM + offs_m)[:, None], 0.0)
+        growth += tl.where(offs_c[None, :] == 0,
+                           decay2 * tl.load(h_sq_ptr + chunk * BM + offs_m)[:, None], 0.0)
         _, sq_norm = tl.associative_scan((decay2, growth), 1, _linear)
         rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
         _store_tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, rms)
         phi = _tile(phi_ptr, chunk_base, offs_m, m_ok, offs_c, M)
         _store_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M, phi / rms)
         tl.debug_barrier()  # the rows of P read q token by token
-        _store_reads(p_ptr + chunk * C * C, q_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0, chunk_base, offs_m, m_ok, M,
+        _store_reads(p_ptr + chunk * C * C, q_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0, chunk_base,
+                     offs_m, m_ok, M,
                      C, S)
 
     @triton.jit
@@ -685,7 +762,8 @@ if triton is not None:
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)  # (C,)
+        # (C,)
+        x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)
         h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
         p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
         offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
@@ -700,62 +778,73 @@ if triton is not None:
 
 
 def _products(x, states, theta, dy=None):
-    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy (X X^T, H dY^T, dY X^T)."""
+    """Each chunk's inner products over D: (X X^T, H X^T, ||H||^2), or with dy
+    (X X^T, H dY^T, dY X^T)."""
     B, NC, M, D = states.shape
     BM = _block_m(M)
     gram = _scratch(theta, NC, CHUNK)  # (B, NC, C, C)
     h_dots = theta.new_empty(B, NC, CHUNK, BM)  # H X^T or H dY^T as [t, i] (_rows_first)
-    norms_or_dyx = theta.new_empty(B, NC, BM) if dy is None else _scratch(theta, NC, CHUNK)  # ||H||^2 or dY X^T
-    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, h_dots, norms_or_dyx, norms_or_dyx,
-                                    x.shape[1], D, M, NC, BD=64, OP=_operand(x), BACKWARD=dy is not None,
+    # ||H||^2 or dY X^T
+    norms_or_dyx = theta.new_empty(B, NC, BM) if dy is None else _scratch(theta, NC, CHUNK)
+    _chunk_products_kernel[(NC, B)](x, x if dy is None else dy, states, gram, h_dots, norms_or_dyx,
+                                    norms_or_dyx,
+                                    x.shape[1], D, M, NC, BD=64, OP=_operand(x),
+                                    BACKWARD=dy is not None,
                                     **_meta(x, M, num_warps=4, num_stages=3))
     return gram, h_dots, norms_or_dyx
 
 
 def _chunk_out(x, theta, phi, decay, b, states, eps):
-    """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the within-chunk
-    reads, and h_t . x_t (B, NC, C, BM), tokens first."""
+    """Forward output y (B, T, D), the row rms and q = phi / rms (B, Tp, M), P (B, NC, C, C), the
+    within-chunk reads, and h_t . x_t (B, NC, C, BM), tokens first."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, h_dot_x, h_sq = _products(x, states, theta)
-    P, rms, q, y = _scratch(theta, NC, CHUNK), torch.empty_like(theta), torch.empty_like(theta), torch.empty_like(x)
-    _chunk_norms_kernel[(NC, B)](theta, phi, decay, gram, h_dot_x, h_sq, q, P, rms, eps, theta.shape[1], D, M, NC,
+    P, y = _scratch(theta, NC, CHUNK), torch.empty_like(x)
+    rms, q = torch.empty_like(theta), torch.empty_like(theta)
+    _chunk_norms_kernel[(NC, B)](theta, phi, decay, gram, h_dot_x, h_sq, q, P, rms, eps,
+                                 theta.shape[1], D, M, NC,
                                  **_walk_meta(x, M, unroll=16, warps=4))
     splits, meta = _streaming(x, M)
     _chunk_y_kernel[(NC, B, splits)](x, q, b, states, P, y, T, theta.shape[1], D, M, NC, **meta)
     return y, rms, q, P, h_dot_x
 
 
-# ----------------------------------------------------------------------------- scan backward: per-token factors
+# ----------------------------------------------------------------- scan backward: per-token factors
 
 
 if triton is not None:
 
     @triton.jit
-    def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, rms_ptr, gram_ptr, h_dot_x_ptr, dyx_ptr, hdy_ptr,
+    def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, rms_ptr, gram_ptr, h_dot_x_ptr, dyx_ptr,
+                            hdy_ptr,
                             dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
                             C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
-        """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the chunk's products
-        with dy: dq = dy . h, the norm's factor c, omega = theta Gamma with
-        Gamma_s = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u}, and
-        P_w, the read matrix with omega as the query."""
+        """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the
+        chunk's products with dy: dq = dy . h, the norm's factor c, omega = theta Gamma with Gamma_s
+        = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u},
+        and P_w, the read matrix with omega as the query."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
         m_ok = offs_m < M
         chunk = bi * NC + n
         gram_chunk, dyx_chunk = gram_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
         chunk_base = bi * Tp * M + n * C * M
-        h_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)  # (BM, C) h_t . x_t, the forward's
-        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), decay_ptr, theta_ptr, dyx_chunk, 1,
+        # (BM, C) h_t . x_t, the forward's
+        h_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)
+        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), decay_ptr,
+                        theta_ptr, dyx_chunk, 1,
                         C, chunk_base, offs_m, m_ok, M, C, S)  # h_t . dy_t
-        rms = _tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)  # 1 on padded rows, where q is 0
+        # 1 on padded rows, where q is 0
+        rms = _tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)
         query = _tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
         c = -dq * query / (D * rms * rms)
         _store_tile(dq_ptr, chunk_base, offs_m, m_ok, offs_c, M, dq)
         _store_tile(c_ptr, chunk_base, offs_m, m_ok, offs_c, M, c)
         # Gamma_s = c_s + a_{s+1}^2 Gamma_{s+1}
         next_decays = tl.load(decay_ptr + chunk_base + (offs_c[None, :] + 1) * M + offs_m[:, None],
-                              mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=1.0)  # (BM, C) a_{s+1}
+                              # (BM, C) a_{s+1}
+                              mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=1.0)
         _, gamma = tl.associative_scan((next_decays * next_decays, c), 1, _linear, reverse=True)
         first_decay = _at(decay_ptr, chunk_base, 0, offs_m, m_ok, M, 1.0)
         first_decay2 = first_decay * first_decay  # a_0^2
@@ -764,67 +853,83 @@ if triton is not None:
         omega = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * gamma
         _store_tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c, M, omega)
         tl.debug_barrier()  # the walks below read omega token by token
-        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end; kept at u = s
-        later = h_dot_x * 0.0  # zeros in the walks' layout (_rows_first): tl.zeros would put 32 rows on a thread
+        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end;
+        # kept at u = s
+        # zeros in the walks' layout (_rows_first): tl.zeros would put 32 rows on a thread
+        later = h_dot_x * 0.0
         reads = h_dot_x * 0.0
         for j in range(C // S):
             for du in tl.static_range(S):
                 u = C - 1 - j * S - du
-                next_decay = _at(decay_ptr, chunk_base, (u + 1) % C, offs_m, m_ok, M, 1.0)  # a_{u+1} (unused at C - 1)
+                # a_{u+1} (unused at C - 1)
+                next_decay = _at(decay_ptr, chunk_base, (u + 1) % C, offs_m, m_ok, M, 1.0)
                 q_u = _at(q_ptr, chunk_base, u, offs_m, m_ok, M)
                 omega_u = _at(omega_ptr, chunk_base, u, offs_m, m_ok, M)
-                later = (next_decay[:, None] * later + q_u[:, None] * tl.load(dyx_chunk + u * C + offs_c)[None, :]
-                         + omega_u[:, None] * tl.load(gram_chunk + u * C + offs_c)[None, :])
+                dy_x = tl.load(dyx_chunk + u * C + offs_c)[None, :]
+                x_x = tl.load(gram_chunk + u * C + offs_c)[None, :]
+                later = next_decay[:, None] * later + q_u[:, None] * dy_x + omega_u[:, None] * x_x
                 reads = tl.where(offs_c[None, :] == u, later, reads)
         diag = tl.load(gram_chunk + offs_c * (C + 1))  # x_t . x_t
         dk = reads - omega * diag[None, :] + gamma * h_dot_x
         _store_tile(dk_ptr, chunk_base, offs_m, m_ok, offs_c, M, dk)
-        _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0, chunk_base, offs_m, m_ok,
+        _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0,
+                     chunk_base, offs_m, m_ok,
                      M, C, S)
 
 
 def _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x):
-    """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM); P_w (B, NC, C, C)."""
+    """dq, c, omega and dk less its chunk-end term, all (B, Tp, M); kappa (B, NC, BM);
+    P_w (B, NC, C, C)."""
     B, _, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
     gram, hdy, dyx = _products(x, states, theta, dy)
     dq, c, omega, dk = (torch.empty_like(theta) for _ in range(4))
     kappa, p_w = theta.new_empty(B, NC, _block_m(M)), _scratch(theta, NC, CHUNK)
-    _chunk_grads_kernel[(NC, B)](theta, q, decay, rms, gram, h_dot_x, dyx, hdy, dq, c, omega, kappa, dk, p_w,
+    _chunk_grads_kernel[(NC, B)](theta, q, decay, rms, gram, h_dot_x, dyx, hdy, dq, c, omega, kappa,
+                                 dk, p_w,
                                  theta.shape[1], D, M, NC, **_walk_meta(x, M, unroll=4, warps=8))
     return dq, c, omega, kappa, dk, p_w
 
 
-# ----------------------------------------------------------------------------- scan backward: state gradients
+# ------------------------------------------------------------------- scan backward: state gradients
 
 
 if triton is not None:
 
     @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, states_ptr, omega_ptr, kappa_ptr, dstates_ptr,
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, states_ptr, omega_ptr, kappa_ptr,
+                             dstates_ptr,
                              T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                              SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H, on SPLIT columns."""
+        """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H,
+        on SPLIT columns."""
         n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        # (C,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
         h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
         offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_eb_hi, q_eb_lo = _split(tl.trans(_start_factor(q_ptr, b_ptr, offs_tile, m_ok)), OP)  # (BM, C) q e^b
-        omega_eb_hi, omega_eb_lo = _split(tl.trans(_start_factor(omega_ptr, b_ptr, offs_tile, m_ok)), OP)  # omega e^b
+        # (BM, C) q e^b
+        q_eb_hi, q_eb_lo = _split(tl.trans(_start_factor(q_ptr, b_ptr, offs_tile, m_ok)), OP)
+        # omega e^b
+        omega_eb_hi, omega_eb_lo = _split(tl.trans(_start_factor(omega_ptr, b_ptr, offs_tile,
+                                                                 m_ok)), OP)
         kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
         for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
             offs_d = d0 + tl.arange(0, BD)
             x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
             dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D)
-            dstate = (_mm_split(q_eb_hi, q_eb_lo, dy, PRECISION) + _mm_split(omega_eb_hi, omega_eb_lo, x, PRECISION)
+            dstate = (_mm_split(q_eb_hi, q_eb_lo, dy, PRECISION) + _mm_split(omega_eb_hi,
+                                                                             omega_eb_lo, x,
+                                                                             PRECISION)
                   + kappa[:, None] * h.to(tl.float32))
             tl.store(dstates_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
-                     dstate.to(dstates_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < D)[None, :])
+                     dstate.to(dstates_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & (offs_d < D)[None, :])
 
 
 def _chunk_dstate(x, dy, q, b, states, omega, kappa):
@@ -833,7 +938,8 @@ def _chunk_dstate(x, dy, q, b, states, omega, kappa):
     NC, M = states.shape[1], q.shape[-1]
     dstates = torch.empty_like(states)  # in the states' dtype (_start_dtype)
     splits, meta = _streaming(x, M)
-    _chunk_dstate_kernel[(NC, B, splits)](x, dy, q, b, states, omega, kappa, dstates, T, q.shape[1], D, M, NC,
+    _chunk_dstate_kernel[(NC, B, splits)](x, dy, q, b, states, omega, kappa, dstates, T, q.shape[1],
+                                          D, M, NC,
                                           **meta)
     return dstates
 
@@ -844,30 +950,39 @@ def _chunk_dstate(x, dy, q, b, states, omega, kappa):
 if triton is not None:
 
     @triton.jit
-    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, states_ptr, dends_ptr, omega_ptr, p_ptr, pw_ptr, dhx_ptr,
-                         dx_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, states_ptr, dends_ptr, omega_ptr, p_ptr,
+                         pw_ptr, dhx_ptr,
+                         dx_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr,
+                         BD: tl.constexpr,
                          SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and this
-        program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and only ever meets
-        weights of that dtype, so its products take single OP operands; dH_end is stored in the states' dtype
-        (_start_dtype), exact in OP."""
+        """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and
+        this program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and
+        only ever meets weights of that dtype, so its products take single OP operands; dH_end is
+        stored in the states' dtype (_start_dtype), exact in OP."""
         n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
         offs_m = tl.arange(0, BM)
         t_ok = n * C + offs_c < T
         m_ok = offs_m < M
         chunk = bi * NC + n
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
+        # (C,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
         dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
-        h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr, chunk, M, D, BM)  # (BM,)
+        # (BM,)
+        h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr, chunk, M,
+                                                                                D, BM)
         p_w = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
-        p_w_sym = (p_w + tl.trans(p_w) - tl.where(offs_c[:, None] == offs_c[None, :], p_w, 0.0)).to(OP)  # (C, C)
+        # (C, C)
+        p_w_sym = (p_w + tl.trans(p_w) - tl.where(offs_c[:, None] == offs_c[None, :], p_w,
+                                                  0.0)).to(OP)
         p_trans = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)).to(OP)
         chunk_base = bi * Tp * M + n * C * M
         offs_tile = chunk_base + offs_c[:, None] * M + offs_m[None, :]
         b = tl.load(b_ptr + offs_tile, mask=m_ok[None, :], other=0.0)  # (C, BM)
         theta = tl.load(theta_ptr + offs_tile, mask=m_ok[None, :], other=0.0)
-        omega_eb = (tl.load(omega_ptr + offs_tile, mask=m_ok[None, :], other=0.0) * tl.exp(b)).to(OP)  # omega e^b
+        # omega e^b
+        omega_eb = (tl.load(omega_ptr + offs_tile, mask=m_ok[None, :],
+                            other=0.0) * tl.exp(b)).to(OP)
         b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
         keys_end = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
         dhx = tl.zeros([BM, C], dtype=tl.float32)
@@ -877,20 +992,22 @@ if triton is not None:
             dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
             h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
             dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
-            dx = (_mm(p_trans, dy, PRECISION) + _mm(p_w_sym, x, PRECISION) + _mm(omega_eb, h, PRECISION)
+            dx = (_mm(p_trans, dy, PRECISION) + _mm(p_w_sym, x, PRECISION) + _mm(omega_eb, h,
+                                                                                 PRECISION)
                   + _mm(keys_end, dh, PRECISION))  # (C, BD)
             tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=t_ok[:, None] & (offs_d < D)[None, :])
             dhx += _mm(dh, tl.trans(x), PRECISION)
-        tl.store(dhx_ptr + ((chunk * tl.num_programs(2) + split) * BM + offs_m[:, None]) * C + offs_c[None, :], dhx)
+        share = (chunk * tl.num_programs(2) + split) * BM  # this program's share of dH_end X^T
+        tl.store(dhx_ptr + (share + offs_m[:, None]) * C + offs_c[None, :], dhx)
 
 
 def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     """dxbar (B, T, D) and the shares of dH_end X^T, one per column split (B, NC, splits, BM, C)."""
     B, T, D = x.shape
     NC, M = states.shape[1], theta.shape[-1]
-    # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory only for bfloat16
-    # states of at most 64 rows (docs/kernel_log.md)
+    # four tiles a step (xbar, dy, states, their gradients): 4 stages fit an H200's shared memory
+    # only for bfloat16 states of at most 64 rows (docs/kernel_log.md)
     deep = states.element_size() == 2 and _block_m(M) <= 64
     splits, meta = _streaming(x, M, num_stages=4 if deep else 2)
     dhx = _scratch(theta, NC, splits, _block_m(M))
@@ -900,27 +1017,32 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     return dx, dhx
 
 
-# ----------------------------------------------------------------------------- scan backward: dtheta and dphi
+# ------------------------------------------------------------------- scan backward: dtheta and dphi
 
 
 if triton is not None:
 
     @triton.jit
-    def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, rms_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr, end_dot_ptr, d_b_ptr,
-                            totals_ptr, eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr, BM: tl.constexpr):
-        """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t =
-        q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum within the chunk
-        and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose index 0 is 0."""
+    def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, rms_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr,
+                            end_dot_ptr, d_b_ptr,
+                            totals_ptr, eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr,
+                            BM: tl.constexpr):
+        """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t
+        = q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum
+        within the chunk and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose
+        index 0 is 0."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
         offs_c = tl.arange(0, C)
         chunk = bi * NC + n
         dhx = tl.zeros([BM, C], dtype=tl.float32)
         for split in range(SPLITS):
-            dhx += tl.load(dhx_ptr + ((chunk * SPLITS + split) * BM + offs_m[:, None]) * C + offs_c[None, :])
+            share = (chunk * SPLITS + split) * BM
+            dhx += tl.load(dhx_ptr + (share + offs_m[:, None]) * C + offs_c[None, :])
         b = tl.load(b_ptr + offs_tile, mask=rows_ok, other=0.0)
         b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-        dk = tl.load(dk_ptr + offs_tile, mask=rows_ok, other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
+        dk = tl.load(dk_ptr + offs_tile, mask=rows_ok,
+                     other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
         tl.store(dk_ptr + offs_tile, dk, mask=rows_ok)
         rms = tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0)
         q_dq = (tl.load(q_ptr + offs_tile, mask=rows_ok, other=0.0)
@@ -928,7 +1050,8 @@ if triton is not None:
         sq_norm = D * (rms * rms - eps)
         theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
         d_b = q_dq + tl.load(c_ptr + offs_tile, mask=rows_ok, other=0.0) * sq_norm - theta * dk
-        end_dot = tl.load(end_dot_ptr + bi * M + offs_m, mask=offs_m < M, other=0.0)  # (BM,) dhT . hT
+        # (BM,) dhT . hT
+        end_dot = tl.load(end_dot_ptr + bi * M + offs_m, mask=offs_m < M, other=0.0)
         d_b += tl.where((offs_t == T - 1)[:, None], end_dot[None, :], 0.0)
         tl.store(d_b_ptr + offs_tile, tl.cumsum(d_b, axis=0, reverse=True), mask=rows_ok)
         totals_row = totals_ptr + (bi * BM + offs_m) * (NC + 1)
@@ -937,11 +1060,13 @@ if triton is not None:
             tl.store(totals_row, tl.zeros([BM], dtype=tl.float32))
 
     @triton.jit
-    def _rate_grads_kernel(theta_ptr, decay_ptr, rms_ptr, dq_ptr, dk_ptr, d_b_ptr, later_ptr, dtheta_ptr, dphi_ptr,
+    def _rate_grads_kernel(theta_ptr, decay_ptr, rms_ptr, dq_ptr, dk_ptr, d_b_ptr, later_ptr,
+                           dtheta_ptr, dphi_ptr,
                            T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
-        """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one chunk, (B, T, M);
-        later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the chunks after n. Where the memory
-        forgets (theta = 1), dtheta = dk: _forget_grads_kernel adds the decay term."""
+        """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one
+        chunk, (B, T, M); later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the
+        chunks after n. Where the memory forgets (theta = 1), dtheta = dk: _forget_grads_kernel adds
+        the decay term."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
         later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
@@ -952,46 +1077,52 @@ if triton is not None:
             decaying, d_log_decay / tl.where(decaying, 1.0 - theta, 1.0), 0.0)
         dphi = (tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0)
                 / tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0))
-        offs_out, out_ok = bi * T * M + offs_t[:, None] * M + offs_m[None, :], (offs_t < T)[:, None] & rows_ok
+        offs_out = bi * T * M + offs_t[:, None] * M + offs_m[None, :]
+        out_ok = (offs_t < T)[:, None] & rows_ok
         tl.store(dtheta_ptr + offs_out, dtheta, mask=out_ok)
         tl.store(dphi_ptr + offs_out, dphi, mask=out_ok)
 
 
 def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
-    """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in place).
-    d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT at the end); b is the
-    cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that over u >= t: within the chunk in the
-    first kernel, over the later chunks through the cumulative sum of the chunk totals. Where theta = 1, dtheta
-    lacks its decay term until _forget_grads adds it."""
+    """dtheta and dphi (B, T, M) float32 from the per-token factors (dk gets its chunk-end term in
+    place). d loss / d b_t = g_t . h_t - theta_t dk_t, with g_t . h_t = q dq + c ||h||^2 (+ dhT . hT
+    at the end); b is the cumulative log-decay, so d loss / d log(1 - theta_t) is the sum of that
+    over u >= t: within the chunk in the first kernel, over the later chunks through the cumulative
+    sum of the chunk totals. Where theta = 1, dtheta lacks its decay term until _forget_grads adds
+    it."""
     B, Tp, M = theta.shape
     NC, BM, splits = Tp // CHUNK, _block_m(M), dhx.shape[2]
     d_b, totals = torch.empty_like(theta), theta.new_empty(B, BM, NC + 1)
     meta = dict(C=CHUNK, BM=BM, num_warps=8)  # (C, BM) tiles: 4 warps spill (docs/kernel_log.md)
-    _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp, D, M, NC,
+    _decay_grads_kernel[(NC, B)](theta, q, b, rms, dq, c, dk, dhx, end_dot, d_b, totals, eps, T, Tp,
+                                 D, M, NC,
                                  splits, **meta)
     later = totals.cumsum(-1)  # (B, BM, NC + 1): at NC - 1 - n, the sum over the chunks after n
     dtheta, dphi = theta.new_empty(B, T, M), theta.new_empty(B, T, M)
-    _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC, **meta)
+    _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC,
+                                **meta)
     return dtheta, dphi
 
 
 if triton is not None:
 
     @triton.jit
-    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, q_ptr, omega_ptr, states_ptr, dends_ptr, dtheta_ptr,
+    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, q_ptr, omega_ptr, states_ptr,
+                             dends_ptr, dtheta_ptr,
                              T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                              PRECISION: tl.constexpr, OP: tl.constexpr):
-        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row forgets), which
-        _rate_grads_kernel leaves out: it divides
-        d loss / d log(a_t) = a_t (d loss / d a_t) by a_t, 0 there. d loss / d a_t = G_t . h_{t-1}, G_t the gradient
-        at h_t. In the chunk, with H its start state,
+        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row
+        forgets), which _rate_grads_kernel leaves out: it divides d loss / d log(a_t) = a_t (d loss
+        / d a_t) by a_t, 0 there. d loss / d a_t = G_t . h_{t-1}, G_t the gradient at h_t. In the
+        chunk, with H its start state,
             h_{t-1} = e^{b_{t-1}} H + sum_{s<t} e^{b_{t-1} - b_s} theta_s x_s,
         and, the norm's term a_t Gamma_t ||h_{t-1}||^2 being 0,
             G_t . h_{t-1} = sum_{u>=t} e^{b_u - b_t} (q_u dy_u + omega_u x_u) . h_{t-1}
                             + e^{b_C - b_t} dH_end . h_{t-1}:
-        the chunk's products over D of X, dY, H and dH_end, then two (rows, C) x (C, C) products a token. (At every
-        token this cross term would cost another walk a chunk; below 1 the division loses float32 precision like
-        1 / (1 - theta).) Programs of chunks without such a token return at once."""
+        the chunk's products over D of X, dY, H and dH_end, then two (rows, C) x (C, C) products a
+        token. (At every token this cross term would cost another walk a chunk; below 1 the division
+        loses float32 precision like 1 / (1 - theta).) Programs of chunks without such a token
+        return at once."""
         n, bi = tl.program_id(0), tl.program_id(1)
         offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
         m_ok = offs_m < M
@@ -1000,8 +1131,12 @@ if triton is not None:
         if tl.max(forgets.to(tl.int32)) > 0:
             chunk = bi * NC + n
             t_ok = n * C + offs_c < T
-            x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)  # (C,)
-            h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr, chunk, M, D, BM)  # (BM,)
+            # (C,)
+            x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D,
+                                                                              C)
+            # (BM,)
+            h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr,
+                                                                                    chunk, M, D, BM)
             gram = tl.zeros([C, C], dtype=tl.float32)  # x_u . x_s
             dyx = tl.zeros([C, C], dtype=tl.float32)  # dy_u . x_s
             hx = tl.zeros([BM, C], dtype=tl.float32)  # H . x_u
@@ -1029,41 +1164,50 @@ if triton is not None:
                     b_before = _boundary(b_ptr, chunk_base, offs_m, m_ok, t - 1, M)  # 0 at t = 0
                     before = offs_c[None, :] < t
                     writes = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * tl.exp(
-                        tl.where(before, b_before[:, None] - b, float("-inf")))  # e^{b_{t-1} - b_s} theta_s, s < t
-                    reads = tl.exp(tl.where(before, float("-inf"), b - b_t[:, None]))  # e^{b_u - b_t}, u >= t
+                        # e^{b_{t-1} - b_s} theta_s, s < t
+                        tl.where(before, b_before[:, None] - b, float("-inf")))
+                    # e^{b_u - b_t}, u >= t
+                    reads = tl.exp(tl.where(before, float("-inf"), b - b_t[:, None]))
                     start = tl.exp(b_before)  # (BM,) e^{b_{t-1}}
-                    h_dy = start[:, None] * hdy + _mm(writes, tl.trans(dyx), "ieee")  # (BM, C) h_{t-1} . dy_u
+                    # (BM, C) h_{t-1} . dy_u
+                    h_dy = start[:, None] * hdy + _mm(writes, tl.trans(dyx), "ieee")
                     h_x = start[:, None] * hx + _mm(writes, gram, "ieee")  # h_{t-1} . x_u
                     h_dh = start * dhh + tl.sum(writes * dhx, axis=1)  # (BM,) h_{t-1} . dH_end
-                    d_decay = tl.sum(reads * (_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M) * h_dy
-                                              + _tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c, M) * h_x), axis=1)
+                    d_decay = tl.sum(reads * (_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c,
+                                                    M) * h_dy
+                                              + _tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c,
+                                                      M) * h_x), axis=1)
                     d_decay += tl.exp(b_end - b_t) * h_dh
                     dtheta_t = dtheta_ptr + bi * T * M + (n * C + t) * M + offs_m  # (BM,) pointers
-                    tl.store(dtheta_t, tl.load(dtheta_t, mask=forget, other=0.0) - d_decay, mask=forget)
+                    tl.store(dtheta_t, tl.load(dtheta_t, mask=forget, other=0.0) - d_decay,
+                             mask=forget)
 
 
 def _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends):
     """dtheta (B, T, M) gets its decay term where theta = 1 (_forget_grads_kernel), in place."""
     B, Tp, M = theta.shape
     NC = Tp // CHUNK
-    _forget_grads_kernel[(NC, B)](x, dy, theta, b, q, omega, states, dends, dtheta, x.shape[1], Tp, x.shape[-1], M,
+    _forget_grads_kernel[(NC, B)](x, dy, theta, b, q, omega, states, dends, dtheta, x.shape[1], Tp,
+                                  x.shape[-1], M,
                                   NC, BD=32, OP=_operand(x),
                                   **_meta(x, M, num_warps=4))
 
 
-# ----------------------------------------------------------------------------- scan: custom ops and public API
+# ------------------------------------------------------------------ scan: custom ops and public API
 
-# The scan is a pair of torch.library custom ops and the step one, so torch.compile traces models through them
-# without a graph break (it runs the kernels as they are). The scan's forward returns what its backward reads
-# besides its inputs.
+# The scan is a pair of torch.library custom ops and the step one, so torch.compile traces models
+# through them without a graph break (it runs the kernels as they are). The scan's forward returns
+# what its backward reads besides its inputs.
 
 Tensor = torch.Tensor
 
 
 @torch.library.custom_op("fm::scan_forward", mutates_args=())
 def _scan_forward(xbar: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor], eps: float
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """y, hT, then the decays, b, the chunk-start states, the row rms, q, P and h_t . x_t (see _chunk_out)."""
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor]:
+    """y, hT, then the decays, b, the chunk-start states, the row rms, q, P and h_t . x_t
+    (see _chunk_out)."""
     x = xbar.contiguous()
     theta_p, phi_p, decay, b, keys = _prepare(theta, phi)
     states, hT = _chunk_states(x, keys, b, None if h0 is None else h0.float().contiguous())
@@ -1077,17 +1221,22 @@ def _(xbar, theta, phi, h0, eps):
     M, Tp = theta.shape[-1], CHUNK * -(-T // CHUNK)
     f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
     starts = xbar.new_empty(B, Tp // CHUNK, M, D, dtype=_start_dtype(xbar))
-    return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), starts, f32(B, Tp, M),
-            f32(B, Tp, M), f32(B, Tp // CHUNK, CHUNK, CHUNK), f32(B, Tp // CHUNK, CHUNK, _block_m(M)))
+    return (xbar.new_empty(B, T, D), f32(B, M, D), f32(B, Tp, M), f32(B, Tp, M), starts, f32(B, Tp,
+                                                                                             M),
+            f32(B, Tp, M), f32(B, Tp // CHUNK, CHUNK, CHUNK), f32(B, Tp // CHUNK, CHUNK,
+                                                                  _block_m(M)))
 
 
 @torch.library.custom_op("fm::scan_backward", mutates_args=())
-def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor, decay: Tensor,
-                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, h_dot_x: Tensor, eps: float
+def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tensor, hT: Tensor,
+                   decay: Tensor,
+                   b: Tensor, states: Tensor, rms: Tensor, q: Tensor, P: Tensor, h_dot_x: Tensor,
+                   eps: float
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dxbar (B, T, D); dtheta and dphi float32 (B, T, M); dh0 (B, M, D). dhT None means zeros."""
     x, dy = xbar.contiguous(), dy.contiguous()
-    dhT = None if dhT is None else dhT.float().contiguous()
+    if dhT is not None:
+        dhT = dhT.float().contiguous()
     theta = _padded(theta)
     T, D = x.shape[1:]
     dq, c, omega, kappa, dk, p_w = _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x)
@@ -1096,7 +1245,8 @@ def _scan_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, theta: Tenso
     dends = torch.empty_like(dstates)  # dL/d(chunk-end state)
     _scan_states(dstates, dends, b, dhT, dh0, reverse=True)
     del dstates
-    dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)  # (B, T, D), (B, NC, splits, BM, C)
+    # (B, T, D), (B, NC, splits, BM, C)
+    dx, dhx = _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w)
     end_dot = hT.new_zeros(hT.shape[:2]) if dhT is None else (dhT * hT).sum(-1)  # (B, M) dhT . hT
     dtheta, dphi = _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps)
     _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends)
@@ -1113,12 +1263,14 @@ def _scan_setup_context(ctx, inputs, output):
     xbar, theta, phi, h0, eps = inputs
     ctx.save_for_backward(xbar, theta, *output[1:])
     ctx.eps, ctx.has_h0, ctx.phi_dtype = eps, h0 is not None, phi.dtype
-    ctx.set_materialize_grads(False)  # no zero gradients for the seven outputs only the backward reads
+    # no zero gradients for the seven outputs only the backward reads
+    ctx.set_materialize_grads(False)
 
 
 def _scan_grads(ctx, dy, dhT, *unused):
     xbar, theta, hT, *saved = ctx.saved_tensors
-    dy = torch.zeros_like(xbar) if dy is None else dy
+    if dy is None:
+        dy = torch.zeros_like(xbar)
     dx, dtheta, dphi, dh0 = _scan_backward(dy, dhT, xbar, theta, hT, *saved, ctx.eps)
     return dx, dtheta.to(theta.dtype), dphi.to(ctx.phi_dtype), dh0 if ctx.has_h0 else None, None
 
@@ -1132,17 +1284,20 @@ def _check_scan_args(xbar, theta, phi, h0, eps):
     if not eps > 0:
         raise ValueError(f"eps must be > 0 (it keeps rms(h) away from 0), got {eps}")
     if theta.shape != phi.shape or theta.shape[:2] != (B, T):
-        raise ValueError(f"theta {tuple(theta.shape)} and phi {tuple(phi.shape)} must both be (B, T, M) "
-                         f"with (B, T) = {(B, T)} from xbar")
+        raise ValueError(f"theta {tuple(theta.shape)} and phi {tuple(phi.shape)} must both be "
+                         f"(B, T, M) with (B, T) = {(B, T)} from xbar")
     if h0 is not None and h0.shape != (B, theta.shape[-1], D):
         raise ValueError(f"h0 must be (B, M, D) = {(B, theta.shape[-1], D)}, got {tuple(h0.shape)}")
     if M > MAX_ROWS:
-        raise ValueError(f"fm_scan's kernels take at most {MAX_ROWS} memory rows, got M = {M}: use fm_scan_torch")
+        raise ValueError(f"fm_scan's kernels take at most {MAX_ROWS} memory rows, got M = {M}: "
+                         "use fm_scan_torch")
     Tp = CHUNK * -(-T // CHUNK)
-    widest = max(D, CHUNK, _block_m(M) * -(-D // 64))  # per token: x and y, the (C, C) work, dH X^T shares
+    # per token: x and y, the (C, C) work, dH X^T shares
+    widest = max(D, CHUNK, _block_m(M) * -(-D // 64))
     if B * Tp * widest >= 2**31 or B * (Tp // CHUNK) * M * D >= 2**31:
-        raise ValueError(f"fm_scan indexes with 32-bit offsets: B*T*D = {B * T * D:,} and the chunk states are too "
-                         f"large for one call; split the batch into calls of fewer tokens")
+        raise ValueError(f"fm_scan indexes with 32-bit offsets: B*T*D = {B * T * D:,} and the "
+                         "chunk states are too large for one call; split the batch into calls "
+                         "of fewer tokens")
 
 
 def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
@@ -1152,7 +1307,7 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
     return y, hT
 
 
-# ----------------------------------------------------------------------------- decode step: references
+# -------------------------------------------------------------------------- decode step: references
 
 
 def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
@@ -1167,14 +1322,16 @@ def fm_step_naive(h, xbar, idx, theta, phi, eps=1e-6):
 
 
 def route_naive(scores, top_k, tau):
-    """The router from its scores (..., M + 2), float32 or float64: W_alpha x, then the logits of eta and mu
-    (biases included). -> idx (..., K), the top_k rows of the softmax of W_alpha x / tau (None when top_k = M),
-    alpha (..., K) their probabilities renormalised to sum to 1 (all M when dense), eta and mu (..., 1)."""
+    """The router from its scores (..., M + 2), float32 or float64: W_alpha x, then the logits of
+    eta and mu (biases included). -> idx (..., K), the top_k rows of the softmax of W_alpha x / tau
+    (None when top_k = M), alpha (..., K) their probabilities renormalised to sum to 1 (all M when
+    dense), eta and mu (..., 1)."""
     logits, rate_logits = scores[..., :-2], scores[..., -2:]
     probs = torch.softmax(logits / tau, dim=-1)  # (..., M)
     idx, alpha = None, probs
     if top_k < probs.shape[-1]:
-        ranked, order = probs.sort(-1, descending=True)  # torch.compile generates a kernel for a sort of m values;
+        # torch.compile generates a kernel for a sort of m values;
+        ranked, order = probs.sort(-1, descending=True)
         alpha, idx = ranked[..., :top_k], order[..., :top_k]  # topk is a library call
         alpha = alpha / alpha.sum(-1, keepdim=True)
     rates = torch.sigmoid(rate_logits)  # (..., 2)
@@ -1182,8 +1339,9 @@ def route_naive(scores, top_k, tau):
 
 
 def conv_step_naive(x, window, weight, bias):
-    """Causal depthwise convolution + SiLU of one token x (B, C) after the window (B, C, W - 1) of the inputs
-    before it, which moves on in place; weight (C, W), bias (C,). Computed in at least float32 -> (B, C)."""
+    """Causal depthwise convolution + SiLU of one token x (B, C) after the window (B, C, W - 1) of
+    the inputs before it, which moves on in place; weight (C, W), bias (C,). Computed in at least
+    float32 -> (B, C)."""
     inputs = torch.cat([window, x[..., None].to(window.dtype)], dim=-1)  # (B, C, W)
     window.copy_(inputs[..., 1:])
     weight = weight.to(torch.promote_types(x.dtype, torch.float32))
@@ -1191,34 +1349,41 @@ def conv_step_naive(x, window, weight, bias):
 
 
 def causal_conv(x, window, weight, bias, lengths=None):
-    """conv_step_naive over a sequence: x (B, T, C) after window (B, C, W - 1), the inputs before it (None: zeros),
-    weight (C, W), bias (C,) -> (B, T, C), and the new window: the W - 1 inputs before each row's end (lengths (B,);
-    None: T). W shifted multiply-adds in x's layout, in float32 at least: elementwise work that inductor fuses
-    (F.conv1d wants (B, C, T): two transposes, and cuDNN's depthwise kernels outside the fusions)."""
+    """conv_step_naive over a sequence: x (B, T, C) after window (B, C, W - 1), the inputs before it
+    (None: zeros), weight (C, W), bias (C,) -> (B, T, C), and the new window: the W - 1 inputs
+    before each row's end (lengths (B,); None: T). W shifted multiply-adds in x's layout, in float32
+    at least: elementwise work that inductor fuses (F.conv1d wants (B, C, T): two transposes, and
+    cuDNN's depthwise kernels outside the fusions)."""
     T, W = x.shape[1], weight.shape[-1]
     before = x.new_zeros(len(x), W - 1, x.shape[-1]) if window is None else window.transpose(1, 2)
     inputs = torch.cat([before.to(x.dtype), x], dim=1)  # (B, W - 1 + T, C)
     weight = weight.to(torch.promote_types(x.dtype, torch.float32))
-    out = sum((inputs[:, i:i + T] * weight[:, i] for i in range(W)), bias.to(weight.dtype))  # (B, T, C)
-    ends = torch.full((len(x),), T, device=x.device) if lengths is None else lengths
+    # (B, T, C)
+    out = sum((inputs[:, i:i + T] * weight[:, i] for i in range(W)), bias.to(weight.dtype))
+    ends = lengths
+    if lengths is None:
+        ends = torch.full((len(x),), T, device=x.device)
     taps = ends[:, None] + torch.arange(W - 1, device=x.device)  # (B, W - 1)
     window = inputs.gather(1, taps[..., None].expand(-1, -1, inputs.shape[-1]))  # (B, W - 1, C)
     return F.silu(out).to(x.dtype), window.transpose(1, 2)
 
 
 def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6, z=None, conv=None):
-    """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B, D). FM's block:
-    conv (window, weight, bias) turns xbar into conv_step_naive(xbar, *conv) first, z gates y: y * silu(z)."""
+    """route_naive on scores (B, M + 2), then fm_step_naive on the rows it selects; returns y (B,
+    D). FM's block: conv (window, weight, bias) turns xbar into conv_step_naive(xbar, *conv) first,
+    z gates y: y * silu(z)."""
     if conv is not None:
         xbar = conv_step_naive(xbar, *conv)
     idx, alpha, eta, mu = route_naive(scores, top_k, tau)
     if idx is None:
         idx = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)  # (B, M)
     y = fm_step_naive(h, xbar, idx, eta * alpha, mu * alpha, eps)
-    return y if z is None else y * F.silu(z)
+    if z is not None:
+        y = y * F.silu(z)
+    return y
 
 
-# ----------------------------------------------------------------------------- decode step: Triton kernel
+# ----------------------------------------------------------------------- decode step: Triton kernel
 
 
 if triton is not None:
@@ -1226,10 +1391,10 @@ if triton is not None:
     @triton.jit
     def _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD: tl.constexpr, TAPS: tl.constexpr,
                 BW: tl.constexpr):
-        """xbar's columns offs_d (BD,) in float32: x, or with TAPS > 0 conv_step_naive's silu(sum_j w_j u_j + bias)
-        over the window u of the TAPS - 1 inputs before x and x itself; the window (D, TAPS - 1, padded to BW
-        columns here) moves on by x. The window is read in one load before one barrier and stored after it (not a
-        load, a barrier and a store a tap)."""
+        """xbar's columns offs_d (BD,) in float32: x, or with TAPS > 0 conv_step_naive's silu(sum_j
+        w_j u_j + bias) over the window u of the TAPS - 1 inputs before x and x itself; the window
+        (D, TAPS - 1, padded to BW columns here) moves on by x. The window is read in one load
+        before one barrier and stored after it (not a load, a barrier and a store a tap)."""
         ok = offs_d < D
         x = tl.load(x_ptr + offs_d, mask=ok, other=0.0)  # (BD,)
         if TAPS == 0:
@@ -1244,19 +1409,25 @@ if triton is not None:
                 window = tl.load(window_ptr + at, mask=cols, other=0.0)
                 w = tl.load(w_ptr + offs_d[:, None] * TAPS + offs_w[None, :], mask=cols, other=0.0)
                 products = w.to(tl.float32) * window.to(tl.float32)  # (BD, BW)
-                for j in tl.static_range(TAPS - 1):  # in conv_step_naive's order; one product plus zeros: exact
+                # in conv_step_naive's order; one product plus zeros: exact
+                for j in tl.static_range(TAPS - 1):
                     acc += tl.sum(tl.where(offs_w[None, :] == j, products, 0.0), axis=1)
-                tl.debug_barrier()  # threads may hold copies of a column: all have read the window before a store
-                tl.store(window_ptr + at - 1, window, mask=cols & (offs_w >= 1)[None, :])  # u_j -> column j - 1
+                # threads may hold copies of a column: all have read the window before a store
+                tl.debug_barrier()
+                # u_j -> column j - 1
+                tl.store(window_ptr + at - 1, window, mask=cols & (offs_w >= 1)[None, :])
                 tl.store(window_ptr + offs_d * (TAPS - 1) + TAPS - 2, u, mask=ok)
-            acc += tl.load(w_ptr + offs_d * TAPS + TAPS - 1, mask=ok, other=0.0).to(tl.float32) * u.to(tl.float32)
+            acc += tl.load(w_ptr + offs_d * TAPS + TAPS - 1, mask=ok,
+                           other=0.0).to(tl.float32) * u.to(tl.float32)
             acc += tl.load(bias_ptr + offs_d, mask=ok, other=0.0).to(tl.float32)
-            xbar = (acc * tl.sigmoid(acc)).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference
+            # rounded as the reference
+            xbar = (acc * tl.sigmoid(acc)).to(x_ptr.dtype.element_ty).to(tl.float32)
         return xbar
 
     @triton.jit
     def _gate(z_ptr, offs_d, D, GATE: tl.constexpr):
-        """silu(z) at columns offs_d (BD,) in float32, rounded to z's dtype as fm_route_step_naive rounds (GATE)."""
+        """silu(z) at columns offs_d (BD,) in float32, rounded to z's dtype as
+        fm_route_step_naive rounds (GATE)."""
         gate = 1.0
         if GATE:
             z = tl.load(z_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
@@ -1272,8 +1443,8 @@ if triton is not None:
 
     @triton.jit
     def _step_rows(row_ptrs, x, write, offs_d, k_ok, D):
-        """Columns offs_d (BK, BD) of a step's rows after its write of x (BD,), h <- (1 - theta) h + theta x,
-        stored back."""
+        """Columns offs_d (BK, BD) of a step's rows after its write of x (BD,), h <- (1 - theta) h +
+        theta x, stored back."""
         mask = k_ok[:, None] & (offs_d < D)[None, :]
         h = tl.load(row_ptrs + offs_d[None, :], mask=mask, other=0.0)
         h = (1.0 - write) * h + write * x[None, :]
@@ -1282,18 +1453,19 @@ if triton is not None:
 
     @triton.jit
     def _route(scores_ptr, tau, M, K, offs_k, BM: tl.constexpr, DENSE: tl.constexpr):
-        """-> rows, theta, phi (BK,) of a token from its scores (M + 2): the K largest of the logits W_alpha x
-        (all M in order when DENSE), theta = eta alpha and phi = mu alpha, alpha the softmax of the selected
-        logits / tau among themselves (the full softmax renormalised over the top K), eta and mu the sigmoids of
-        the rate logits. Row i takes slot rank_i, the number of rows ahead of it (larger, or equal and first; NaN
-        counts as +inf, so that ranks stay a permutation and no other sequence's rows are touched): a few
-        reductions, no loop over K."""
+        """-> rows, theta, phi (BK,) of a token from its scores (M + 2): the K largest of the logits
+        W_alpha x (all M in order when DENSE), theta = eta alpha and phi = mu alpha, alpha the
+        softmax of the selected logits / tau among themselves (the full softmax renormalised over
+        the top K), eta and mu the sigmoids of the rate logits. Row i takes slot rank_i, the number
+        of rows ahead of it (larger, or equal and first; NaN counts as +inf, so that ranks stay a
+        permutation and no other sequence's rows are touched): a few reductions, no loop over K."""
         offs_m = tl.arange(0, BM)
         logits = tl.load(scores_ptr + offs_m, mask=offs_m < M, other=float("-inf"))  # (BM,)
         if not DENSE:
             key = tl.where(logits != logits, float("inf"), logits)
             ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) &
-                                                      (offs_m[None, :] < offs_m[:, None]))  # (BM, BM): j before i
+                                                      # (BM, BM): j before i
+                                                      (offs_m[None, :] < offs_m[:, None]))
             rank = tl.sum(ahead.to(tl.int32), axis=1)  # (BM,)
             slot = rank[None, :] == offs_k[:, None]  # (BK, BM): row i fills slot rank_i
             rows = tl.sum(tl.where(slot, offs_m[None, :], 0), axis=1)  # (BK,)
@@ -1308,22 +1480,27 @@ if triton is not None:
         return rows, eta * alpha, mu * alpha
 
     @triton.jit
-    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, z_ptr, window_ptr, w_ptr,
+    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, z_ptr,
+                     window_ptr, w_ptr,
                      bias_ptr, eps, tau, D, M, K, S, X_STRIDE, Z_STRIDE,
-                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, ROUTE: tl.constexpr,
-                     BM: tl.constexpr, DENSE: tl.constexpr, TAPS: tl.constexpr, BW: tl.constexpr, GATE: tl.constexpr):
+                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr,
+                     ROUTE: tl.constexpr,
+                     BM: tl.constexpr, DENSE: tl.constexpr, TAPS: tl.constexpr, BW: tl.constexpr,
+                     GATE: tl.constexpr):
         """One decode step of sequence bi on its K rows: h_k <- (1 - theta_k) h_k + theta_k x, then
-        y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores (_route; rows
-        S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are loaded at once, updated and stored,
-        and y comes from registers; else two passes over D, BD columns at a time, the second re-reading the rows.
-        FM's block: TAPS > 0 convolves x first (_xbar), GATE multiplies y by silu(z) (_gate, _gated)."""
+        y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores
+        (_route; rows S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are
+        loaded at once, updated and stored, and y comes from registers; else two passes over D, BD
+        columns at a time, the second re-reading the rows. FM's block: TAPS > 0 convolves x first
+        (_xbar), GATE multiplies y by silu(z) (_gate, _gated)."""
         bi = tl.program_id(0)
         x_ptr += bi * X_STRIDE
         if GATE:
             z_ptr += bi * Z_STRIDE
         if TAPS > 1:
             window_ptr += bi * D * (TAPS - 1)
-        if ONE_PASS:  # the window first: the loads after its barrier (z, the router's scores) are issued together
+        # the window first: the loads after its barrier (z, the router's scores) are issued together
+        if ONE_PASS:
             offs_d = tl.arange(0, BD)
             x = _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
             gate = _gate(z_ptr, offs_d, D, GATE)
@@ -1355,21 +1532,24 @@ if triton is not None:
         else:
             for d0 in range(0, D, BD):
                 offs_d = d0 + tl.arange(0, BD)
-                h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-                y = _gated(tl.sum(read[:, None] * h, axis=0), _gate(z_ptr, offs_d, D, GATE), z_ptr, GATE)
+                h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :],
+                            other=0.0)
+                y = _gated(tl.sum(read[:, None] * h, axis=0), _gate(z_ptr, offs_d, D, GATE), z_ptr,
+                           GATE)
                 tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 def _step_meta(K, D):
-    """Launch settings of _step_kernel: a sequence's rows in one tile when it holds at most STEP_TILE elements (one
-    pass, 8 warps), else two passes of 8192 elements at a time on 4 warps (dense K = M = 64 at D = 2048)."""
+    """Launch settings of _step_kernel: a sequence's rows in one tile when it holds at most
+    STEP_TILE elements (one pass, 8 warps), else two passes of 8192 elements at a time on 4 warps
+    (dense K = M = 64 at D = 2048)."""
     BK, width = max(2, triton.next_power_of_2(K)), triton.next_power_of_2(D)
     if BK * width <= STEP_TILE:
         return dict(BK=BK, BD=width, ONE_PASS=True, num_warps=8)
     return dict(BK=BK, BD=min(width, max(64, 8192 // BK)), ONE_PASS=False, num_warps=4)
 
 
-# ----------------------------------------------------------------------------- decode step: custom ops and public API
+# ----------------------------------------------------------- decode step: custom ops and public API
 
 
 def _unit_stride(x):
@@ -1383,8 +1563,10 @@ def _step(h: Tensor, xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, eps:
     B, M, D = h.shape
     x = _unit_stride(xbar)
     y = xbar.new_empty(B, D)
-    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), None, y, None, None, None, None,
-                       eps, 1.0, D, M, idx.shape[1], 0, x.stride(0), 0, ROUTE=False, BM=1, DENSE=False, TAPS=0,
+    _step_kernel[(B,)](h, x, idx.contiguous(), theta.contiguous(), phi.contiguous(), None, y, None,
+                       None, None, None,
+                       eps, 1.0, D, M, idx.shape[1], 0, x.stride(0), 0, ROUTE=False, BM=1,
+                       DENSE=False, TAPS=0,
                        BW=2, GATE=False, **_step_meta(idx.shape[1], D))
     return y
 
@@ -1395,15 +1577,21 @@ def _(h, xbar, idx, theta, phi, eps):
 
 
 @torch.library.custom_op("fm::route_step", mutates_args={"h", "window"})
-def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float, eps: float, z: Optional[Tensor],
-                window: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
-    """y (B, D); the top_k rows the scores select updated in place (and the convolution's window)."""
+def _route_step(h: Tensor, xbar: Tensor, scores: Tensor, top_k: int, tau: float, eps: float,
+                z: Optional[Tensor],
+                window: Optional[Tensor], weight: Optional[Tensor],
+                bias: Optional[Tensor]) -> Tensor:
+    """y (B, D); the top_k rows the scores select updated in place (and the convolution's
+    window)."""
     B, M, D = h.shape
-    x, z, scores = _unit_stride(xbar), _unit_stride(z), _unit_stride(scores)  # rows may be strided (chunks, pads)
+    # rows may be strided (chunks, pads)
+    x, z, scores = _unit_stride(xbar), _unit_stride(z), _unit_stride(scores)
     y = xbar.new_empty(B, D)
     taps = 0 if weight is None else weight.shape[-1]
-    window = window if taps > 1 else None  # one tap: an empty window
-    _step_kernel[(B,)](h, x, None, None, None, scores, y, z, window, weight, bias, eps, tau, D, M, top_k,
+    if taps <= 1:  # one tap: an empty window
+        window = None
+    _step_kernel[(B,)](h, x, None, None, None, scores, y, z, window, weight, bias, eps, tau, D, M,
+                       top_k,
                        scores.stride(0), x.stride(0), 0 if z is None else z.stride(0), ROUTE=True,
                        BM=max(2, triton.next_power_of_2(M)), DENSE=top_k == M, TAPS=taps,
                        BW=max(2, triton.next_power_of_2(taps - 1)), GATE=z is not None,
@@ -1422,34 +1610,41 @@ def _check_step_state(h):
 
 
 def _check_block(h, xbar, z, conv):
-    """fm_route_step's xbar (B, D), its gate z (B, D) in xbar's dtype and its convolution (window (B, D, W - 1) in
-    the weight's dtype, weight (D, W), bias (D,), contiguous): the kernel indexes them by these shapes."""
+    """fm_route_step's xbar (B, D), its gate z (B, D) in xbar's dtype and its convolution (window
+    (B, D, W - 1) in the weight's dtype, weight (D, W), bias (D,), contiguous): the kernel indexes
+    them by these shapes."""
     B, _, D = h.shape
-    if xbar.shape != (B, D) or (z is not None and (z.shape != (B, D) or z.dtype != xbar.dtype)):
-        raise ValueError(f"xbar and z must be (B, D) = {(B, D)} of one dtype, got xbar {xbar.dtype} "
-                         f"{tuple(xbar.shape)}" + ("" if z is None else f", z {z.dtype} {tuple(z.shape)}"))
+    got = f"xbar {xbar.dtype} {tuple(xbar.shape)}"
+    bad = xbar.shape != (B, D)
+    if z is not None:
+        got += f", z {z.dtype} {tuple(z.shape)}"
+        bad = bad or z.shape != (B, D) or z.dtype != xbar.dtype
+    if bad:
+        raise ValueError(f"xbar and z must be (B, D) = {(B, D)} of one dtype, got {got}")
     if conv is not None:
         window, weight, bias = conv
         W = weight.shape[-1]
         shapes = [tuple(t.shape) for t in conv]
-        if (shapes != [(B, D, W - 1), (D, W), (D,)] or not all(t.is_contiguous() for t in conv)
-                or window.dtype != weight.dtype):
-            raise ValueError(f"the convolution's window, weight and bias must be contiguous (B, D, W - 1), (D, W), "
-                             f"(D,) = {(B, D, W - 1)}, {(D, W)}, {(D,)}, the window in the weight's dtype; got "
-                             f"{shapes}, {window.dtype} and {weight.dtype}")
+        want = [(B, D, W - 1), (D, W), (D,)]
+        contiguous = all(t.is_contiguous() for t in conv)
+        if shapes != want or not contiguous or window.dtype != weight.dtype:
+            raise ValueError(f"the convolution's window, weight and bias must be contiguous "
+                             f"(B, D, W - 1), (D, W), (D,) = {want}, the window in the "
+                             f"weight's dtype; got {shapes}, {window.dtype} and {weight.dtype}")
 
 
 def fm_step(h, xbar, idx, theta, phi, eps=1e-6):
-    """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D). A custom op (fm::step):
-    torch.compile traces a decode step through it and CUDA graphs capture it."""
+    """Triton decode step: loads, updates and stores only rows idx of h; returns y (B, D). A custom
+    op (fm::step): torch.compile traces a decode step through it and CUDA graphs capture it."""
     _check_step_state(h)
     return _step(h, xbar, idx, theta, phi, float(eps))
 
 
 def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
-    """Triton decode step with its router (fm_route_step_naive in one kernel): selects the top_k rows from scores
-    (B, M + 2) float32, then updates them as fm_step does; returns y (B, D). FM's block: conv (window (B, D, W - 1)
-    contiguous, weight (D, W), bias (D,)) convolves xbar first, z (B, D) gates y. A custom op (fm::route_step)."""
+    """Triton decode step with its router (fm_route_step_naive in one kernel): selects the top_k
+    rows from scores (B, M + 2) float32, then updates them as fm_step does; returns y (B, D). FM's
+    block: conv (window (B, D, W - 1) contiguous, weight (D, W), bias (D,)) convolves xbar first, z
+    (B, D) gates y. A custom op (fm::route_step)."""
     _check_step_state(h)
     if scores.dtype != torch.float32 or scores.shape != (h.shape[0], h.shape[1] + 2):
         raise ValueError(f"scores must be float32 (B, M + 2) = {(h.shape[0], h.shape[1] + 2)}, "
@@ -1457,78 +1652,50 @@ def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
     if not 1 <= top_k <= h.shape[1]:
         raise ValueError(f"top_k must be in [1, M = {h.shape[1]}], got {top_k}")
     _check_block(h, xbar, z, conv)
-    window, weight, bias = (None, None, None) if conv is None else conv
+    window = weight = bias = None
+    if conv is not None:
+        window, weight, bias = conv
     return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps), z, window, weight, bias)
 
 
-# ----------------------------------------------------------------------------- decode product (batch 1)
-# At batch 1 a decoding step is a chain of one-row products, each reading its whole weight once: the step's speed is
-# the bandwidth they reach. inductor writes a one-row product as a reduction, fast alone, but inside a compiled step
-# it fuses SwiGLU's silu(gate) * up into the down product's loads, where every program recomputes it, and the
-# product then runs at 38% of the copy bandwidth (docs/kernel_log.md). decode_product is a custom op, so that its
-# input is computed once, and streams the weight in (BN, BK) tiles, STAGES of them in flight, one program per BN
-# outputs.
+@torch.no_grad()
+def route_step_takes_over(layer):
+    """Whether fm_route_step may stand in for an FM layer's route and weights (as written) after its
+    router_scores, for any values of its parameters: on a float64 copy of the layer with every
+    parameter and floating buffer random (uniform in [-1, 1]), at 40 probe inputs of scales 0.01 to
+    100, weights(*route(x)) are the theta and phi of route_naive(router_scores(x)) to 1e-9 a token;
+    and at the layer's own dtype router_scores gives (1, M + 2) scores in float32 at least (the
+    kernel's). A layer that fails to run on the probe is refused too."""
+    weight = layer.in_proj.weight
+    device = weight.device
+    if device.type == "mps":  # no float64
+        device = torch.device("cpu")
+    gen = torch.Generator(device).manual_seed(0)
 
+    def random(t):
+        values = t.new_empty(t.shape, dtype=torch.float64, device=device)
+        values.uniform_(-1, 1, generator=gen)
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(values, t.requires_grad)
+        return values
 
-def decode_product_naive(x, weight):
-    """x (1, K), weight (N, K) -> x W^T (1, N): the reference."""
-    return F.linear(x, weight)
-
-
-if triton is not None:
-    @triton.jit
-    def _decode_product_kernel(x_ptr, w_ptr, y_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr,
-                               STAGES: tl.constexpr, ACC: tl.constexpr):
-        """Outputs [pid BN, pid BN + BN): the (BN, K) slab of the weight in BK-wide tiles, STAGES of them in
-        flight, times x, summed in ACC."""
-        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-        acc = tl.zeros((BN,), dtype=ACC)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            offs_k = k0 + tl.arange(0, BK)
-            k_ok = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n < N)[:, None] & k_ok[None, :],
-                        other=0.0).to(ACC)  # (BN, BK)
-            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(ACC)  # (BK,)
-            acc += tl.sum(w * x[None, :], axis=1)
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
-
-
-def _decode_product_meta(K):
-    """Launch settings, the best of a sweep at fm_1b's down product (K = 5,504 inputs, N = 2048 outputs) on an H200
-    (docs/kernel_log.md): 8 outputs a program, 1024-wide tiles, 3 in flight, 4 warps."""
-    return dict(BN=8, BK=min(1024, triton.next_power_of_2(K)), STAGES=3, num_warps=4)
-
-
-@torch.library.custom_op("fm::decode_product", mutates_args=())
-def _decode_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T (1, N) in x's dtype."""
-    N, K = weight.shape
-    meta = _decode_product_meta(K)
-    y = x.new_empty(1, N)
-    _decode_product_kernel[(triton.cdiv(N, meta["BN"]),)](x.contiguous(), weight.contiguous(), y, N, K,
-                                                  ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **meta)
-    return y
-
-
-@_decode_product.register_fake
-def _(x, weight):
-    return x.new_empty(1, weight.shape[0])
-
-
-def decode_product(x, weight):
-    """Triton x W^T for one row x (1, K) and weight (N, K) of x's dtype -> (1, N)."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be one row (1, K) and weight (N, K) with the same K, got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x and weight must have one dtype, got {x.dtype} and {weight.dtype}")
-    return _decode_product(x, weight)
-
-
-def decode_linear(x, weight):
-    """A decoding step's product x (B, K) W^T: the Triton product for one row on CUDA in half precision, F.linear
-    elsewhere (for more rows this kernel is far slower than cuBLAS's, docs/kernel_log.md)."""
-    if triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 \
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
-        return decode_product(x, weight)
-    return F.linear(x, weight)
+    tensors = [*layer.parameters(), *layer.buffers()]
+    copy = deepcopy(layer, {id(t): random(t) for t in tensors if t.is_floating_point()})
+    d = layer.router.in_features
+    scales = torch.logspace(-2, 2, 5, dtype=torch.float64, device=device) / d**0.5
+    x = torch.randn(5, 8, d, generator=gen, dtype=torch.float64, device=device)
+    x = (x * scales[:, None, None]).flatten(0, 1)  # (40, d_model)
+    try:
+        written = copy.weights(*copy.route(x))  # theta, phi (40, M)
+        idx, alpha, eta, mu = route_naive(copy.router_scores(x), layer.top_k, layer.tau)
+        twin = [eta * alpha, mu * alpha]
+        if idx is not None:
+            twin = [w.new_zeros(written[0].shape).scatter_(-1, idx, w) for w in twin]
+        own = layer.router_scores(weight.new_zeros(1, d))
+    except Exception:  # an edit the probe cannot run (a dtype, a shape)
+        return False
+    for a, b in zip(written, twin):
+        if a.shape != b.shape or not ((a - b).norm(dim=-1) <= 1e-9 * b.norm(dim=-1)).all():
+            return False
+    want = torch.promote_types(weight.dtype, torch.float32)
+    return own.dtype == want and own.shape == (1, layer.n_memory + 2)

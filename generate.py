@@ -37,7 +37,8 @@ def nucleus(logits, top_p):
 
 
 def sample_next(logits, sampling):
-    """logits (B, V) -> ids (B,), by torch's default generator, no host sync (a CUDA graph holds it)."""
+    """logits (B, V) -> ids (B,), by torch's default generator, no host sync
+    (a CUDA graph holds it)."""
     logits = logits[:, :sampling.n_tokens]
     if sampling.temperature == 0:
         return logits.argmax(-1)
@@ -52,30 +53,37 @@ def sample_next(logits, sampling):
     return (probs / race).argmax(-1)  # argmax p_i / E_i, E_i ~ Exp(1), is i with probability p_i
 
 
-# coordinate descent (gpt-fast's): batch 1's products as reductions tuned for the GPU, not cuBLAS GEMVs whose
-# 64-row tiles idle most SMs (docs/kernel_log.md)
+# coordinate descent (gpt-fast's): batch 1's products as reductions tuned for the GPU,
+# not cuBLAS GEMVs whose 64-row tiles idle most SMs (docs/kernel_log.md)
 STEP_COMPILE_OPTIONS = {'coordinate_descent_tuning': True}
 
 
 class Generator:
     """Prompts prefilled in parallel, then each step updates static buffers in place."""
 
-    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None, prefill_tokens=16384):
-        """compile: None, or a torch.compile mode for the step (with STEP_COMPILE_OPTIONS) and the prefill."""
-        self.model, self.sampling, self.eot = model, replace(sampling), eot  # a copy, checked again
+    def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None,
+                 prefill_tokens=16384):
+        """compile: None, or a torch.compile mode for the step (with STEP_COMPILE_OPTIONS)
+        and the prefill."""
+        self.model, self.eot = model, eot
+        self.sampling = replace(sampling)  # a copy, checked again
         self.device = model.embed.weight.device
-        self.cuda_graph = self.device.type == 'cuda' if cuda_graph is None else cuda_graph
+        self.cuda_graph = cuda_graph
+        if cuda_graph is None:
+            self.cuda_graph = self.device.type == 'cuda'
         self.compiled_step, self.hidden = self._step, model.hidden
         if compile is not None:  # inductor's import takes seconds
             import torch._inductor
             options = {**torch._inductor.list_mode_options(compile), **STEP_COMPILE_OPTIONS}
             self.compiled_step = torch.compile(self._step, options=options)
             self.hidden = torch.compile(model.hidden, mode=compile)
-        self.prefill_tokens = prefill_tokens  # tokens a prefill pass, at least a prompt's (bounds memory)
+        # tokens a prefill pass, at least a prompt's (bounds memory)
+        self.prefill_tokens = prefill_tokens
         self.shape = None
 
     def _allocate(self, batch_size, max_len):
-        """Static buffers (state, next tokens, finished rows) of batch_size x max_len tokens; the graph."""
+        """Static buffers (state, next tokens, finished rows) of batch_size x max_len
+        tokens; the graph."""
         self.shape, self.replay = (batch_size, max_len), self.compiled_step
         self.state = self.model.init_state(batch_size, max_len, self.device)
         self.tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -83,7 +91,8 @@ class Generator:
         if self.cuda_graph:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.random.fork_rng(devices=[self.device]), torch.cuda.stream(stream):  # seeded RNG kept
+            seeded = torch.random.fork_rng(devices=[self.device])  # the RNG kept
+            with seeded, torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up, outside the capture
                     self.compiled_step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -100,7 +109,8 @@ class Generator:
 
     @torch.no_grad()
     def start(self, prompts, max_new_tokens):
-        """Prefill prompts (lists of ids), room for max_new_tokens more -> each row's first new token (B,)."""
+        """Prefill prompts (lists of ids), room for max_new_tokens more -> each row's
+        first new token (B,)."""
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max_new_tokens < 1:
             raise ValueError('give every prompt a token or more, and max_new_tokens of 1 or more')
@@ -119,15 +129,21 @@ class Generator:
         return self.tokens
 
     def _prefill(self, prompts):
-        """Passes over right-padded prompts -> the hidden state at each one's end (B, d_model), the states."""
+        """Passes over right-padded prompts -> the hidden state at each one's end
+        (B, d_model), the states."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
         width = int(lengths.max())
-        idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (B, width)
-        piece = width if self.model.config.family == 'attn' else self.prefill_tokens
+        padded = [p + [0] * (width - len(p)) for p in prompts]
+        idx = torch.tensor(padded, device=self.device)  # (B, width)
+        piece = self.prefill_tokens
+        if self.model.config.family == 'attn':  # no parallel pass from a state
+            piece = width
         states = None
         for start in range(0, width, piece):
-            x, states = self.hidden(idx[:, start:start + piece], states, (lengths - start).clamp(max=piece))
-        return x[torch.arange(len(prompts), device=self.device), lengths - 1 - start], states  # in the last piece
+            pieces = (lengths - start).clamp(max=piece)
+            x, states = self.hidden(idx[:, start:start + piece], states, pieces)
+        rows = torch.arange(len(prompts), device=self.device)
+        return x[rows, lengths - 1 - start], states  # in the last piece
 
     @torch.no_grad()
     def step(self):
@@ -136,19 +152,25 @@ class Generator:
         return self.tokens
 
     def generate(self, prompts, max_new_tokens, on_tokens=None, on_progress=None):
-        """Up to max_new_tokens new tokens a prompt, cut at its end-of-text; on_tokens(B ids) each step, on_progress(n
-        tokens so far) every 16."""
+        """Up to max_new_tokens new tokens a prompt, cut at its end-of-text;
+        on_tokens(B ids) each step, on_progress(n tokens so far) every 16."""
         if max_new_tokens < 1:
             return [[] for _ in prompts]
-        out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=self.device)  # (B, max_new_tokens)
+        shape = (len(prompts), max_new_tokens)
+        out = torch.empty(shape, dtype=torch.long, device=self.device)
         out[:, 0] = self.start(prompts, max_new_tokens)
         for n in range(1, max_new_tokens + 1):
             if on_tokens is not None:
                 on_tokens(out[:, n - 1].tolist())
             if on_progress is not None and n % 16 == 0:
                 on_progress(n)
-            if n == max_new_tokens or self.eot is not None and n % 16 == 0 and self.done.all():  # a sync every 16
+            if n == max_new_tokens:
+                break
+            if self.eot is not None and n % 16 == 0 and self.done.all():  # a sync every 16
                 break
             out[:, n] = self.step()
         rows = out[:, :n].tolist()
-        return [row[:row.index(self.eot)] if self.eot in row else row for row in rows]
+        for i, row in enumerate(rows):
+            if self.eot in row:
+                rows[i] = row[:row.index(self.eot)]
+        return rows

@@ -1,15 +1,18 @@
 """
-A LLaMA-style decoder whose mixer is Factorization Memory ('fm'), attention ('attn') or Mamba-2 ('mamba2'), each
-with a parallel path (training, prefill) and a one-token step (decoding) that agree to rounding.
+A LLaMA-style decoder whose mixer is Factorization Memory ('fm'), attention ('attn') or
+Mamba-2 ('mamba2'), each with a parallel path (training, prefill) and a one-token step
+(decoding) that agree to rounding.
 
 Factorization Memory (the paper's Section 3), per token x:
-    alpha = softmax(W_alpha x / tau)      (m)  the router (route); sparse: its top k, renormalised to sum 1
+    alpha = softmax(W_alpha x / tau)   (m) the router (route); sparse: its top k,
+                                           renormalised to sum 1
     eta, mu = sigmoid(w_eta.x + b_eta), sigmoid(w_mu.x + b_mu)
-    theta, phi = eta alpha, mu alpha       (m)  write and read weights, zero outside the top k
+    theta, phi = eta alpha, mu alpha   (m) write and read weights, 0 outside the top k
     xbar = W_in x
-    h[i] = (1 - theta[i]) h[i] + theta[i] xbar    each memory row i: the loop fm_kernel.fm_scan_naive
+    h[i] = (1 - theta[i]) h[i] + theta[i] xbar   each memory row i: fm_scan_naive's loop
     y = W_o sum_i phi[i] h[i] / rms(h[i])
-FM's block, not in the paper: fm_conv, a causal convolution + SiLU on xbar; fm_gate, y = W_o (read-out * silu(W_z x)).
+FM's block, not in the paper: fm_conv, a causal convolution + SiLU on xbar; fm_gate,
+y = W_o (read-out * silu(W_z x)).
 """
 
 import importlib
@@ -21,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fm_kernel
+from decode_linear import decode_linear
 
 try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
@@ -139,7 +143,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         x_acc = x.to(compute_dtype(x.dtype))
-        return (x_acc * torch.rsqrt(x_acc.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        rms = torch.rsqrt(x_acc.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_acc * rms).type_as(x) * self.weight
 
 
 class SwiGLU(nn.Module):
@@ -147,15 +152,17 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)  # gate's rows, up's
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+        d, d_ff = config.d_model, config.d_ff
+        self.gate_up_proj = nn.Linear(d, 2 * d_ff, bias=False)  # gate's rows, up's
+        self.down_proj = nn.Linear(d_ff, d, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if type(self.down_proj) is not nn.Linear:  # one's own (a LoRA, a quantised product): as it is
-            return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        if type(self.down_proj) is not nn.Linear:  # one's own (a LoRA, a quantised product)
+            return self.down_proj(hidden)
         # F.linear, but in Triton for one row in half precision on CUDA (batch-1 decoding)
-        return fm_kernel.decode_linear(F.silu(gate) * up, self.down_proj.weight)
+        return decode_linear(hidden, self.down_proj.weight)
 
 
 def real_positions(lengths, T):
@@ -166,15 +173,18 @@ def real_positions(lengths, T):
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
-    """fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT): Triton on CUDA, else chunked PyTorch."""
-    if xbar.is_cuda and xbar.dtype != torch.float64 and theta.shape[-1] <= fm_kernel.MAX_ROWS:
+    """fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT):
+    Triton on CUDA, else chunked PyTorch."""
+    fits = theta.shape[-1] <= fm_kernel.MAX_ROWS
+    if xbar.is_cuda and xbar.dtype != torch.float64 and fits:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
 
 
 def triton_step(h):
     """Whether a decoding step on the memory h (B, M, D) runs in Triton."""
-    return h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and h.shape[1] <= fm_kernel.MAX_ROWS
+    fits = h.shape[1] <= fm_kernel.MAX_ROWS
+    return h.is_cuda and h.dtype == torch.float32 and fm_kernel.triton is not None and fits
 
 
 class FactorizationMemory(nn.Module):
@@ -182,135 +192,143 @@ class FactorizationMemory(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_memory, self.top_k, self.d_memory = config.n_memory, config.top_k, config.d_memory
-        self.tau, self.eps, self.chunk_size, self.gated = config.tau, config.fm_eps, config.chunk_size, config.fm_gate
-        self.router = nn.Linear(config.d_model, config.n_memory, bias=False)  # W_alpha
-        self.rates = nn.Linear(config.d_model, 2)  # (w_eta, b_eta), (w_mu, b_mu)
+        d, self.d_memory = config.d_model, config.d_memory
+        self.n_memory, self.top_k, self.tau = config.n_memory, config.top_k, config.tau
+        self.eps, self.chunk_size, self.gated = config.fm_eps, config.chunk_size, config.fm_gate
+        self.router = nn.Linear(d, self.n_memory, bias=False)  # W_alpha
+        self.rates = nn.Linear(d, 2)  # (w_eta, b_eta), (w_mu, b_mu)
         nn.init.zeros_(self.rates.bias)  # eta and mu start near 0.5
-        self.in_proj = nn.Linear(config.d_model, (1 + self.gated) * self.d_memory, bias=False)  # W_in (then W_z)
-        dim = self.d_memory
-        self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim) if config.fm_conv else None  # on xbar
-        self.out_proj = nn.Linear(self.d_memory, config.d_model, bias=False)  # W_o
-        self.fused_router = False  # step routes in the fused kernel (set by init_state)
+        self.in_proj = nn.Linear(d, (1 + self.gated) * self.d_memory, bias=False)  # W_in (then W_z)
+        self.conv = None
+        if config.fm_conv:  # on xbar
+            dim = self.d_memory
+            self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim)
+        self.out_proj = nn.Linear(self.d_memory, d, bias=False)  # W_o
+        self.fused_router = False  # step routes in fm_kernel.fm_route_step (init_state decides)
 
     def router_scores(self, x):
-        """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2), in at least float32."""
-        dtype = compute_dtype(x.dtype)
-        x = x.to(dtype)
-        rates = F.linear(x, self.rates.weight.to(dtype), self.rates.bias.to(dtype))  # (..., 2)
-        return torch.cat([F.linear(x, self.router.weight.to(dtype)), rates], dim=-1)
+        """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2),
+        in float32 at least."""
+        with torch.autocast(x.device.type, enabled=False):
+            dtype = compute_dtype(x.dtype)
+            x = x.to(dtype)
+            weight = torch.cat([self.router.weight, self.rates.weight])
+            weight = weight.to(dtype)  # (M + 2, d_model)
+            bias = F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))  # (M + 2,): 0 on W_alpha x
+            if x.dim() == 2 and torch.compiler.is_compiling():
+                # A compiled decoding step: the same product as one reduction, which inductor fuses
+                # with the casts (docs/kernel_log.md, change 61)
+                return (x[:, None, :] * weight).sum(-1) + bias
+            return F.linear(x, weight, bias)
 
     def route(self, x):
         """x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
-        with torch.autocast(x.device.type, enabled=False):
-            logits, eta_logit, mu_logit = self.router_scores(x).split([self.n_memory, 1, 1], dim=-1)
-            alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
-            idx = None
-            if self.top_k < self.n_memory:  # sparse: the top k, renormalised
-                alpha, idx = alpha.sort(dim=-1, descending=True)  # compiles to a kernel (topk: a library call)
-                alpha, idx = alpha[..., :self.top_k], idx[..., :self.top_k]
-                alpha = alpha / alpha.sum(-1, keepdim=True)
-            return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)  # eta, mu = sigmoid(w.x + b)
+        scores = self.router_scores(x)
+        logits, eta_logit, mu_logit = scores.split([self.n_memory, 1, 1], dim=-1)
+        alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
+        idx = None
+        if self.top_k < self.n_memory:  # sparse: the top k, renormalised
+            # sort compiles to a kernel (topk: a library call)
+            alpha, idx = alpha.sort(dim=-1, descending=True)
+            alpha, idx = alpha[..., :self.top_k], idx[..., :self.top_k]
+            alpha = alpha / alpha.sum(-1, keepdim=True)
+        # eta, mu = sigmoid(w.x + b)
+        return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)
 
     def weights(self, idx, alpha, eta, mu):
-        """route's output -> theta = eta alpha, phi = mu alpha (..., M), zero outside the rows idx."""
+        """route's output -> theta = eta alpha, phi = mu alpha (..., M),
+        zero outside the rows idx."""
         theta, phi = eta * alpha, mu * alpha
         if idx is None:
             return theta, phi
-        return [w.new_zeros(*w.shape[:-1], self.n_memory).scatter_(-1, idx, w) for w in (theta, phi)]
+        zeros = theta.new_zeros(*theta.shape[:-1], self.n_memory)
+        return zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi)
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token (lengths (B,); None: T)."""
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token
+        (lengths (B,); None: T)."""
         theta, phi = self.weights(*self.route(x))  # (B, T, M)
         if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
         state = state or {}
-        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, T, d_memory)
+        xbar, z = self.in_proj(x), None  # (B, T, d_memory)
+        if self.gated:
+            xbar, z = xbar.chunk(2, dim=-1)
         new_state = {}
         if self.conv is not None:  # from the last inputs of the pass before
-            xbar, new_state['conv'] = fm_kernel.causal_conv(xbar, state.get('conv'), self.conv.weight[:, 0],
-                                                             self.conv.bias, lengths)
+            weight, bias = self.conv.weight[:, 0], self.conv.bias
+            xbar, new_state['conv'] = fm_kernel.causal_conv(
+                xbar, state.get('conv'), weight, bias, lengths)
         y, new_state['h'] = memory_scan(xbar, theta, phi, state.get('h'), self.eps, self.chunk_size)
-        return self.out_proj(y if z is None else y * F.silu(z)), new_state
+        if z is not None:
+            y = y * F.silu(z)
+        return self.out_proj(y), new_state
 
-    def kernel_scores(self, x, reduce):  # x (B, d_model) -> (B, M + 2)
-        """router_scores, or (reduce: compiled) one sum that inductor fuses with the casts (docs/kernel_log.md)."""
-        with torch.autocast(x.device.type, enabled=False):
-            if not reduce:
-                return self.router_scores(x)
-            dtype = compute_dtype(x.dtype)
-            weight = torch.cat([self.router.weight, self.rates.weight]).to(dtype)  # (M + 2, d_model)
-            return (x.to(dtype)[..., None, :] * weight).sum(-1) + F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))
-
-    @torch.no_grad()
-    def routes_as_the_kernel(self):
-        """Whether the fused kernel's twin (fm_route_step_naive of kernel_scores, eager and compiled) steps as routed
-        does (fm_step_naive), output and memory, on float64 probes at scales 0.01 to 100; if not, step uses routed."""
-        device, gen = self.router.weight.device, torch.Generator().manual_seed(0)
-        dtype = torch.float32 if device.type == 'mps' else torch.float64  # MPS has no float64
-        probe = torch.randn(5, 8, self.router.in_features, generator=gen, dtype=dtype)
-        probe = (probe * torch.logspace(-2, 2, 5, dtype=dtype)[:, None, None]).flatten(0, 1).to(device)  # (40, d_model)
-        h = torch.randn(40, self.n_memory, 4, generator=gen, dtype=dtype).to(device)  # 4 columns of the memory
-        xbar = torch.randn(40, 4, generator=gen, dtype=dtype).to(device)
-        try:
-            want_h = h.clone()
-            want = fm_kernel.fm_step_naive(want_h, xbar, *self.routed(probe), self.eps), want_h
-            for reduce in (False, True):  # eager, compiled
-                got_h = h.clone()
-                got = fm_kernel.fm_route_step_naive(got_h, xbar, self.kernel_scores(probe, reduce), self.top_k,
-                                                    self.tau, self.eps), got_h
-                if not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(got, want)):
-                    return False
-        except (RuntimeError, TypeError):  # e.g. an edit that casts the probe to its weights' float32
-            return False
-        return True
-
-    def routed(self, x):  # x (B, d_model)
-        """route, then weights -> the rows routed to, idx (B, K), their theta and phi."""
+    def step(self, x, state):  # x (B, d_model)
+        """One token: the state updated in place -> y (B, d_model). fused_router: from
+        router_scores in one kernel (fm_kernel.fm_route_step); else route and weights as
+        written, then fm_step."""
+        h, xbar, z = state['h'], self.in_proj(x), None  # xbar (B, d_memory)
+        if self.gated:
+            xbar, z = xbar.chunk(2, dim=-1)
+        conv = None
+        if self.conv is not None:
+            conv = (state['conv'], self.conv.weight[:, 0], self.conv.bias)
+        if self.fused_router:
+            route_step = fm_kernel.fm_route_step_naive
+            if triton_step(h):
+                route_step = fm_kernel.fm_route_step
+            scores = self.router_scores(x)  # (B, M + 2)
+            y = route_step(h, xbar, scores, self.top_k, self.tau, self.eps, z, conv)
+            return self.out_proj(y)
+        if conv is not None:
+            xbar = fm_kernel.conv_step_naive(xbar, *conv)
         idx, *routed = self.route(x)
         theta, phi = self.weights(idx, *routed)  # (B, M)
         if idx is None:  # dense: every row
-            return torch.arange(self.n_memory, device=x.device).expand(len(x), -1), theta, phi
-        return idx, theta.gather(-1, idx), phi.gather(-1, idx)  # (B, K) each
-
-    def step(self, x, state):  # x (B, d_model)
-        """One token: the state updated in place -> y (B, d_model); fused_router: one kernel (fm_route_step)."""
-        xbar, z = self.in_proj(x).chunk(2, dim=-1) if self.gated else (self.in_proj(x), None)  # (B, d_memory)
-        conv = None if self.conv is None else (state['conv'], self.conv.weight[:, 0], self.conv.bias)
-        if self.fused_router:
-            scores = self.kernel_scores(x, reduce=torch.compiler.is_compiling())  # (B, M + 2)
-            route_step = fm_kernel.fm_route_step if triton_step(state['h']) else fm_kernel.fm_route_step_naive
-            return self.out_proj(route_step(state['h'], xbar, scores, self.top_k, self.tau, self.eps, z=z, conv=conv))
-        if conv is not None:
-            xbar = fm_kernel.conv_step_naive(xbar, *conv)
-        step = fm_kernel.fm_step if triton_step(state['h']) else fm_kernel.fm_step_naive
-        y = step(state['h'], xbar, *self.routed(x), self.eps)
-        return self.out_proj(y if z is None else y * F.silu(z))
+            idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
+        else:
+            theta, phi = theta.gather(-1, idx), phi.gather(-1, idx)  # (B, K)
+        step = fm_kernel.fm_step_naive
+        if triton_step(h):
+            step = fm_kernel.fm_step
+        y = step(h, xbar, idx, theta, phi, self.eps)
+        if z is not None:
+            y = y * F.silu(z)
+        return self.out_proj(y)
 
     def step_state_bytes(self, context):
         """Bytes of state a decoding step reads and writes a sequence: k rows, the window."""
         dtype = self.in_proj.weight.dtype
-        window = self.d_memory * (self.conv.kernel_size[0] - 1) * dtype.itemsize if self.conv else 0
-        return 2 * (self.top_k * self.d_memory * compute_dtype(dtype).itemsize + window)
+        rows = self.top_k * self.d_memory * compute_dtype(dtype).itemsize
+        window = 0
+        if self.conv is not None:
+            window = self.d_memory * (self.conv.kernel_size[0] - 1) * dtype.itemsize
+        return 2 * (rows + window)
 
     def init_state(self, batch_size, max_len, device):
-        """Empty buffers; and whether step takes the fused kernel, for the router as it is now."""
+        """Empty buffers; and whether step routes in the fused kernel
+        (fm_kernel.route_step_takes_over, for any values of the parameters)."""
         if torch.device(device).type != 'meta':  # a meta state only counts bytes
-            self.fused_router = self.routes_as_the_kernel()
+            self.fused_router = fm_kernel.route_step_takes_over(self)
         dtype = self.in_proj.weight.dtype
-        state = {'h': torch.zeros(batch_size, self.n_memory, self.d_memory, dtype=compute_dtype(dtype), device=device)}
+        shape = (batch_size, self.n_memory, self.d_memory)
+        state = {'h': torch.zeros(shape, dtype=compute_dtype(dtype), device=device)}
         if self.conv is not None:  # the convolution's last inputs
             window = self.conv.kernel_size[0] - 1
-            state['conv'] = torch.zeros(batch_size, self.d_memory, window, dtype=dtype, device=device)
+            shape = (batch_size, self.d_memory, window)
+            state['conv'] = torch.zeros(shape, dtype=dtype, device=device)
         return state
 
 
 # ----------------------------------------------------------------------------- attention
 
 def rotate(x, positions, rope_theta):
-    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are off by radians)."""
+    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles
+    (bfloat16's are off by radians)."""
     hd = x.shape[-1]
-    inv_freq = rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # (hd/2,)
+    dims = torch.arange(0, hd, 2, dtype=torch.float32, device=x.device)
+    inv_freq = rope_theta ** (-dims / hd)  # (hd/2,)
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
     dtype = compute_dtype(x.dtype)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -325,14 +343,15 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.d_model // config.n_head
-        self.qkv_proj = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        heads = self.n_head + 2 * self.n_kv_head  # q, k, v
+        self.qkv_proj = nn.Linear(config.d_model, heads * self.head_dim, bias=False)
         self.out_proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=False)
         self.rope_theta = config.rope_theta
 
     def project(self, x, positions):
         """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd)."""
         B, T, _ = x.shape
-        heads = self.qkv_proj(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
+        heads = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
         return rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta), v
 
@@ -347,8 +366,10 @@ class Attention(nn.Module):
             raise ValueError('attention continues from its KV cache one token at a time (step)')
         B, T, _ = x.shape
         q, k, v = self.project(x, torch.arange(T, device=x.device)[None])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
-        pos = torch.full((B,), T, device=x.device) if lengths is None else lengths.clone()
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        pos = torch.full((B,), T, device=x.device)  # (B,)
+        if lengths is not None:
+            pos = lengths.clone()
         return self.merge_heads(y), {'k': k, 'v': v, 'pos': pos}
 
     def step(self, x, state):  # x (B, d_model)
@@ -359,8 +380,10 @@ class Attention(nn.Module):
         state['k'][rows, :, pos], state['v'][rows, :, pos] = k[:, :, 0], v[:, :, 0]
         pos += 1
         B, Hkv, L, hd = state['k'].shape
-        q = q.view(B, Hkv, self.n_head // Hkv, hd)  # query head h reads KV head h // (H / Hkv), as SDPA's
-        scores = (q @ state['k'].transpose(-1, -2)).to(compute_dtype(q.dtype)) / math.sqrt(hd)  # (B, Hkv, H/Hkv, L)
+        # query head h reads KV head h // (H / Hkv), as SDPA's
+        q = q.view(B, Hkv, self.n_head // Hkv, hd)
+        scores = q @ state['k'].transpose(-1, -2)  # (B, Hkv, H/Hkv, L)
+        scores = scores.to(compute_dtype(q.dtype)) / math.sqrt(hd)
         filled = torch.arange(L, device=pos.device) < pos[:, None]  # (B, L)
         probs = torch.softmax(scores.masked_fill(~filled[:, None, None], -math.inf), dim=-1)
         y = probs.to(v.dtype) @ state['v']  # (B, Hkv, H / Hkv, hd)
@@ -371,15 +394,19 @@ class Attention(nn.Module):
         return 2 * context * self.n_kv_head * self.head_dim * self.qkv_proj.weight.element_size()
 
     def init_state(self, batch_size, max_len, device):
-        cache = self.qkv_proj.weight.new_zeros(batch_size, self.n_kv_head, max_len, self.head_dim, device=device)
-        return {'k': cache, 'v': cache.clone(), 'pos': torch.zeros(batch_size, dtype=torch.long, device=device)}
+        shape = (batch_size, self.n_kv_head, max_len, self.head_dim)
+        cache = self.qkv_proj.weight.new_zeros(shape, device=device)
+        pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return {'k': cache, 'v': cache.clone(), 'pos': pos}
 
 
 # ----------------------------------------------------------------------------- Mamba-2
 
 def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
-    """Mamba-2's SSD in chunks from h0 (None: zeros): h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
-    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) < 0, B, C (b, T, N), h0 (b, H, P, N) -> y (like x), hT."""
+    """Mamba-2's SSD in chunks from h0 (None: zeros):
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
+    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) < 0, B, C (b, T, N),
+    h0 (b, H, P, N) -> y (like x), hT."""
     out_dtype, dtype = x.dtype, compute_dtype(x.dtype)
     b, T, H, P = x.shape
     L = min(chunk_size, T)
@@ -391,13 +418,17 @@ def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
     log_decay = torch.cumsum(dt * A.to(dtype), dim=2)  # (b, c, L, H) from the chunk's start to t
     x_dt = x * dt[..., None]  # (b, c, L, H, P)
     causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[..., None]  # (t, s, 1)
-    log_decay_ts = log_decay[:, :, :, None] - log_decay[:, :, None]  # (b, c, t, s, H) from step s to step t
+    # (b, c, t, s, H) from step s to step t
+    log_decay_ts = log_decay[:, :, :, None] - log_decay[:, :, None]
     decay_ts = log_decay_ts.masked_fill(~causal, -math.inf).exp()
     weights = torch.einsum('bctn,bcsn->bcts', C, B)[..., None] * decay_ts  # (b, c, t, s, H)
     y = torch.einsum('bctsh,bcshp->bcthp', weights, x_dt)  # within a chunk
     decay_to_end = (log_decay[:, :, -1:] - log_decay).exp()  # (b, c, L, H)
-    chunk_states = torch.einsum('bclh,bclhp,bcln->bchpn', decay_to_end, x_dt, B)  # each chunk's own end state
-    h = x.new_zeros(b, H, P, B.shape[-1]) if h0 is None else h0.to(dtype)
+    # each chunk's own end state
+    chunk_states = torch.einsum('bclh,bclhp,bcln->bchpn', decay_to_end, x_dt, B)
+    h = x.new_zeros(b, H, P, B.shape[-1])
+    if h0 is not None:
+        h = h0.to(dtype)
     states_in = []  # state entering each chunk
     for c in range(n_chunks):
         states_in.append(h)
@@ -408,18 +439,24 @@ def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
 
 
 class Mamba2(nn.Module):
-    """Mamba-2: in_proj -> z, x, B, C, dt; conv + SiLU on (x, B, C); SSD scan, D skip; norm(y * silu(z)); out_proj."""
+    """Mamba-2: in_proj -> z, x, B, C, dt; conv + SiLU on (x, B, C); SSD scan, D skip;
+    norm(y * silu(z)); out_proj."""
 
     def __init__(self, config):
         super().__init__()
         self.d_inner, self.n_heads = config.mamba_d_inner, config.mamba_n_heads
-        self.head_dim, self.d_state, self.chunk_size = config.mamba_head_dim, config.d_state, config.chunk_size
+        self.head_dim, self.d_state = config.mamba_head_dim, config.d_state
+        self.chunk_size = config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.d_state  # channels of (x, B, C)
-        self.in_proj = nn.Linear(config.d_model, self.d_inner + self.conv_dim + self.n_heads, bias=False)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim)
-        dt = torch.exp(torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))  # log-uniform
+        width = self.d_inner + self.conv_dim + self.n_heads  # z, (x, B, C), dt
+        self.in_proj = nn.Linear(config.d_model, width, bias=False)
+        channels = self.conv_dim
+        self.conv = nn.Conv1d(channels, channels, config.d_conv, groups=channels)
+        log_dt = torch.empty(self.n_heads).uniform_(math.log(1e-3), math.log(1e-1))
+        dt = torch.exp(log_dt)  # log-uniform
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))  # A = -exp(A_log)
+        A = torch.empty(self.n_heads).uniform_(1, 16)
+        self.A_log = nn.Parameter(torch.log(A))  # A = -exp(A_log)
         self.D = nn.Parameter(torch.ones(self.n_heads))
         self.norm = RMSNorm(self.d_inner, config.norm_eps)
         self.out_proj = nn.Linear(self.d_inner, config.d_model, bias=False)
@@ -429,7 +466,8 @@ class Mamba2(nn.Module):
         b, T, _ = u.shape
         state = state or {}
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
-        xBC, conv_state = fm_kernel.causal_conv(xBC, state.get('conv'), self.conv.weight[:, 0], self.conv.bias, lengths)
+        weight, bias = self.conv.weight[:, 0], self.conv.bias
+        xBC, conv_state = fm_kernel.causal_conv(xBC, state.get('conv'), weight, bias, lengths)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(b, T, self.n_heads, self.head_dim)
         dt = F.softplus(dt + self.dt_bias)  # (b, T, H)
@@ -437,8 +475,9 @@ class Mamba2(nn.Module):
             dt = dt * real_positions(lengths, T)[..., None]
         A = -torch.exp(self.A_log)
         if mamba_chunk_scan_combined is not None and x.is_cuda:  # mamba-ssm's kernel
-            y, ssm_state = mamba_chunk_scan_combined(x, dt, A, B[:, :, None], C[:, :, None], self.chunk_size,
-                                                     initial_states=state.get('ssm'), return_final_states=True)
+            y, ssm_state = mamba_chunk_scan_combined(
+                x, dt, A, B[:, :, None], C[:, :, None], self.chunk_size,
+                initial_states=state.get('ssm'), return_final_states=True)
         else:
             y, ssm_state = ssd_scan(x, dt, A, B, C, self.chunk_size, state.get('ssm'))
         y = y + self.D[:, None] * x  # (b, T, H, P)
@@ -446,18 +485,21 @@ class Mamba2(nn.Module):
         return self.out_proj(y), {'conv': conv_state, 'ssm': ssm_state}
 
     def step(self, u, state):  # u (b, d_model)
-        """One token: ssm (b, H, P, N) <- exp(dt A) ssm + dt x B^T in place, y = ssm C + D x -> (b, d_model)."""
+        """One token: ssm (b, H, P, N) <- exp(dt A) ssm + dt x B^T in place,
+        y = ssm C + D x -> (b, d_model)."""
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC = fm_kernel.conv_step_naive(xBC, state['conv'], self.conv.weight[:, 0], self.conv.bias)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
         x = x.reshape(-1, self.n_heads, self.head_dim)  # (b, H, P)
         ssm = state['ssm']  # (b, H, P, N)
-        if selective_state_update is not None and u.is_cuda:  # mamba-ssm's kernel, per-head values over (P, N)
+        if selective_state_update is not None and u.is_cuda:
+            # mamba-ssm's kernel, per-head values over (P, N)
             b, H, P = x.shape
             A = -torch.exp(self.A_log.float())[:, None, None].expand(H, P, self.d_state)
-            y = selective_state_update(ssm, x, dt[..., None].expand(b, H, P), A, B[:, None], C[:, None],
-                                       D=self.D[:, None].expand(H, P), dt_bias=self.dt_bias[:, None].expand(H, P),
-                                       dt_softplus=True)
+            D, dt_bias = self.D[:, None].expand(H, P), self.dt_bias[:, None].expand(H, P)
+            dt = dt[..., None].expand(b, H, P)
+            y = selective_state_update(ssm, x, dt, A, B[:, None], C[:, None], D=D,
+                                       dt_bias=dt_bias, dt_softplus=True)
         else:
             dtype = ssm.dtype
             dt = F.softplus(dt + self.dt_bias).to(dtype)  # (b, H)
@@ -481,7 +523,8 @@ class Mamba2(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}  # new: README, Changing the model
+# a new mixer: README, Changing the model
+MIXER_CLASSES = {'fm': FactorizationMemory, 'attn': Attention, 'mamba2': Mamba2}
 
 
 def mixer_class(name):
@@ -510,11 +553,15 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = mixer_class(config.mixer)(config)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.d_ff else None
-        self.mlp = SwiGLU(config) if config.d_ff else None
+        self.mlp_norm, self.mlp = None, None
+        if config.d_ff:
+            self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+            self.mlp = SwiGLU(config)
 
     def add_mlp(self, x):
-        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
+        if self.mlp is None:
+            return x
+        return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         y, state = self.mixer(self.mixer_norm(x), state, lengths)
@@ -525,7 +572,8 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    """Embedding, n_layer Blocks, a final RMSNorm, the LM head (tied to the embedding by default)."""
+    """Embedding, n_layer Blocks, a final RMSNorm, the LM head (tied to the embedding
+    by default)."""
 
     def __init__(self, config):
         super().__init__()
@@ -556,8 +604,9 @@ class Model(nn.Module):
         return logits.to(compute_dtype(logits.dtype))
 
     def hidden(self, idx, state=None, lengths=None):
-        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the states after each row's last
-        real token (lengths (B,) of right-padded rows; None: T)."""
+        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the
+        states after each row's last real token (lengths (B,) of right-padded rows;
+        None: T)."""
         x, states = self.embed(idx), []
         for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
             x, layer_state = block(x, layer_state, lengths)
@@ -565,20 +614,23 @@ class Model(nn.Module):
         return x, states
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets the mean loss over targets != -1."""
+        """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets the mean
+        loss over targets != -1."""
         logits = self.head(self.hidden(idx)[0])
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(),
-                                       ignore_index=-1)
+        flat = logits.flatten(0, 1).to(compute_dtype(logits.dtype))
+        return logits, F.cross_entropy(flat, targets.flatten(), ignore_index=-1)
 
     def init_state(self, batch_size, max_len, device=None):
         """Empty decoding states for max_len tokens a row: a dict a layer, its mixer's."""
-        device = self.embed.weight.device if device is None else device
+        if device is None:
+            device = self.embed.weight.device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def step(self, tokens, state):
-        """Decode one token: tokens (B,) -> logits (B, V), the state's buffers updated in place (a CUDA graph)."""
+        """Decode one token: tokens (B,) -> logits (B, V), the state's buffers updated
+        in place (a CUDA graph)."""
         x = self.embed(tokens)  # (B, d_model)
         for block, layer_state in zip(self.blocks, state):
             x = block.step(x, layer_state)
@@ -587,11 +639,16 @@ class Model(nn.Module):
     def num_params(self, non_embedding=True):
         """Parameters; non_embedding: without the embedding and the LM head."""
         n = sum(p.numel() for p in self.parameters())  # the tied weight once
-        embedding = self.embed.weight.numel() + (0 if self.config.tie_embeddings else self.lm_head.weight.numel())
-        return n - embedding if non_embedding else n
+        if not non_embedding:
+            return n
+        n -= self.embed.weight.numel()
+        if not self.config.tie_embeddings:
+            n -= self.lm_head.weight.numel()
+        return n
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs (3 x forward) a token at context seq_len: 6 (N_nonembedding + d_model V), n_layer mixers'."""
+        """Training FLOPs (3 x forward) a token at context seq_len:
+        6 (N_nonembedding + d_model V), n_layer mixers'."""
         c = self.config
         if c.family == 'attn':  # QK^T, AV; no causal discount, as nanoGPT
             mixer = 12 * seq_len * c.d_model
@@ -600,14 +657,20 @@ class Model(nn.Module):
         elif c.family == 'mamba2':  # decay, x B^T, add, C
             mixer = 3 * 5 * c.mamba_d_inner * c.d_state
         else:
-            raise ValueError(f'no FLOPs count for mixer {c.mixer!r}: add its term to Model.flops_per_token')
+            raise ValueError(f'no FLOPs count for mixer {c.mixer!r}: '
+                             'add its term to Model.flops_per_token')
         return float(6 * (self.num_params() + c.d_model * c.vocab_size) + c.n_layer * mixer)
 
     def estimate_mfu(self, tokens_per_sec, device_name=None):
-        """Model FLOPs utilisation of a GPU (None: the model's) at tokens_per_sec (0 if not in PEAK_BF16_FLOPS)."""
+        """Model FLOPs utilisation of a GPU (None: the model's) at tokens_per_sec
+        (0 if not in PEAK_BF16_FLOPS)."""
         if device_name is None and self.embed.weight.is_cuda:
             device_name = torch.cuda.get_device_name(self.embed.weight.device)
-        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in (device_name or '').upper()), math.inf)
+        peak = math.inf
+        for key, flops in PEAK_BF16_FLOPS.items():
+            if key in (device_name or '').upper():
+                peak = flops
+                break
         return self.flops_per_token(self.config.block_size) * tokens_per_sec / peak
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
@@ -619,7 +682,8 @@ class Model(nn.Module):
 
 
 def write_state(static, states, rows=slice(None)):
-    """Copy a parallel pass's states into rows of static decoding buffers, at the start of every dimension."""
+    """Copy a parallel pass's states into rows of static decoding buffers, at the start
+    of every dimension."""
     for static_layer, layer in zip(static, states):
         for name, tensor in layer.items():
             static_layer[name][rows][tuple(slice(0, n) for n in tensor.shape)] = tensor

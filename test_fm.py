@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from conftest import (CUDA, DEVICE, REPO, core, decodes_as_it_trains, default_workers, needs_triton, prefill,  # first
-                      randomized, rel_err, save_model_checkpoint, tiny_config, using_scan)  # TRITON_INTERPRET
+from conftest import (CUDA, DECODING, DEVICE, REPO, apart, assert_decodes_as_it_trains, core,  # first: TRITON_INTERPRET
+                      default_workers, needs_triton, prefill, randomized, rel_err, save_model_checkpoint, tiny_config,
+                      using_scan)
 import pytest
 
+import decode_linear
 import fm_kernel
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
@@ -436,21 +438,21 @@ def test_triton_decode_product_matches_naive(N, K, poisoned_outputs):
     tiles), and in bfloat16 against the float64 product of the same numbers; opcheck on the custom op."""
     torch.manual_seed(N + K)
     x, weight = (torch.randn(*shape, device=DEVICE, dtype=torch.float64) for shape in ((1, K), (N, K)))
-    assert rel_err(fm_kernel.decode_product(x, weight), fm_kernel.decode_product_naive(x, weight)) < 1e-12
+    assert rel_err(decode_linear.decode_product(x, weight), decode_linear.decode_product_naive(x, weight)) < 1e-12
     x16, weight16 = x.bfloat16(), weight.bfloat16()
-    y16 = fm_kernel.decode_product(x16, weight16)
-    want = fm_kernel.decode_product_naive(x16.double(), weight16.double())
+    y16 = decode_linear.decode_product(x16, weight16)
+    want = decode_linear.decode_product_naive(x16.double(), weight16.double())
     assert y16.dtype == torch.bfloat16 and rel_err(y16, want) < 1e-2
-    torch.library.opcheck(fm_kernel._decode_product, (x16, weight16))
+    torch.library.opcheck(decode_linear._decode_product, (x16, weight16))
 
 
 @needs_triton
 def test_decode_product_refuses_what_it_cannot_do():
     for x, weight in ((torch.zeros(1, 8), torch.zeros(4, 9)), (torch.zeros(2, 8), torch.zeros(4, 8))):
         with pytest.raises(ValueError, match="one row"):
-            fm_kernel.decode_product(x.to(DEVICE), weight.to(DEVICE))
+            decode_linear.decode_product(x.to(DEVICE), weight.to(DEVICE))
     with pytest.raises(ValueError, match="one dtype"):
-        fm_kernel.decode_product(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE).double())
+        decode_linear.decode_product(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE).double())
 
 
 @needs_triton
@@ -564,16 +566,28 @@ def hand_forward_flops(name, seq_len):
     elif name == 'mamba2':  # d_inner 64 (4 heads of 16), d_state 8, a conv of 4 over (x, B, C): 80 channels
         per_layer += d * (64 + 80 + 4) + 80 * 4 + 80 + 3 * 4 + 64 + 64 * d  # in_proj, conv, dt, A, D, norm, out_proj
         work = 5 * 64 * 8  # each state element: decay, input outer product, add, C readout (2)
-    else:  # m = 8 rows of 32; k = 3 (sparse) or 8 (dense)
+    elif name.startswith('fm'):  # m = 8 rows of 32; k = 3 (sparse) or 8 (dense)
         k = 3 if name.endswith('sparse') else 8
         per_layer += d * 8 + (2 * d + 2) + 2 * d * d  # router, rates (eta, mu; biased), in_proj, out_proj
         if name.startswith('fm_block'):
             per_layer += d * 4 + d + d * d  # a conv of 4 over xbar (and its bias), the gate's W_z
         work = k * (9 * d + 5)  # paper App. FLOPS: the recurrence costs 9 d_memory + 5 per row read and written
+    else:
+        pytest.fail(f"no hand count for MIXER_CASES[{name!r}]: add it to hand_forward_flops (test_fm.py)")
     params = layers * per_layer + d  # and the final norm
     return params, 2 * (params + d * vocab) + layers * work
 
 
+@core
+def test_every_mixer_has_a_case():
+    """Each key of model.MIXER_CLASSES has a case in MIXER_CASES, which every parity test and the FLOPs counts take
+    (README, Changing the model)."""
+    covered = {model_module.mixer_family(case['mixer']) for case in MIXER_CASES.values()}
+    for family in model_module.MIXER_CLASSES:
+        assert family in covered, f"mixer {family!r} has no case: add one to MIXER_CASES (test_fm.py)"
+
+
+@core
 @pytest.mark.parametrize('name', list(MIXER_CASES))
 def test_training_flops_match_a_hand_count(name, tmp_path):
     """Model.flops_per_token is 3x (forward + backward) the hand count, and analysis.py's training FLOPs of a run are
@@ -593,7 +607,14 @@ def test_training_flops_match_a_hand_count(name, tmp_path):
 
 # ----------------------------------------------------------------------------- FM routing
 
-PAPERS = "the router is no longer the paper's: expected after editing route or router_scores"
+def papers(*methods):
+    """The message of a test of the paper's equations: the edits of model.py after which its failure is expected."""
+    edits = ' or '.join(f'FactorizationMemory.{m}' for m in methods)
+    return f"no longer the paper's equations: expected after an edit of {edits}, else a bug"
+
+
+ROUTER = papers('route', 'router_scores', 'weights')
+PAPERS = papers('route', 'router_scores')  # eval.py's routing statistics (tests/test_eval.py)
 
 
 def paper_weights(layer, x):
@@ -635,9 +656,9 @@ def test_fm_block_matches_its_equations(top_k):
     x = torch.randn(2, 37, 32, dtype=torch.float64)
     y, state = layer(x)
     y_ref, h_ref = block_reference(layer, x)
-    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10, PAPERS
+    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10, ROUTER
     xbar = F.linear(x, layer.in_proj.weight[:32])  # W_in x, the convolution's input
-    assert rel_err(state['conv'], xbar[:, -3:].transpose(1, 2)) < 1e-15
+    assert rel_err(state['conv'], xbar[:, -3:].transpose(1, 2)) < 1e-15, papers('forward')
 
 
 @core
@@ -651,21 +672,24 @@ def test_fm_layer_matches_paper_equations(top_k):
     x = torch.randn(2, 37, 32, dtype=torch.float64)
     y, state = layer(x)
     y_ref, h_ref = fm_reference(layer, x)
-    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10, PAPERS
+    assert rel_err(y, y_ref) < 1e-10 and rel_err(state['h'], h_ref) < 1e-10, ROUTER
 
 
 @core
 @pytest.mark.parametrize('top_k', [3, None])
 def test_the_kernels_router_is_route(top_k):
-    """fm_kernel.route_naive, the twin of the fused kernel's router (test_triton_route_step_matches_naive), routes as
-    route: float64, every parameter random; so the probe sends the paper's router to the fused kernel, also with
-    bfloat16 weights on the device (a decoding model's)."""
+    """fm_kernel.route_naive, the twin of the fused kernel's router (test_triton_route_step_matches_naive), of
+    router_scores is route: float64, every parameter random; so the probe sends the paper's router to the fused
+    kernel, also with bfloat16 weights on the device (a decoding model's)."""
     torch.manual_seed(0)
     layer = randomized(FactorizationMemory(tiny_config(top_k=top_k, tau=0.5))).double()
     x = torch.randn(2, 37, 32, dtype=torch.float64)
     twin = layer.weights(*fm_kernel.route_naive(layer.router_scores(x), layer.top_k, layer.tau))
-    assert max(rel_err(a, b) for a, b in zip(twin, layer.weights(*layer.route(x)))) < 1e-15, PAPERS
-    assert layer.routes_as_the_kernel() and layer.to(DEVICE, torch.bfloat16).routes_as_the_kernel(), PAPERS
+    err = max(rel_err(a, b) for a, b in zip(twin, layer.weights(*layer.route(x))))
+    message = f"route_naive (the kernel's twin) of router_scores is {err:.1e} from route: "
+    assert err < 1e-15, message + papers('route') + ' (decoding then takes route as written) or of route_naive'
+    assert fm_kernel.route_step_takes_over(layer), papers('route', 'weights') + ' (the probe refused it)'
+    assert fm_kernel.route_step_takes_over(layer.to(DEVICE, torch.bfloat16)), 'the probe refused bfloat16 weights'
 
 
 @pytest.mark.parametrize('top_k', [1, 2, 5, 8])
@@ -676,25 +700,32 @@ def test_router_weights_sum_to_one_over_k_rows(top_k):
     idx, alpha, eta, mu = layer.route(x)
     if idx is not None:
         alpha = torch.zeros(3, 10, 8).scatter(-1, idx, alpha)
-    assert alpha.dtype == torch.float32
-    assert ((alpha > 0).sum(-1) == top_k).all()
-    torch.testing.assert_close(alpha.sum(-1), torch.ones(3, 10))
+    message = papers('route', 'router_scores')
+    assert alpha.dtype == torch.float32, f"alpha is {alpha.dtype}: {message}"
+    rows = (alpha > 0).sum(-1)
+    assert bool((rows == top_k).all()), f"{rows.min().item()} to {rows.max().item()} rows a token, not {top_k}: {message}"
+    torch.testing.assert_close(alpha.sum(-1), torch.ones(3, 10), msg=lambda m: f"{m}\n{message}")
     kept = torch.softmax(layer.router(x), -1).topk(top_k, dim=-1).indices  # the k largest affinities
-    assert (alpha.gather(-1, kept) > 0).all(), PAPERS
-    assert ((eta > 0) & (eta < 1) & (mu > 0) & (mu < 1)).all()
+    assert bool((alpha.gather(-1, kept) > 0).all()), f"not the top k rows: {message}"
+    rates = torch.cat([eta, mu], -1)
+    assert bool(((rates > 0) & (rates < 1)).all()), f"eta or mu outside (0, 1): {message}"
 
 
-def test_router_reduction_of_a_compiled_step_matches_the_product():
-    """kernel_scores as a compiled step takes them, one float32 reduction, gives the rows and weights of the paper's
-    scores as products, W_alpha x and the rates' w.x + b."""
+def test_router_scores_of_a_compiled_step_are_the_product(monkeypatch):
+    """router_scores as a compiled step takes them (a decoding step's 2-D input, one float32 reduction) gives the
+    rows and weights of the scores as products, W_alpha x and the rates' w.x + b."""
     layer = randomized(FactorizationMemory(tiny_config(top_k=3)))
     x = torch.randn(17, 32)
-    assert torch.equal(layer.kernel_scores(x, reduce=False), layer.router_scores(x))
-    idx, *weights = fm_kernel.route_naive(torch.cat([layer.router(x), layer.rates(x)], -1).detach(), 3, layer.tau)
-    idx_reduced, *weights_reduced = fm_kernel.route_naive(layer.kernel_scores(x, reduce=True), 3, layer.tau)
-    assert torch.equal(idx, idx_reduced)
+    idx, *weights = fm_kernel.route_naive(layer.router_scores(x), 3, layer.tau)
+    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+    reduced = layer.router_scores(x)
+    err = rel_err(reduced, torch.cat([layer.router(x), layer.rates(x)], -1))
+    assert reduced.dtype == torch.float32 and err < 1e-6, f"the reduction is {err:.1e} from the product"
+    idx_reduced, *weights_reduced = fm_kernel.route_naive(reduced, 3, layer.tau)
+    same_rows = torch.equal(idx, idx_reduced)
+    assert same_rows, "the reduction selects other rows than the product"
     for got, want in zip(weights, weights_reduced):
-        assert got.dtype == torch.float32 and (got - want).abs().max() < 1e-6
+        assert (got - want).abs().max() < 1e-6, "the reduction's weights are not the product's"
 
 
 # ----------------------------------------------------------------------------- every mixer
@@ -709,11 +740,12 @@ def test_step_and_prefill_match_forward(name):
 
     state = model.init_state(2, max_len=37)
     stepped = torch.stack([model.step(idx[:, t], state) for t in range(idx.shape[1])], 1)
-    assert rel_err(stepped, logits) < 1e-12
+    assert rel_err(stepped, logits) < 1e-12, f"{DECODING}: {apart(stepped, logits)}"
 
     last_logits, state = prefill(model, idx[:, :21], max_len=40)  # a cache with room to spare
-    continued = [last_logits] + [model.step(idx[:, t], state) for t in range(21, idx.shape[1])]
-    assert rel_err(torch.stack(continued, 1), logits[:, 20:]) < 1e-12
+    continued = torch.stack([last_logits] + [model.step(idx[:, t], state) for t in range(21, idx.shape[1])], 1)
+    gap = apart(continued, logits[:, 20:], 20)
+    assert rel_err(continued, logits[:, 20:]) < 1e-12, f"{DECODING} after a prefill: {gap}"
 
 
 @core
@@ -730,7 +762,8 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
     stepped = torch.stack([logits] + [model.step(following[:, t], state) for t in range(6)], 1)  # (3, 7, V)
     for row, n in enumerate(lengths.tolist()):
         alone, _ = model(torch.cat([idx[row:row + 1, :n], following[row:row + 1]], 1))
-        assert rel_err(stepped[row], alone[0, n - 1:]) < 1e-12, (row, n)
+        gap = apart(stepped[row:row + 1], alone[:, n - 1:], n - 1)
+        assert rel_err(stepped[row], alone[0, n - 1:]) < 1e-12, f"{DECODING} for row {row} of {n} tokens: {gap}"
 
 
 @core
@@ -751,9 +784,12 @@ def test_chunked_pass_carries_the_state(name):
     for start in (0, 7, 30):  # chunks of 7, 23 and 20 tokens, none a multiple of the scan's chunk of 16
         x, state = model.hidden(idx[:, start:start + {0: 7, 7: 23, 30: 20}[start]], state)
         parts.append(x)
-    assert rel_err(torch.cat(parts, 1), whole) < 1e-12
-    for got, want in zip(state, whole_state):
-        assert all(rel_err(got[k], want[k]) < 1e-12 for k in want)
+    parts = torch.cat(parts, 1)
+    assert rel_err(parts, whole) < 1e-12, f"a pass in chunks differs from one pass: {apart(parts, whole)}"
+    for layer, (got, want) in enumerate(zip(state, whole_state)):
+        for k in want:
+            err = rel_err(got[k], want[k])
+            assert err < 1e-12, f"layer {layer}'s state {k!r} after chunks differs from one pass's by {err:.1e}"
 
 
 def test_attention_refuses_a_parallel_pass_from_a_state():
@@ -776,8 +812,9 @@ def test_static_kv_cache_ignores_capacity_and_stale_entries():
             for layer in state:
                 layer['k'][:, :, 10:], layer['v'][:, :, 10:] = 1e3, -1e3
         runs.append(torch.stack([logits] + [model.step(idx[:, t], state) for t in range(10, 30)], 1))
-    assert rel_err(runs[1], runs[0]) < 1e-14
-    assert rel_err(runs[0], model(idx)[0][:, 9:]) < 1e-12
+    assert rel_err(runs[1], runs[0]) < 1e-14, f"a larger cache decodes otherwise: {apart(runs[1], runs[0], 9)}"
+    want = model(idx)[0][:, 9:]
+    assert rel_err(runs[0], want) < 1e-12, f"{DECODING}: {apart(runs[0], want, 9)}"
 
 
 @core
@@ -823,25 +860,62 @@ class TemperatureFM(FactorizationMemory):
 
 
 class KernelRouterFM(FactorizationMemory):
-    """The fused kernel's router by construction, whatever model.py's route reads: route_naive (the kernel's twin) of
-    the scores as a compiled step reduces them."""
-
-    def router_scores(self, x):
-        return self.kernel_scores(x, reduce=True)
+    """The fused kernel's router by construction, whatever model.py's route and weights compute: route_naive (the
+    kernel's twin) of router_scores, and theta = eta alpha, phi = mu alpha as the kernel forms them."""
 
     def route(self, x):
         return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
 
+    def weights(self, idx, alpha, eta, mu):
+        theta, phi = eta * alpha, mu * alpha
+        if idx is None:
+            return theta, phi
+        zeros = alpha.new_zeros(*alpha.shape[:-1], self.n_memory)
+        return zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi)
+
 
 class CastingRouterFM(FactorizationMemory):
-    """A forker's router_scores in its weights' dtype (nn.Linear casts nothing): a float64 probe cannot run it."""
+    """A forker's router_scores in its weights' dtype (nn.Linear casts nothing): bfloat16 scores, not the kernel's."""
 
     def router_scores(self, x):
         return torch.cat([self.router(x), self.rates(x)], -1)
 
 
+class Float32RouteFM(FactorizationMemory):
+    """A forker's route that runs in float32 alone (a kernel of one's own, say): the float64 probe cannot run it."""
+
+    def route(self, x):
+        if x.dtype == torch.float64:
+            raise TypeError('this route runs in float32')
+        return super().route(x)
+
+
+class FlooredFM(FactorizationMemory):
+    """Issue 51's fork 1b: alpha floored (alpha + 1e-5, renormalised), within 1e-3 of the paper's router."""
+
+    def route(self, x):
+        idx, alpha, eta, mu = super().route(x)
+        alpha = alpha + 1e-5
+        return idx, alpha / alpha.sum(-1, keepdim=True), eta, mu
+
+
+class RowScoresFM(FactorizationMemory):
+    """Issue 51's fork 2: router_scores with a learned bias and temperature a row, zero (neutral) at the start."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.row_bias = torch.nn.Parameter(torch.zeros(config.n_memory))
+        self.row_temperature = torch.nn.Parameter(torch.zeros(config.n_memory))
+
+    def router_scores(self, x):
+        scores = super().router_scores(x)
+        scale, bias = self.row_temperature.exp().to(scores.dtype), self.row_bias.to(scores.dtype)
+        return torch.cat([scores[..., :-2] * scale + bias, scores[..., -2:]], -1)
+
+
 ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
-           'kernel': KernelRouterFM, 'casting': CastingRouterFM}
+           'kernel': KernelRouterFM, 'casting': CastingRouterFM,
+           'floored': FlooredFM, 'row_scores': RowScoresFM, 'float32': Float32RouteFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -866,11 +940,12 @@ def test_fused_and_unfused_decoding_agree(top_k):
     logits, _ = model(idx)
     for fused_router in (True, False):
         last, state = prefill(model, idx[:, :9], max_len=20)
-        assert fused(model) == [True, True]  # the probe's choice
+        assert fused(model) == [True, True], "the probe refused a router that is the kernel's by construction"
         for block in model.blocks:
             block.mixer.fused_router = fused_router
         stepped = torch.stack([last] + [model.step(idx[:, t], state) for t in range(9, 20)], 1)
-        assert rel_err(stepped, logits[:, 8:]) < 1e-12, fused_router
+        path = 'fused' if fused_router else 'unfused'
+        assert rel_err(stepped, logits[:, 8:]) < 1e-12, f"{DECODING}, {path}: {apart(stepped, logits[:, 8:], 8)}"
 
 
 @core
@@ -885,8 +960,42 @@ def test_a_router_override_reaches_decoding(router, top_k):
     standard = fm_model(top_k=top_k, fm_conv=4, fm_gate=True).double().eval()
     standard.load_state_dict(model.state_dict(), strict=False)
     idx = torch.randint(0, 64, (2, 20))
-    assert rel_err(standard(idx)[0], model(idx)[0]) > 1e-2
-    assert decodes_as_it_trains(model, idx, 9) < 1e-12 and fused(model) == [False, False]
+    assert rel_err(standard(idx)[0], model(idx)[0]) > 1e-2, "the override changes nothing"
+    assert_decodes_as_it_trains(model, idx, 9)
+    assert fused(model) == [False, False], "the probe took the fused kernel for a route of one's own"
+
+
+@core
+@pytest.mark.parametrize('init', ['default', 'random'])
+def test_a_route_near_the_papers_is_refused_in_every_layer(init):
+    """Fork 1b (issue 51): a route 1e-5 from the paper's decodes through route as written in every layer, at the
+    default initialisation and with every parameter random (float64, 4 layers)."""
+    torch.manual_seed(0)
+    model = fm_model('floored', n_layer=4, top_k=3, fm_conv=4, fm_gate=True).double().eval()
+    if init == 'random':
+        randomized(model)
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    assert fused(model) == [False] * 4, f"the fused kernel was chosen in layers {fused(model)}"
+
+
+@core
+@pytest.mark.parametrize('compiled', [False, True])
+def test_router_scores_trained_after_the_state_was_made_reach_decoding(compiled, monkeypatch):
+    """Fork 2 (issue 51): a state made before training, while the fork's row bias and temperature are zero, then
+    trained (every parameter random): decoding, eager and as a compiled step (torch.compiler.is_compiling), takes
+    the trained router_scores, float64, with the fused kernel."""
+    torch.manual_seed(0)
+    model = fm_model('row_scores', top_k=3, fm_conv=4, fm_gate=True).double().eval()
+    state = model.init_state(2, 20)
+    randomized(model)
+    idx = torch.randint(0, 64, (2, 20))
+    logits, _ = model(idx)
+    model_module.write_state(state, model.hidden(idx[:, :9])[1])
+    if compiled:
+        monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+    stepped = torch.stack([model.step(idx[:, t], state) for t in range(9, 20)], 1)
+    assert rel_err(stepped, logits[:, 9:]) < 1e-12, f"{DECODING}: {apart(stepped, logits[:, 9:], 9)}"
+    assert fused(model) == [True, True], "the probe refused an edit of router_scores alone"
 
 
 def test_a_down_proj_of_ones_own_is_called():
@@ -903,17 +1012,32 @@ def test_a_down_proj_of_ones_own_is_called():
 
 
 @core
-def test_a_router_the_probe_cannot_run_decodes_as_written():
-    """A float32 model whose router computes in its weights' dtype: the float64 probe fails, and decoding takes
-    route as written (not a traceback at init_state)."""
+def test_router_scores_in_the_weights_dtype_decode_as_written():
+    """A router whose scores come out in its weights' dtype: a float32 model takes the fused kernel and decodes as it
+    trains; with bfloat16 weights the scores are not the kernel's float32 ones, and the probe refuses it."""
     torch.manual_seed(0)
     model = randomized(fm_model('casting', top_k=3, fm_conv=4, fm_gate=True)).eval()
-    assert decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9) < 1e-5 and fused(model) == [False, False]
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9, tol=1e-5)
+    assert fused(model) == [True, True], "the probe refused float32 scores"
+    model.to(torch.bfloat16).init_state(1, 1)
+    assert fused(model) == [False, False], "the probe took bfloat16 scores for the fused kernel"
+
+
+@core
+def test_a_router_the_probe_cannot_run_decodes_as_written():
+    """A float32 model whose route refuses float64: the probe cannot run it, and decoding takes route as written
+    (not a traceback at init_state)."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('float32', top_k=3, fm_conv=4, fm_gate=True)).eval()
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9, tol=1e-5)
+    assert fused(model) == [False, False], "the probe took the fused kernel for a route it could not run"
 
 
 IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
-    'route': ('            return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)',  # rows moved on
-              '            return (idx + 1) % self.n_memory, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)'),
+    'route': ('        return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)',  # rows moved on
+              '        return (idx + 1) % self.n_memory, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)'),
+    'route floored': ('        alpha = torch.softmax(logits / self.tau, dim=-1)',  # fork 1b of issue 51
+                      '        alpha = torch.softmax(logits / self.tau, dim=-1) + 1e-5'),
     'router_scores': ('        x = x.to(dtype)\n',  # routing on an RMS-normalised input
                       '        x = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + 1e-6)\n'),
     'weights': ('        theta, phi = eta * alpha, mu * alpha\n',  # theta = eta alpha no more
@@ -923,20 +1047,22 @@ IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
 @core
 @pytest.mark.parametrize('edit', IN_PLACE_EDITS)
 def test_a_router_edited_in_place_decodes_as_it_trains(edit, tmp_path, monkeypatch):
-    """A forker edits route or router_scores in model.py itself: decoding follows the edit (the probe refuses the
-    fused kernel), float64, every parameter random. (With the fused kernel taken regardless, the gap of rows moved
-    on by one was 1.04.)"""
+    """A forker edits route, router_scores or weights in model.py itself: decoding follows the edit, float64, every
+    parameter random, 4 layers; an edit of route or weights refuses the fused kernel in every layer (with the fused
+    kernel taken regardless, the gap of rows moved on by one was 1.04), one of router_scores keeps it (the kernel
+    takes router_scores as written)."""
     source = (Path(REPO) / 'model.py').read_text()
     line, replacement = IN_PLACE_EDITS[edit]
-    assert source.count(line) == 1, PAPERS  # the line this edit replaces
+    assert source.count(line) == 1, f"the line of this test's edit is no longer in model.py once: {line!r}"
     (tmp_path / 'model.py').write_text(source.replace(line, replacement))
     spec = importlib.util.spec_from_file_location('edited_model', tmp_path / 'model.py')
     edited = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, 'edited_model', edited)
     spec.loader.exec_module(edited)
     torch.manual_seed(0)
-    model = randomized(edited.Model(tiny_config(top_k=3, fm_conv=4, fm_gate=True))).double().eval()
-    assert decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9) < 1e-12 and fused(model) == [False, False]
+    model = randomized(edited.Model(tiny_config(n_layer=4, top_k=3, fm_conv=4, fm_gate=True))).double().eval()
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    assert fused(model) == [edit == 'router_scores'] * 4, f"the fused kernel was chosen in layers {fused(model)}"
 
 
 @needs_triton
@@ -957,16 +1083,18 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
         for name in ('fm_step', 'fm_route_step'):
             step = getattr(fm_kernel, name)
             patch.setattr(fm_kernel, name, lambda *args, step=step, **kw: steps.append(step) or step(*args, **kw))
-        patch.setattr(fm_kernel, 'decode_linear', lambda x, weight: F.linear(x, weight) if x.dim() != 2 else
-                      torch.cat([fm_kernel.decode_product(row[None], weight) for row in x]))  # every step's rows
+        patch.setattr(model_module, 'decode_linear', lambda x, weight: F.linear(x, weight) if x.dim() != 2 else
+                      torch.cat([decode_linear.decode_product(row[None], weight) for row in x]))  # every step's rows
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
         with patch.context() as compiling:  # the router's scores as a compiled step reduces them
             compiling.setattr(torch.compiler, 'is_compiling', lambda: True)
             stepped = [model.step(idx[:, t], state) for t in range(idx.shape[1])]
-    assert rel_err(torch.stack(stepped, 1), logits) < 1e-5 and rel_err(logits, plain) < 1e-5
+    stepped = torch.stack(stepped, 1)
+    assert rel_err(stepped, logits) < 1e-5, f"{DECODING}: {apart(stepped, logits)}"
+    assert rel_err(logits, plain) < 1e-5, f"fm_scan's forward differs from fm_scan_torch's: {apart(logits, plain)}"
     assert set(steps) == {fm_kernel.fm_route_step if fused(model)[0] else fm_kernel.fm_step}
-    assert fused(model)[0] or router != 'kernel'
+    assert fused(model)[0] or router != 'kernel', "the probe refused a router that is the kernel's by construction"
 
 
 # ----------------------------------------------------------------------------- config and accounting
@@ -1027,6 +1155,7 @@ def test_flops_per_token(name):
         assert dense.flops_per_token(48) - model.flops_per_token(48) == 3 * 2 * (8 - 3) * (9 * 32 + 5)
 
 
+@core
 @pytest.mark.parametrize('name', MIXER_CASES)
 def test_step_state_bytes(name):
     """bench.py's decoding floor: each mixer's bytes of state a step reads and writes for one sequence after 100
@@ -1073,4 +1202,4 @@ if __name__ == "__main__":  # the whole suite: this file and tests/ (pytest.ini'
     if (importlib.util.find_spec("xdist") and not any("no:xdist" in a for a in args)
             and not any(a.startswith(("-n", "--numprocesses", "--pdb", "--trace")) for a in args)):
         args += ["-n", str(default_workers())]  # a worker a core, on GPUs as many as they hold (conftest.py)
-    sys.exit(pytest.main([os.path.join(root, "test_fm.py"), os.path.join(root, "tests"), "-q", "-rs", *args]))
+    sys.exit(pytest.main([os.path.join(root, "test_fm.py"), os.path.join(root, "tests"), "-q", "-rfEs", *args]))

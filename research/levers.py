@@ -8,7 +8,7 @@ own, where Mamba-2 starts its heads at a spread of decay rates. The fourth lever
 remember, is a context of 2048 with the same tokens a step (--batch_size=8 --block_size=2048); the fifth caps the
 write rate (SlowWriteFM); the sixth, a longer local path that might free the rows from buffering the last few tokens,
 is --fm_conv=16 (alone and with SlowWriteFM).
-A class that overrides route decodes through it (FactorizationMemory.routes_as_the_kernel); LowWriteFM keeps the
+A class that overrides route decodes through it (fm_kernel.route_step_takes_over); LowWriteFM keeps the
 fused kernel.
 """
 import math
