@@ -68,12 +68,20 @@ def load_checkpoint(path, advise=True):
             bad = archive.testzip() if checked else None
         if not checked:
             print(f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
+        problem = None
+        if bad:
+            problem = f'is damaged: the bytes of its record {bad} do not match the checksum saved ' \
+                      f'with them'
         missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
-        broken = [] if bad or missing else nonfinite(ckpt['model'])
-        problem = (f'is damaged: the bytes of its record {bad} do not match the checksum saved with them' if bad else
-                   f'is not a checkpoint of this train.py (missing {", ".join(missing)})' if missing else
-                   f'holds weights that are not finite (NaN or infinity in {", ".join(broken[:3])}): it was saved by '
-                   f'a run that diverged' if broken else None)
+        ours = 'is not a checkpoint of this train.py'
+        if not problem and missing:
+            problem = f'{ours} (missing {", ".join(missing)})'
+        if not problem and not (isinstance(ckpt['iter_num'], int) and ckpt['iter_num'] >= 0):
+            problem = f"{ours} (iter_num={ckpt['iter_num']!r}, not a step)"
+        broken = [] if problem else nonfinite(ckpt['model'])
+        if broken:
+            problem = f'holds weights that are not finite (NaN or infinity in ' \
+                      f'{", ".join(broken[:3])}): it was saved by a run that diverged'
     except Exception as e:  # a changed byte: torch.load or zipfile raise almost anything
         problem = f'is not a readable checkpoint: it is empty, cut short, damaged or not written by torch.save ' \
                   f'({type(e).__name__})'

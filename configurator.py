@@ -17,8 +17,9 @@ class ConfigError(ValueError):
 
 
 def quit_on_ctrl_c():
-    """A script's first step: a Ctrl-C while torch loads exits 130 with one line, not a traceback."""
+    """A script's first step: a Ctrl-C or SIGTERM while torch loads exits 130 or 143 with one line."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(sys.stderr.write('terminated\n') and 143))
 
 
 def quit_on_sigterm():
@@ -41,6 +42,7 @@ def load_config(config, argv, types=None, config_files=True, program=None):
     """config with argv's config files and --key=value settings applied in order (a warning for an argument a later one
     undoes whole); ConfigError naming the fix."""
     config, types, program = dict(config), types or {}, program or os.path.basename(sys.argv[0])
+    defaults = dict(config)
     origin = {}  # key -> the argument that last changed it
     for arg, after in zip(argv, [*argv[1:], None]):
         key, eq, text = arg.removeprefix('--').partition('=')
@@ -57,15 +59,17 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                                   f'like config/fm_small.py') from None
             try:
                 exec(compile(source, arg, 'exec'), settings)
-            except Exception as e:  # named by its line in the file
+            except (Exception, SystemExit) as e:  # named by its line in the file
                 lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]
                 error = e.msg if isinstance(e, SyntaxError) else f'{type(e).__name__}: {e}'
                 raise ConfigError(f'{arg}, line {line}: {error}: fix the config file') from None
         before = dict(config)
         for key, value in settings.items():
-            if key.startswith('_') or callable(value) or isinstance(value, type(os)):
+            if key.startswith('_'):
                 continue
+            if key not in config and (callable(value) or isinstance(value, type(os))):
+                continue  # the file's imports and functions
             if key not in config:
                 raise ConfigError(where + unknown_key(key, config))
             want = type(config[key]) if config[key] is not None else types.get(key)
@@ -75,7 +79,7 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                         value.title() if value.lower() in ('true', 'false') else value)
             if want in (int, float) and str(value).lower().lstrip('+-') in ('nan', 'inf', 'infinity'):
                 raise ConfigError(f"{where}bad value for '{key}': {value}: must be a finite number (default: "
-                                  f"{config[key]!r})")
+                                  f"{defaults[key]!r})")
             if want is None or value is None and (config[key] is None or key in types):
                 config[key] = value
             elif want is float and type(value) is int or isinstance(value, want) and isinstance(value, bool) == (
@@ -83,7 +87,7 @@ def load_config(config, argv, types=None, config_files=True, program=None):
                 config[key] = want(value)  # bools are ints to Python, not here
             else:
                 raise ConfigError(f"{where}bad value for '{key}': {value!r} is a {type(value).__name__}, expected a "
-                                  f"{want.__name__} (default: {config[key]!r})")
+                                  f"{want.__name__} (default: {defaults[key]!r})")
         changed = {key: origin.get(key) for key in config if config[key] != before[key]}  # key -> its earlier setter
         origin |= dict.fromkeys(changed, arg)
         for earlier in dict.fromkeys(a for a in changed.values() if a and a not in origin.values()):  # undone whole
@@ -120,24 +124,31 @@ def unknown_key(key, config):
 
 
 def setting_notes(config, *sources):
-    """{key: comment} of `key = value  # comment` lines in sources ('[fm] comment' after a `# fm` line)."""
-    notes = {}  # key -> (whether its line sets the default, '[section] comment')
+    """{key: comment} of `key = value  # comment` lines in sources (the first that sets the default)."""
+    notes = {}  # key -> (whether its line sets the default, comment)
     for source in sources:
-        section = ''
         for line in open(source, encoding='utf-8'):
-            header = re.fullmatch(r'\s*# ([a-z0-9]+)\s*', line)  # e.g. model.py's '# fm'
-            section = header[1] if header else section if line.strip() else ''
             m = re.match(r'''\s*(\w+)\s*(?::[^=]*)?=\s*((?:'[^']*'|"[^"]*"|[^'"#])+?),?\s+#\s*(.*)''', line)
-            default = m and m[2] == repr(config.get(m[1]))
-            if m and m[1] in config and (m[1] not in notes or default and not notes[m[1]][0]):
-                notes[m[1]] = (default, f'[{section}] ' * bool(section) + m[3])
+            if not m or m[1] not in config:
+                continue
+            default = m[2] == repr(config.get(m[1]))
+            if m[1] not in notes or default and not notes[m[1]][0]:
+                notes[m[1]] = (default, m[3])
     return {key: note for key, (_, note) in notes.items()}
 
 
-def help_text(config, *sources):
-    """`  --key=default  comment` a key, the comments as setting_notes finds them."""
-    notes, width = setting_notes(config, *sources), max(len(f'{key}={value!r}') for key, value in config.items())
-    return '\n'.join(f"  --{f'{k}={v!r}':<{width}}  {notes.get(k, '')}".rstrip() for k, v in config.items())
+def help_text(config, *sources, tags=None):
+    """`  --key=default  [tags] comment` a key, the comments as setting_notes finds them; tags:
+    {key: names} (train.py: the mixers that read a model setting)."""
+    notes, tags = setting_notes(config, *sources), tags or {}
+    width = max(len(f'{key}={value!r}') for key, value in config.items())
+    lines = []
+    for key, value in config.items():
+        note = notes.get(key, '')
+        if key in tags:
+            note = f"[{', '.join(tags[key])}] {note}"
+        lines.append(f"  --{f'{key}={value!r}':<{width}}  {note}".rstrip())
+    return '\n'.join(lines)
 
 
 def optional_types(cls):

@@ -1,6 +1,7 @@
 """What a device holds, checked before any work: --device, a training micro-batch, a sample's decoding buffers."""
 import contextlib
 import os
+import resource
 
 import torch
 
@@ -36,6 +37,13 @@ def memory(device, free=False):
         with contextlib.suppress(OSError, StopIteration), open('/proc/meminfo') as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
     return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+def peak_memory(device):
+    """GB: the peak memory allocated on a GPU, else the process's peak RSS (KiB on Linux)."""
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def check_batch_fits(batch_size, block_size, config, n_params, device):

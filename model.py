@@ -33,7 +33,15 @@ PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per
 
 @dataclass
 class ModelConfig:
-    """Model settings, checked and resolved when built: a None field takes the value its comment names."""
+    """Model settings, checked and resolved when built: a None field takes the value its comment
+    names."""
+    # the fields each mixer family reads (a family not listed reads none): --help's tags, and
+    # train.py's warning for a setting the chosen mixer ignores
+    MIXER_SETTINGS = {
+        'fm': ('n_memory', 'top_k', 'd_memory', 'tau', 'fm_eps', 'fm_conv', 'fm_gate', 'chunk_size'),
+        'attn': ('n_head', 'n_kv_head', 'rope_theta'),
+        'mamba2': ('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv', 'chunk_size'),
+    }
     vocab_size: int = 256  # tokens the embedding holds (train.py: the tokenizer's)
     block_size: int = 256  # training context in tokens (the model has no length limit)
     n_layer: int = 4

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, run_main
+from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm, run_main
 
 if __name__ == '__main__':
     quit_on_ctrl_c()
@@ -41,6 +41,8 @@ def load(argv):
     if cfg['dtype'] not in DTYPES or min(cfg['num_samples'], cfg['max_new_tokens']) < 1:
         raise ConfigError(f"--dtype={cfg['dtype']!r}, --num_samples={cfg['num_samples']}, --max_new_tokens="
                           f"{cfg['max_new_tokens']}: use auto, float32, bfloat16 or float16, and counts of 1 or more")
+    if not 0 <= cfg['seed'] < 2**32:
+        raise ConfigError(f"--seed={cfg['seed']} is out of range: set it to 0 to {2**32 - 1}")
     sampling = Sampling(cfg['temperature'], cfg['top_k'], cfg['top_p'])
     check_device(cfg['device'])
     path = Path(cfg['out_dir']) / cfg['ckpt']
@@ -123,4 +125,5 @@ class Stream:
 
 
 if __name__ == '__main__':
+    quit_on_sigterm()
     run_main(main, CheckpointError)
