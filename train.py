@@ -168,8 +168,9 @@ def settings(argv):
 def check_settings(cfg):
     """ConfigError naming the first setting out of range, and its fix."""
     for key, low in AT_LEAST.items():
-        if not getattr(cfg, key) >= low:
-            raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
+        value = getattr(cfg, key)
+        if not value >= low:
+            raise ConfigError(f'--{key}={value} is out of range: set it to at least {low}')
     for key in ('beta1', 'beta2'):
         if not 0 <= getattr(cfg, key) < 1:
             raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least 0 '
