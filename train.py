@@ -102,8 +102,7 @@ NEVER = 2 ** 62  # the step of a loss or gradient norm not finite, while there i
 
 
 class TrainError(RuntimeError):
-    """A problem the user can fix (data, checkpoint, settings, a diverged run): the message says
-    how."""
+    """A problem the user can fix (data, checkpoint, settings, divergence): the message says how."""
 
 
 def default_config():
@@ -215,16 +214,15 @@ def count_params(config):
 
 
 def ignored_settings(cfg, family, defaults):
-    """The model settings changed in cfg that the mixer family does not read (any family: one
-    missing from ModelConfig.MIXER_SETTINGS reads none of them)."""
+    """The model settings changed in cfg that family does not read (a family ModelConfig's
+    MIXER_SETTINGS lacks reads none of them)."""
     tags = mixer_tags()
     others = [key for key in defaults if key in tags and family not in tags[key]]
     return [key for key in others if getattr(cfg, key) != defaults[key]]
 
 
 def claim(cfg, run):
-    """Rank 0's lock on out_dir -> the earlier run's files this run replaces; refuses a second
-    run, or one over an earlier run."""
+    """Rank 0's lock on out_dir -> the earlier run's files this run replaces (or refuses)."""
     lock = run.folder / 'train.lock'
     while run.lock is None:  # until the file locked is the one at lock (a run ending removes it)
         try:
@@ -266,8 +264,7 @@ def claim(cfg, run):
 
 
 def save(cfg, run, names):
-    """Write names (ckpt.pt, best.pt) whole, then rename them in, if finite; the first removes
-    the earlier run's files."""
+    """Write names (ckpt.pt, best.pt) whole if finite, then rename them in (over an earlier run)."""
     ckpt = checkpoint_of(cfg, run)
     optimizer_state = ckpt['optimizer']['state']
     state = {**ckpt['model'], **{f"the optimizer's {key} of parameter {i}": value
@@ -341,8 +338,7 @@ def swap_in(folder, gone):
 
 
 def on_rank_0(step, group):
-    """step() on rank 0 -> its result, or its error raised, on every rank (which would wait
-    forever else)."""
+    """step() on rank 0 -> its result, or its error raised, on every rank (else they would hang)."""
     shared = [None, None]  # the result, the error
     if group is None or dist.get_rank() == 0:
         try:
@@ -397,8 +393,7 @@ def prepare_command(cfg):
 
 
 def check_tokens(cfg, folder, split, n_tokens, verify):
-    """TrainError if a token file is shorter than a sequence, or (verify) not the one meta.json
-    lists."""
+    """TrainError if a token file is shorter than a sequence, or (verify) not meta.json's."""
     if n_tokens < cfg.block_size + 1:
         raise TrainError(f'{split}.bin in {folder} holds {n_tokens} tokens: set --block_size below '
                          f'that, or use more data')
@@ -415,8 +410,7 @@ def check_tokens(cfg, folder, split, n_tokens, verify):
 
 
 def setup(cfg, run):
-    """The data, the model, its optimizer and loss scaler, the batch generator: new, or as
-    ckpt.pt left them."""
+    """Data, model, optimizer, loss scaler, batch generator: new, or as ckpt.pt left them."""
     load_data(cfg, run)
     run.iter_num, run.best_val_loss, run.untrained_loss, run.eval_cut = 0, math.inf, None, False
     ckpt = None
@@ -466,8 +460,7 @@ def setup(cfg, run):
 
 
 def resume(cfg, run, ckpt):
-    """Go on from ckpt (its step, losses, optimizer, random states) as if the run had not
-    stopped."""
+    """Go on from ckpt (step, losses, optimizer, random states) as if the run had not stopped."""
     path, step = run.folder / 'ckpt.pt', ckpt['iter_num']
     saved = asdict(run.raw_model.config) | {'tokenizer': ckpt['tokenizer']}
     asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size']))
@@ -543,8 +536,7 @@ def next_batch(cfg, run):
 
 @torch.no_grad()
 def estimate_loss(cfg, run):
-    """Mean loss per token over the fixed validation windows, split over the ranks; None if a
-    signal stopped it."""
+    """Mean loss a token on the fixed val windows, split over ranks; None if a signal stopped it."""
     model = run.model
     if isinstance(model, DDP):
         model = run.model.module  # no gradient sync
@@ -570,8 +562,7 @@ def estimate_loss(cfg, run):
 
 
 def get_lr(it, cfg):
-    """Linear warmup for warmup_iters steps, cosine decay to min_lr at lr_decay_iters, then
-    min_lr."""
+    """Linear warmup for warmup_iters steps, cosine decay to min_lr at lr_decay_iters, min_lr."""
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
@@ -582,8 +573,7 @@ def get_lr(it, cfg):
 
 
 def check_finite(cfg, run):
-    """Stop the run if a step so far had a loss or gradient norm not finite, on any rank (one
-    sync)."""
+    """Stop the run if a step had a loss or gradient norm not finite, on any rank (one sync)."""
     bad = run.bad.cpu()
     if run.group is not None:
         dist.all_reduce(bad, op=dist.ReduceOp.MIN, group=run.group)
