@@ -706,6 +706,7 @@ def train(cfg, run):
               f'python sample.py --out_dir={cfg.out_dir}')
     if run.wandb:
         run.wandb.finish()
+    run.stop = 0  # finished: a signal now changes nothing
     return history
 
 
