@@ -1,4 +1,5 @@
-"""train.py's checkpoints: atomic saves; loads that check torch.save's CRC-32s (0.5 s a GB) and the weights."""
+"""train.py's checkpoints: atomic saves; loads that check torch.save's CRC-32s (0.5 s a GB) and
+the weights."""
 import errno
 import os
 import shutil
@@ -11,8 +12,8 @@ import torch
 from model import Model, ModelConfig
 from prepare_data import get_tokenizer
 
-CKPT_KEYS = ('model', 'optimizer', 'model_config', 'train_config', 'iter_num', 'best_val_loss', 'rng', 'data_state',
-             'tokenizer')
+CKPT_KEYS = ('model', 'optimizer', 'model_config', 'train_config', 'iter_num', 'best_val_loss',
+             'rng', 'data_state', 'tokenizer')
 
 
 class CheckpointError(RuntimeError):
@@ -20,7 +21,8 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=True):
-    """ckpt whole to path.tmp, then renamed to path (rename=False: by the caller); CheckpointError if it fails."""
+    """ckpt whole to path.tmp, then renamed to path (rename=False: by the caller);
+    CheckpointError if it fails."""
     tmp = Path(f'{path}.tmp')
     try:
         with open(tmp, 'wb') as f:
@@ -32,94 +34,143 @@ def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=
     except (OSError, RuntimeError) as e:  # torch.save's failed write: a RuntimeError
         tmp.unlink(missing_ok=True)
         cause = e.__context__ or e
-        kept = f'{path} is unchanged' if os.path.exists(path) else f'{Path(path).name} was not written'
-        full = getattr(cause, 'errno', None) in (errno.ENOSPC, errno.EDQUOT)
-        need = 3 * sum({t.untyped_storage().data_ptr(): t.nbytes for t in ckpt.get('model', {}).values()}.values())
-        raise CheckpointError(f'could not write {path}' + (  # need: the weights (tied: once), AdamW's 2 moments
-            f': the disk is full ({cause.strerror}). A checkpoint needs about {need / 1e6:,.1f} MB; {tmp.parent} has '
-            f'{shutil.disk_usage(tmp.parent).free / 1e6:,.1f} MB free. {kept}: free some space' if full else
-            f' ({getattr(cause, "strerror", None) or e}). {kept}: make {tmp.parent} writable') + f', then {then}'
-        ) from None
+        kept = f'{Path(path).name} was not written'
+        if os.path.exists(path):
+            kept = f'{path} is unchanged'
+        problem = f' ({getattr(cause, "strerror", None) or e}). {kept}: make {tmp.parent} writable'
+        if getattr(cause, 'errno', None) in (errno.ENOSPC, errno.EDQUOT):
+            problem = f': the disk is full ({cause.strerror}). A checkpoint needs about ' \
+                      f'{checkpoint_mb(ckpt):,.1f} MB; {tmp.parent} has ' \
+                      f'{shutil.disk_usage(tmp.parent).free / 1e6:,.1f} MB free. {kept}: free ' \
+                      f'some space'
+        raise CheckpointError(f'could not write {path}{problem}, then {then}') from None
+
+
+def checkpoint_mb(ckpt):
+    """MB of a checkpoint: the weights (tied: once) and AdamW's 2 moments."""
+    weights = {t.untyped_storage().data_ptr(): t.nbytes for t in ckpt.get('model', {}).values()}
+    return 3 * sum(weights.values()) / 1e6
 
 
 def nonfinite(tensors):
-    """Names of the float tensors of {name: tensor} holding a NaN or an infinity (a sum each, then exact)."""
-    sums = {name: t.sum(dtype=torch.float32) for name, t in tensors.items() if t.is_floating_point()}
-    return [name for name, total in sums.items() if not total.isfinite() and not tensors[name].isfinite().all()]
+    """Names of the float tensors of {name: tensor} holding a NaN or an infinity (a sum each,
+    then exact)."""
+    floats = {name: t for name, t in tensors.items() if t.is_floating_point()}
+    suspects = [name for name, t in floats.items() if not t.sum(dtype=torch.float32).isfinite()]
+    return [name for name in suspects if not floats[name].isfinite().all()]
 
 
 def load_checkpoint(path, advise=True):
-    """The checkpoint at path; CheckpointError if missing, unreadable, damaged or not finite, naming what to use."""
+    """The checkpoint at path; CheckpointError if missing, unreadable, damaged or not finite,
+    naming what to use."""
     path = Path(path)
-    partner = path.with_name('best.pt' if path.name == 'ckpt.pt' else 'ckpt.pt')  # the run's other one
+    partner = path.with_name('ckpt.pt')  # the run's other one
+    if path.name == 'ckpt.pt':
+        partner = path.with_name('best.pt')
+    copy = ''
+    if partner.name == 'best.pt':
+        copy = 'to resume from it, copy it to ckpt.pt'
     if path.is_dir():
-        raise CheckpointError(f'{path} is a folder, not a checkpoint file: give the folder as --out_dir and a file in '
-                              f'it as --ckpt (ckpt.pt or best.pt)')
+        raise CheckpointError(f'{path} is a folder, not a checkpoint file: give the folder as '
+                              f'--out_dir and a file in it as --ckpt (ckpt.pt or best.pt)')
     if not path.is_file() and path.name in ('ckpt.pt', 'best.pt') and partner.is_file():
-        raise CheckpointError(f'no checkpoint at {path}, only {partner.name} beside it: pass --ckpt={partner.name}'
-                              + ' (to resume from it, copy it to ckpt.pt)' * (partner.name == 'best.pt'))
+        hint = f' ({copy})' if copy else ''
+        raise CheckpointError(f'no checkpoint at {path}, only {partner.name} beside it: pass '
+                              f'--ckpt={partner.name}{hint}')
     if not path.is_file():
-        raise CheckpointError(f'no checkpoint at {path}: train one first ({training_command(path.parent)}), or point '
-                              f'--out_dir at the folder that holds it')
+        raise CheckpointError(f'no checkpoint at {path}: train one first '
+                              f'({training_command(path.parent)}), or point --out_dir at the '
+                              f'folder that holds it')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-        with zipfile.ZipFile(path) as archive:  # before the contents: damaged, they can be anything
-            checked = any(record.CRC for record in archive.infolist() if record.file_size)  # torch.save wrote CRCs
-            bad = archive.testzip() if checked else None
-        if not checked:
-            print(f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
-        missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
-        broken = [] if bad or missing else nonfinite(ckpt['model'])
-        problem = (f'is damaged: the bytes of its record {bad} do not match the checksum saved with them' if bad else
-                   f'is not a checkpoint of this train.py (missing {", ".join(missing)})' if missing else
-                   f'holds weights that are not finite (NaN or infinity in {", ".join(broken[:3])}): it was saved by '
-                   f'a run that diverged' if broken else None)
+        problem = checkpoint_problem(ckpt, path)
     except Exception as e:  # a changed byte: torch.load or zipfile raise almost anything
-        problem = f'is not a readable checkpoint: it is empty, cut short, damaged or not written by torch.save ' \
-                  f'({type(e).__name__})'
+        problem = f'is not a readable checkpoint: it is empty, cut short, damaged or not written ' \
+                  f'by torch.save ({type(e).__name__})'
     if problem is None:
         return ckpt
     way = ' Give --ckpt a checkpoint that train.py wrote (ckpt.pt or best.pt)'
     if advise and path.name in ('ckpt.pt', 'best.pt'):
         try:
-            way = f' {partner} beside it loads (step {load_checkpoint(partner, False)["iter_num"]}): use it instead ' \
-                  f'(--ckpt={partner.name}{"; to resume from it, copy it to ckpt.pt" * (partner.name == "best.pt")})'
+            step = load_checkpoint(partner, False)['iter_num']
+            hint = f'; {copy}' if copy else ''
+            way = f' {partner} beside it loads (step {step}): use it instead ' \
+                  f'(--ckpt={partner.name}{hint})'
         except CheckpointError:
-            way = f' Start a new run: in a new --out_dir, or with --overwrite=True to replace {path.parent}'
+            way = f' Start a new run: in a new --out_dir, or with --overwrite=True to replace ' \
+                  f'{path.parent}'
     raise CheckpointError(f'{path} {problem}.{way}')
 
 
+def checkpoint_problem(ckpt, path):
+    """What is wrong with a checkpoint loaded from path (the end of a sentence), or None."""
+    with zipfile.ZipFile(path) as archive:  # before the contents: damaged, they can be anything
+        records = [record for record in archive.infolist() if record.file_size]
+        checked = any(record.CRC for record in records)  # torch.save wrote CRCs
+        bad = archive.testzip() if checked else None
+    if not checked:
+        print(f'note: {path} carries no checksums: loaded unverified', file=sys.stderr)
+    if bad:
+        return f'is damaged: the bytes of its record {bad} do not match the checksum saved ' \
+               f'with them'
+    ours = 'is not a checkpoint of this train.py'
+    missing = [key for key in CKPT_KEYS if not isinstance(ckpt, dict) or key not in ckpt]
+    if missing:
+        return f'{ours} (missing {", ".join(missing)})'
+    step = ckpt['iter_num']
+    if not (isinstance(step, int) and step >= 0):
+        return f'{ours} (iter_num={step!r}, not a step)'
+    broken = nonfinite(ckpt['model'])
+    if broken:
+        return f'holds weights that are not finite (NaN or infinity in ' \
+               f'{", ".join(broken[:3])}): it was saved by a run that diverged'
+    return None
+
+
 def training_command(out_dir):
-    """The command whose run writes out_dir: train.py with the config that names it, else with --out_dir."""
-    configs = [path for path in sorted((Path(__file__).parent / 'config').glob('*.py'))
-               if f'\nout_dir = {str(out_dir)!r}' in '\n' + path.read_text(encoding='utf-8')]
-    return f'python train.py config/{configs[0].name}' if configs else f'python train.py --out_dir={out_dir}'
+    """The command whose run writes out_dir: train.py with the config that names it, else with
+    --out_dir."""
+    line = f'\nout_dir = {str(out_dir)!r}'
+    for path in sorted((Path(__file__).parent / 'config').glob('*.py')):
+        if line in '\n' + path.read_text(encoding='utf-8'):
+            return f'python train.py config/{path.name}'
+    return f'python train.py --out_dir={out_dir}'
 
 
 def model_from_checkpoint(ckpt, path, device='cpu'):
-    """A checkpoint's model (device 'meta': shapes only); CheckpointError if it cannot be built or loaded."""
+    """A checkpoint's model (device 'meta': shapes only); CheckpointError if it cannot be built
+    or loaded."""
     try:
         with torch.device(device):
             model = Model(ModelConfig(**ckpt['model_config']))
-        keys = model.load_state_dict(ckpt['model'], strict=False) if device != 'meta' else ([], [])
-        problem = '; '.join(f'{what} {", ".join(names[:3])}{", ..." * (len(names) > 3)}'
-                            for what, names in zip(('missing', 'unexpected'), keys) if names)
-    except (TypeError, ValueError, RuntimeError) as e:  # a setting model.py lacks, a weight of another shape
+        keys = ([], [])
+        if device != 'meta':
+            keys = model.load_state_dict(ckpt['model'], strict=False)
+        problems = []
+        for what, names in zip(('missing', 'unexpected'), keys):
+            more = ', ...' if len(names) > 3 else ''
+            if names:
+                problems.append(f'{what} {", ".join(names[:3])}{more}')
+        problem = '; '.join(problems)
+    except (TypeError, ValueError, RuntimeError) as e:  # a setting model.py lacks, a weight's shape
         problem = ' '.join(str(e).split())[:300]
     if problem:
-        raise CheckpointError(f'{path} holds a model this model.py cannot build or load ({problem}): use the version '
-                              f'of model.py that wrote it (git log), or train anew in a new --out_dir')
+        raise CheckpointError(f'{path} holds a model this model.py cannot build or load '
+                              f'({problem}): use the version of model.py that wrote it (git log), '
+                              f'or train anew in a new --out_dir')
     return model
 
 
 def tokenizer_of(ckpt, path):
-    """A checkpoint's tokenizer; CheckpointError if it cannot be loaded here or holds ids past the model's vocab."""
+    """A checkpoint's tokenizer; CheckpointError if it cannot be loaded here or holds ids past
+    the model's vocab."""
+    name, vocab = ckpt['tokenizer'], ckpt['model_config']['vocab_size']
     try:
-        tok = get_tokenizer(ckpt['tokenizer'])
+        tok = get_tokenizer(name)
     except Exception as e:
-        raise CheckpointError(f'{path} was trained with tokenizer {ckpt["tokenizer"]!r}, which cannot be loaded '
+        raise CheckpointError(f'{path} was trained with tokenizer {name!r}, which cannot be loaded '
                               f'here ({e}); install what it needs (requirements.txt)') from None
-    if tok.vocab_size > ckpt['model_config']['vocab_size']:
-        raise CheckpointError(f"{path} names tokenizer {ckpt['tokenizer']!r} of {tok.vocab_size:,} tokens, more than "
-                              f"its model's {ckpt['model_config']['vocab_size']:,}: use a checkpoint train.py wrote")
+    if tok.vocab_size > vocab:
+        raise CheckpointError(f"{path} names tokenizer {name!r} of {tok.vocab_size:,} tokens, more "
+                              f"than its model's {vocab:,}: use a checkpoint train.py wrote")
     return tok

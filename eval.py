@@ -452,6 +452,9 @@ def run_positions(cfg, out_dirs):
         tokenizer_of(ckpt, path)
         if ckpt['tokenizer'] not in documents:
             documents[ckpt['tokenizer']] = load_documents(cfg['data'], cfg['data_dir'], ckpt['tokenizer'], path)
+    if len(documents) > 1:
+        print(f"warning: the checkpoints use the tokenizers {' and '.join(documents)}: their losses (nats a token) do "
+              f"not compare across tokenizers; compare those of one tokenizer", file=sys.stderr)
     results = [evaluate_positions(ckpt, path, documents[ckpt['tokenizer']][0], cfg) for ckpt, path in checkpoints]
     groups = print_positions(results, '; '.join(description for _, description in documents.values()))
     with replacing_results(*(f"{cfg['out']}{suffix}" for suffix in ('.json', '.csv', '.png')), fix=OUT_ELSEWHERE) as (
@@ -850,7 +853,8 @@ def run_routing(cfg, out_dirs):
                 json_file, png_file):
             with open(json_file, 'w') as f:
                 json.dump(result, f, indent=1)
-            plot_routing([result], png_file)
+            plotted = plot_routing([result], png_file)
+        print(f"wrote {os.path.join(out_dir, 'routing.json')}{' and routing.png' if plotted else ''}")
         results.append(result)
     if cfg['out']:
         write_routing(results, cfg['out'])

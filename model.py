@@ -37,13 +37,22 @@ PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per
 
 @dataclass
 class ModelConfig:
-    """Model settings, checked and resolved when built: a None field takes the value its comment names."""
+    """Model settings, checked and resolved when built: a None field takes the value its comment
+    names."""
+    # the fields each mixer family reads (one not listed reads none): --help's tags, and
+    # train.py's warning for a setting the chosen mixer ignores
+    MIXER_SETTINGS = {
+        'fm': ('n_memory', 'top_k', 'd_memory', 'tau', 'fm_eps', 'fm_conv', 'fm_gate',
+               'chunk_size'),
+        'attn': ('n_head', 'n_kv_head', 'rope_theta'),
+        'mamba2': ('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv', 'chunk_size'),
+    }
     vocab_size: int = 256  # tokens the embedding holds (train.py: the tokenizer's)
     block_size: int = 256  # training context in tokens (the model has no length limit)
     n_layer: int = 4
     d_model: int = 256  # width of the residual stream
     mixer: str = 'fm'  # the blocks' mixer: a key of MIXER_CLASSES, or 'module:Class' extending one
-    d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model rounded up to 64s, less FM's block; 0: no MLP
+    d_ff: int | None = None  # SwiGLU width; None: 8/3 d_model in 64s, less FM's block; 0: no MLP
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head shares the embedding's weight
     init_std: float = 0.02  # std of every matrix's normal initialisation
@@ -53,9 +62,9 @@ class ModelConfig:
     d_memory: int | None = None  # width of a memory row; None: d_model
     tau: float = 1.0  # router softmax temperature
     fm_eps: float = 1e-6  # epsilon of the memory rows' RMS norm
-    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar; 0: none (the paper's layer)
-    fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's layer)
-    chunk_size: int = 64  # tokens a chunk of the PyTorch scans (FM's on a CPU, Mamba-2's; a power of 2)
+    fm_conv: int = 0  # taps of a causal depthwise convolution + SiLU on xbar; 0: none (the paper's)
+    fm_gate: bool = False  # gate the read-out, W_o (y * silu(W_z x)); False: none (the paper's)
+    chunk_size: int = 64  # tokens a chunk of the PyTorch scans (FM's on CPU, Mamba-2's); power of 2
     # attn
     n_head: int = 8  # query heads
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
@@ -73,18 +82,22 @@ class ModelConfig:
             self.d_memory = self.d_memory or self.d_model
         if self.family == 'attn':
             self.n_kv_head = self.n_kv_head or self.n_head
-        if self.d_ff is None:  # FM's block takes its weights (W_z, the convolution's) from the MLP's
-            block = 0 if self.family != 'fm' else self.d_memory * (
-                self.fm_gate * self.d_model + (self.fm_conv > 0) * (self.fm_conv + 1))
-            self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64) - round(block / (3 * self.d_model))
+        if self.d_ff is None:  # FM's block takes its weights (W_z, the convolution's) from the MLP
+            block = 0
+            if self.family == 'fm':
+                taps = self.fm_conv + 1 if self.fm_conv > 0 else 0
+                block = self.d_memory * (self.fm_gate * self.d_model + taps)
+            swiglu = 64 * math.ceil(8 * self.d_model / 3 / 64)
+            self.d_ff = swiglu - round(block / (3 * self.d_model))
             if self.d_ff < 0:
-                raise ValueError(f"ModelConfig.d_ff=None resolves to {self.d_ff} (FM's block outweighs the MLP): "
-                                 "set d_ff, or a smaller d_memory")
+                raise ValueError(f"ModelConfig.d_ff=None resolves to {self.d_ff} (FM's block "
+                                 f"outweighs the MLP): set d_ff, or a smaller d_memory")
 
     mamba_d_inner = property(lambda self: self.mamba_expand * self.d_model)
     mamba_n_heads = property(lambda self: self.mamba_d_inner // self.mamba_head_dim)
 
-    family = property(lambda self: mixer_family(self.mixer))  # the built-in mixer whose settings it takes
+    # the built-in mixer whose settings it takes
+    family = property(lambda self: mixer_family(self.mixer))
 
     def validate(self):
         """ValueError naming the first bad field (of the chosen mixer's) and what to change."""
@@ -94,9 +107,11 @@ class ModelConfig:
 
         def positive(*fields):  # a field that defaults to None may be None
             for field in fields:
-                value, optional = getattr(self, field), ModelConfig.__dataclass_fields__[field].default is None
-                check((optional and value is None) or (isinstance(value, (int, float)) and value > 0), field,
-                      'must be positive' + (' or None' if optional else ''))
+                value = getattr(self, field)
+                optional = ModelConfig.__dataclass_fields__[field].default is None
+                number = isinstance(value, (int, float)) and value > 0
+                hint = 'must be positive or None' if optional else 'must be positive'
+                check((optional and value is None) or number, field, hint)
 
         positive('vocab_size', 'block_size', 'n_layer', 'd_model', 'norm_eps', 'init_std')
         check(self.d_ff is None or (isinstance(self.d_ff, int) and self.d_ff >= 0), 'd_ff',
@@ -104,8 +119,8 @@ class ModelConfig:
         try:
             family = self.family
         except Exception as e:  # an import of module:Class fails in any way
-            check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)} or module:Class "
-                                  f"extending one ({type(e).__name__}: {e})")
+            check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)} or "
+                                  f"module:Class extending one ({type(e).__name__}: {e})")
         positive('chunk_size')  # any mixer's (one of one's own may chunk)
         check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2')
         if family == 'fm':
@@ -118,10 +133,12 @@ class ModelConfig:
                   f"must be 1 to n_memory={self.n_memory}, or None (dense)")
         if family == 'attn':
             positive('n_head', 'rope_theta', 'n_kv_head')
-            check(self.d_model % self.n_head == 0, 'd_model', f"must be divisible by n_head={self.n_head}")
+            check(self.d_model % self.n_head == 0, 'd_model',
+                  f"must be divisible by n_head={self.n_head}")
             check((self.d_model // self.n_head) % 2 == 0, 'n_head',
                   f"d_model/n_head must be even (RoPE); change n_head or d_model={self.d_model}")
-            check(self.n_head % (self.n_kv_head or self.n_head) == 0, 'n_kv_head', f"must divide n_head={self.n_head}")
+            check(self.n_head % (self.n_kv_head or self.n_head) == 0, 'n_kv_head',
+                  f"must divide n_head={self.n_head}")
         if family == 'mamba2':
             positive('d_state', 'mamba_head_dim', 'mamba_expand', 'd_conv')
             check(self.mamba_d_inner % self.mamba_head_dim == 0, 'mamba_head_dim',

@@ -357,9 +357,9 @@ class _Progress:
               end=end, file=sys.stderr, flush=True)
 
 
-def _write_splits(files, tokenizer, texts, splits_of, num_proc):
+def _write_splits(files, tokenizer, texts, splits_of, num_proc, val_fraction=None):
     """Tokenize texts in parallel into the token files {split: path}; splits_of(index, split_key) names the splits of
-    a text."""
+    a text (val_fraction: the one that drew them, for advice)."""
     progress = _Progress(f"tokenizing into {next(iter(files.values())).parent} ({tokenizer.name})")
     with contextlib.ExitStack() as stack:
         writers = {split: stack.enter_context(_TokenWriter(path, tokenizer)) for split, path in files.items()}
@@ -369,12 +369,19 @@ def _write_splits(files, tokenizer, texts, splits_of, num_proc):
             progress.update(len(tokens))
         progress.print()
         empty = [split for split, writer in writers.items() if not writer.offsets]
-        if empty:  # a split is drawn a document at a time: one document cannot fill both
-            raise ValueError(f"no documents for {' and '.join(empty)} ({progress.docs} documents in all): " + (
-                f"add documents: train and val take whole documents, two at least (a lone .txt file is cut into "
-                f"documents of {TXT_PIECE} lines)" if progress.docs < 2 else
-                f"pass --val_fraction {min(0.5, 5 / progress.docs):.2g} (about 5 of them), or add documents"
-                if empty == ["val"] else "pass a lower --val_fraction, or add documents"))
+        if not empty:
+            return
+        advice = "pass a lower --val_fraction, or add documents"
+        fraction = float(f"{min(0.5, 5 / max(progress.docs, 1)):.2g}")
+        if empty == ["val"]:
+            advice = f"pass --val_fraction {fraction} (about 5 of them), or add documents"
+        if empty == ["val"] and fraction <= val_fraction:  # drawn by hashes: none came at this one
+            advice = f"pass a --val_fraction above {val_fraction} (below 1), or add documents"
+        if progress.docs < 2:
+            advice = (f"add documents: train and val take whole documents, two at least (a lone .txt file is cut "
+                      f"into documents of {TXT_PIECE} lines)")
+        # a split is drawn a document at a time: one document cannot fill both
+        raise ValueError(f"no documents for {' and '.join(empty)} ({progress.docs} documents in all): {advice}")
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -397,14 +404,24 @@ def _write_default(files, tokenizer, num_proc):
 
 
 def _write_user_corpus(files, tokenizer, dataset, options, num_proc):
-    val_fraction = options["val_fraction"]
-    texts = (text for text in _read_documents(dataset, options) if text)
-    texts = itertools.islice(texts, options["max_docs"])
+    val_fraction, skipped = options["val_fraction"], []
+
+    def texts_with_text():
+        for text in _read_documents(dataset, options):
+            if text:
+                yield text
+            else:
+                skipped.append(text)
 
     def splits_of(index, split_key):
         return ("val",) if split_key < val_fraction else ("train",)
 
-    _write_splits(files, tokenizer, texts, splits_of, num_proc)
+    try:
+        texts = itertools.islice(texts_with_text(), options["max_docs"])
+        _write_splits(files, tokenizer, texts, splits_of, num_proc, val_fraction)
+    finally:
+        if skipped:
+            print(f"note: {len(skipped):,} records without text (null or empty) skipped", file=sys.stderr)
 
 
 def _read_documents(dataset, options):
@@ -577,6 +594,10 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
     options = _check_arguments(dataset, out, num_proc, options)
     source = {"dataset": dataset if dataset == "default" or dataset.startswith("hf:") else str(Path(dataset).resolve()),
               "tokenizer": tokenizer, "options": options}
+    paths = [out / f"{split}.bin" for split in (("train", "val", "long") if dataset == "default" else ("train", "val"))]
+    for path in paths:
+        if path.is_dir():  # before any file is replaced
+            raise ValueError(f"{path} is a folder, not a token file: move it away, then run again")
     _remove_leftovers(out)
     if _is_prepared(out, tok, source):
         _print_summary(out, "already prepared")
@@ -587,7 +608,6 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
     except OSError as e:
         raise ValueError(f"cannot make the folder {out} ({e.strerror}): pass a --data_dir where you can "
                          "write") from None
-    paths = [out / f"{split}.bin" for split in (("train", "val", "long") if dataset == "default" else ("train", "val"))]
     try:  # every file written whole beside the earlier ones, then all renamed: an error or a signal changes nothing
         with _full_disk_said(out), replacing([*paths, out / "meta.json"]) as temporaries:
             files = {path.stem: temporary for path, temporary in zip(paths, temporaries)}
@@ -609,6 +629,12 @@ def prepare(dataset="default", tokenizer="bytes", data_dir=DEFAULT_DATA_DIR, tex
 def _check_arguments(dataset, out, num_proc, options):
     """Refuse a bad argument with what to give instead; note those that the dataset does not use, and a --num_proc
     above the CPUs -> the options that apply to the dataset (those noted at their defaults; none for 'default')."""
+    if not dataset:
+        raise ValueError(f"--dataset is empty: pass --dataset default, hf:NAME, or a {'/'.join(CORPUS_SUFFIXES)} file "
+                         "or a directory of them")
+    if options["max_docs"] is not None and options["max_docs"] > sys.maxsize:
+        raise ValueError(f"--max_docs {options['max_docs']} is out of range: give at most {sys.maxsize} (or leave it "
+                         "out: every document)")
     if not 0 < options["val_fraction"] < 1:
         raise ValueError(f"--val_fraction {options['val_fraction']} is out of range: give a fraction of the documents "
                          "between 0 and 1 (exclusive), e.g. 0.01")
@@ -689,7 +715,10 @@ def _is_prepared(out, tok, source):
     sound = True
     for name in names:
         try:
-            _open_tokens(out / name, tok.name, tok.vocab_size, verify=True)
+            tokens = _open_tokens(out / name, tok.name, tok.vocab_size, verify=True)
+            if len(tokens) != meta["files"][name].get("tokens"):  # e.g. val.bin copied over it
+                raise _Problem(f"holds {len(tokens):,} tokens, not the {meta['files'][name].get('tokens')} "
+                               "meta.json lists")
         except _Problem as problem:
             origin = "the embedded corpus" if source["dataset"] == "default" else source["dataset"]
             print(f"{out / name} {problem}: rebuilding it from {origin}", file=sys.stderr)
@@ -711,6 +740,14 @@ def _print_summary(out, verb):
               f"{stats['bytes'] / 1e6:>12,.1f} MB")
 
 
+def _count(text):
+    """argparse's type of a count: an int, or the error naming what to give."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give one such as 1000") from None
+
+
 def main(argv=None):
     """Command line entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description="Tokenize a corpus into train.bin and val.bin token files.")
@@ -725,8 +762,8 @@ def main(argv=None):
                         help="fraction of documents, chosen by a hash of their text, for val.bin (not for default)")
     parser.add_argument("--hf_config", default=None, help="configuration of an hf: dataset, e.g. sample-10BT")
     parser.add_argument("--hf_split", default="train", help="split of an hf: dataset")
-    parser.add_argument("--max_docs", type=int, default=None, help="read at most this many documents")
-    parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: all CPUs)")
+    parser.add_argument("--max_docs", type=_count, default=None, help="read at most this many documents")
+    parser.add_argument("--num_proc", type=_count, default=None, help="tokenizer processes (default: all CPUs)")
     try:
         prepare(**vars(parser.parse_args(argv)))
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:

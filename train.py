@@ -1,29 +1,31 @@
 """
 Train a language model of model.py: Factorization Memory, or another mixer (--help lists them).
 
-    python train.py                                   # small FM model, default corpus, a few minutes on a CPU
+    python train.py                        # small FM model, default corpus, minutes on a CPU
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
-    torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py   # DDP (NCCL; gloo with --device=cpu)
-Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run; saves are whole; a
-value that is not finite or a blow-up stops the run unsaved; Ctrl-C or SIGTERM saves the step (resume goes on bit for
-bit); --overwrite=True replaces the earlier run once a checkpoint is whole.
+    torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py  # DDP (gloo on CPU)
+Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run;
+saves are whole; a value not finite or a blow-up stops the run unsaved; Ctrl-C or SIGTERM saves
+the step and exits 130 or 143 (resume goes on bit for bit); --overwrite=True replaces the
+earlier run once a checkpoint is whole.
 """
 import fcntl
 import importlib.util
+import json
 import math
 import os
 import random
-import re
-import resource
+import shlex
 import signal
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from configurator import ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c, run_main, setting_notes
+from configurator import (ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c,
+                          quit_on_sigterm, run_main)
 
 if __name__ == '__main__':
     quit_on_ctrl_c()
@@ -34,17 +36,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import model as model_file
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, nonfinite, save_checkpoint
-from devices import DTYPES, check_batch_fits, check_device, resolve_dtype
+from checkpoint import (CheckpointError, load_checkpoint, model_from_checkpoint, nonfinite,
+                        save_checkpoint)
+from devices import DTYPES, check_batch_fits, check_device, peak_memory, resolve_dtype
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
 
 # default settings: a small FM model on the default corpus, minutes on a CPU
-out_dir = 'out'  # the run's folder: ckpt.pt (the last step), best.pt (the best validation loss)
-eval_interval = 100  # steps between evaluations, each writing ckpt.pt (and best.pt when val improves)
+out_dir = 'out'  # the run's folder: ckpt.pt (the last step), best.pt (the best val loss)
+eval_interval = 100  # steps between evaluations, each writing ckpt.pt (best.pt if val improves)
 eval_iters = 16  # the validation set is eval_iters * batch_size fixed windows
 log_interval = 10  # steps between log lines
-always_save_checkpoint = True  # False: write ckpt.pt only at the end (best.pt whenever val improves)
+always_save_checkpoint = True  # False: ckpt.pt only at the end (best.pt as val improves)
 init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
 overwrite = False  # True: a scratch run replaces out_dir's earlier run at its first save
 wandb_log = False  # log to Weights & Biases (pip install wandb)
@@ -61,16 +64,16 @@ batch_size = 16  # micro-batch size per process
 block_size = 256  # tokens a sequence: the training context
 vocab_multiple = 64  # pad a vocab of more than 256 tokens to a multiple of this
 # model: these, and every other ModelConfig field of model.py
-mixer = 'fm'  # a mixer listed below, or module:Class extending one (e.g. research.levers:RowRatesFM)
+mixer = 'fm'  # a mixer listed below, or module:Class extending one (research.levers:RowRatesFM)
 n_layer = 4  # blocks
 d_model = 128  # width of the residual stream
 # fm
 n_memory = 32  # m, memory rows
 top_k = 8  # k rows read and written per token; None: dense
-fm_conv = 4  # FM's block, not in the paper: a 4-tap convolution on xbar (0: none; config/paper_layer.py)
+fm_conv = 4  # FM's block, not the paper's: 4-tap convolution on xbar (0: none; paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
 
-chunk_size = 16  # [fm, mamba2] tokens a chunk of the parallel scans: 16 is fastest for FM's PyTorch scan on a CPU
+chunk_size = 16  # tokens a chunk of the parallel scans: 16 is fastest for FM's on a CPU
 
 # AdamW, its learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
 learning_rate = 4e-3  # the peak learning rate, after warmup_iters
@@ -84,91 +87,142 @@ lr_decay_iters = 0  # step where the cosine reaches min_lr; 0: max_iters
 min_lr = 4e-4  # the learning rate the cosine decays to
 # the machine
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps', ...
-dtype = 'auto'  # 'float32', 'bfloat16' or 'float16' (autocast); 'auto': bfloat16 on CUDA, else float32
+dtype = 'auto'  # float32, bfloat16 or float16 (autocast); auto: bfloat16 on CUDA, else float32
 compile = False  # torch.compile the model
 seed = 1337  # seed of the initial weights and of the batches
-_TRAIN_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
-AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1, warmup_iters=0, eval_interval=1,
-                eval_iters=1, log_interval=1, lr_decay_iters=0, min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1,
-                seed=0)
-BLOW_UP = 0.5  # nats above the untrained model's validation loss: a blow-up (early noise moves it ~0.1)
+_TRAIN_KEYS = [k for k, v in globals().items() if k[0] != '_' and isinstance(v, (int, float, str))]
+AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1,
+                warmup_iters=0, eval_interval=1, eval_iters=1, log_interval=1, lr_decay_iters=0,
+                min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1, seed=0)
+SEEDS = 2 ** 32  # numpy's seeds: 0 to 2^32 - 1
+BLOW_UP = 0.5  # nats above the untrained model's val loss: a blow-up (early noise moves ~0.1)
 EVAL_SEED = 2024  # of the validation windows alone: runs of other seeds compare
-RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # a run's files (eval.py writes routing)
+RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # eval.py writes routing
 NEVER = 2 ** 62  # the step of a loss or gradient norm not finite, while there is none
 
 
 class TrainError(RuntimeError):
-    """A problem the user can fix (data, checkpoint, settings, a diverged run): the message says how."""
+    """A problem the user can fix (data, checkpoint, settings, divergence): the message says how."""
 
 
 def default_config():
     """The settings above, and every other ModelConfig field at its default."""
-    return {k: globals()[k] for k in _TRAIN_KEYS} | {f.name: f.default for f in fields(ModelConfig)
-                                                    if f.name != 'vocab_size' and f.name not in _TRAIN_KEYS}
+    model = {f.name: f.default for f in fields(ModelConfig)
+             if f.name not in ('vocab_size', *_TRAIN_KEYS)}
+    return {k: globals()[k] for k in _TRAIN_KEYS} | model
 
 
 def model_args(cfg):
     return {f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != 'vocab_size'}
 
 
+def mixer_tags():
+    """{setting: the mixers that read it}, as ModelConfig.MIXER_SETTINGS declares."""
+    tags = {}
+    for family, keys in ModelConfig.MIXER_SETTINGS.items():
+        for key in keys:
+            tags.setdefault(key, []).append(family)
+    return tags
+
+
 def settings(argv):
     """argv -> the run's settings (None for --help); ConfigError for one out of range."""
     defaults = default_config()
     if '-h' in argv or '--help' in argv:
-        mixers = ', '.join(f'{name} ({cls.__name__})' for name, cls in model_file.MIXER_CLASSES.items())
-        return print(f'{__doc__}\nsettings (--key=value; [fm], [attn], [mamba2]: the model settings of one mixer):\n'
-                     f'{help_text(defaults, __file__, model_file.__file__)}\nmixers: {mixers}')
+        mixers = [f'{name} ({cls.__name__})' for name, cls in model_file.MIXER_CLASSES.items()]
+        notes = help_text(defaults, __file__, model_file.__file__, tags=mixer_tags())
+        print(f'{__doc__}\nsettings (--key=value; [fm]: a model setting of fm alone):\n{notes}')
+        return print(f"mixers: {', '.join(mixers)}")
     cfg = SimpleNamespace(**load_config(defaults, argv, optional_types(ModelConfig)))
-    world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
-    for refused, message in (
-            (cfg.init_from not in ('scratch', 'resume'), f"--init_from={cfg.init_from!r}: use 'scratch' or 'resume'"),
-            (cfg.dtype not in DTYPES, f"--dtype={cfg.dtype!r}: use one of {', '.join(DTYPES)}"),
-            *[(not getattr(cfg, key) >= low, f'--{key}={getattr(cfg, key)} is out of range: set it to at least {low}')
-              for key, low in AT_LEAST.items()],
-            (not cfg.out_dir, '--out_dir is empty: name the folder the checkpoints go to'),
-            (cfg.gradient_accumulation_steps % world_size, f'--gradient_accumulation_steps counts micro-batches over '
-             f'all {world_size} processes: make it a multiple of {world_size}'),
-            (not cfg.learning_rate > 0, f'--learning_rate={cfg.learning_rate} is out of range: set it above 0'),
-            (cfg.min_lr > cfg.learning_rate, f'--min_lr={cfg.min_lr} is above --learning_rate={cfg.learning_rate}: '
-             f'the cosine decays from learning_rate to min_lr; set min_lr lower (e.g. learning_rate / 10)'),
-            (cfg.warmup_iters > cfg.max_iters, f'--warmup_iters={cfg.warmup_iters} is beyond --max_iters='
-             f'{cfg.max_iters}: set at most {cfg.max_iters}'),
-            (0 < cfg.lr_decay_iters <= cfg.warmup_iters, f'--lr_decay_iters={cfg.lr_decay_iters} is not after '
-             f'--warmup_iters={cfg.warmup_iters}: set it above warmup_iters (or 0: max_iters)'),
-            (cfg.hf_config and not cfg.dataset.startswith('hf:'),
-             f'--hf_config={cfg.hf_config} applies to hf: datasets only: drop it, or pass --dataset=hf:NAME'),
-            *[(not 0 <= getattr(cfg, key) < 1, f'--{key}={getattr(cfg, key)} is out of range: set it to at least 0 '
-               f'and below 1') for key in ('beta1', 'beta2')],
-            (os.path.isfile(cfg.data_dir), f'--data_dir={cfg.data_dir} is a file: give the folder of prepare_data.py'),
-            (cfg.wandb_log and not importlib.util.find_spec('wandb'), '--wandb_log=True needs wandb: pip install it')):
-        if refused:
-            raise ConfigError(message)
+    check_settings(cfg)
     try:
-        config = ModelConfig(**model_args(cfg), vocab_size=get_tokenizer(cfg.tokenizer).vocab_size)
-        with torch.device('meta'):  # a mixer of one's own checks its settings when built
-            n_params = Model(config).num_params(non_embedding=False)
+        vocab_size = get_tokenizer(cfg.tokenizer).vocab_size
+        config = ModelConfig(**model_args(cfg), vocab_size=vocab_size)
+        n_params = count_params(config)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
-    notes = setting_notes(defaults, __file__, model_file.__file__)  # {key: '[fm] comment'}
-    tags = {k: tag[1].split(', ') for k, note in notes.items() if (tag := re.match(r'\[([\w, ]+)\] ', note))}
-    ignored = [k for k, mixers in tags.items() if config.family not in mixers and getattr(cfg, k) != defaults[k]]
-    if ignored and cfg.init_from == 'scratch' and any(config.family in mixers for mixers in tags.values()):
-        mixers = ', '.join(sorted({mixer for k in ignored for mixer in tags[k]}))
-        print(f"warning: --mixer={cfg.mixer} ignores {', '.join(f'--{k}={getattr(cfg, k)!r}' for k in ignored)} "
-              f'(settings of {mixers}): not used, and recorded at the default')
+    ignored = ignored_settings(cfg, config.family, defaults)
+    if ignored and cfg.init_from == 'scratch':
+        mixers = sorted({family for key in ignored for family in mixer_tags()[key]})
+        given = ', '.join(f'--{k}={getattr(cfg, k)!r}' for k in ignored)
+        print(f"warning: --mixer={cfg.mixer} ignores {given} (settings of {', '.join(mixers)}): "
+              f'not used, and recorded at the default')
         vars(cfg).update({k: defaults[k] for k in ignored})
     if config.family == 'fm' and cfg.chunk_size > cfg.block_size:
-        print(f"warning: --chunk_size={cfg.chunk_size} is above --block_size={cfg.block_size}: FM's scan pads each "
-              f"sequence to a whole chunk (10 times slower); set chunk_size at most {cfg.block_size}")
+        print(f'warning: --chunk_size={cfg.chunk_size} is above --block_size={cfg.block_size}: '
+              f"FM's scan pads each sequence to a whole chunk (10 times slower); set chunk_size at "
+              f'most {cfg.block_size}')
+    if cfg.weight_decay * cfg.learning_rate >= 1:
+        print(f'warning: --weight_decay={cfg.weight_decay} x --learning_rate={cfg.learning_rate} '
+              f"is at least 1: AdamW's decay step flips the weights' sign, and the run will "
+              f'diverge; set weight_decay below 1 / learning_rate (typical: 0.1)')
     check_device(cfg.device)
     check_batch_fits(cfg.batch_size, cfg.block_size, config, n_params, torch.device(cfg.device))
     if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
-        print("warning: --dtype=float16 on the CPU is slow (10 times float32's step): use --dtype=float32")
+        print('warning: --dtype=float16 on the CPU is slow (10 times float32\'s step): use '
+              '--dtype=float32')
     return cfg
 
 
+def check_settings(cfg):
+    """ConfigError naming the first setting out of range, and its fix."""
+    for key, low in AT_LEAST.items():
+        value = getattr(cfg, key)
+        if not value >= low:
+            raise ConfigError(f'--{key}={value} is out of range: set it to at least {low}')
+    for key in ('beta1', 'beta2'):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least 0 '
+                              f'and below 1')
+    lr, decay = cfg.learning_rate, cfg.lr_decay_iters
+    if not 0 < lr <= 1e6:  # far above, AdamW's step overflows float32
+        raise ConfigError(f'--learning_rate={lr} is out of range: set it above 0 and at most 1e6 '
+                          f'(typical: 1e-4 to 1e-2)')
+    world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
+    refusals = {
+        f"--init_from={cfg.init_from!r}: use 'scratch' or 'resume'":
+            cfg.init_from not in ('scratch', 'resume'),
+        f"--dtype={cfg.dtype!r}: use one of {', '.join(DTYPES)}": cfg.dtype not in DTYPES,
+        f'--seed={cfg.seed} is out of range: set it to at most {SEEDS - 1}': cfg.seed >= SEEDS,
+        '--out_dir is empty: name the folder the checkpoints go to': not cfg.out_dir,
+        f'--gradient_accumulation_steps counts micro-batches over all {world_size} processes: '
+        f'make it a multiple of {world_size}': cfg.gradient_accumulation_steps % world_size,
+        f'--min_lr={cfg.min_lr} is above --learning_rate={lr}: the cosine decays from '
+        f'learning_rate to min_lr; set min_lr lower (e.g. learning_rate / 10)': cfg.min_lr > lr,
+        f'--warmup_iters={cfg.warmup_iters} is beyond --max_iters={cfg.max_iters}: set at most '
+        f'{cfg.max_iters}': cfg.warmup_iters > cfg.max_iters,
+        f'--lr_decay_iters={decay} is not after --warmup_iters={cfg.warmup_iters}: set it above '
+        f'warmup_iters (or 0: max_iters)': 0 < decay <= cfg.warmup_iters,
+        f'--hf_config={cfg.hf_config} applies to hf: datasets only: drop it, or pass '
+        f'--dataset=hf:NAME': cfg.hf_config and not cfg.dataset.startswith('hf:'),
+        f'--data_dir={cfg.data_dir} is a file: give the folder of prepare_data.py':
+            os.path.isfile(cfg.data_dir),
+        '--wandb_log=True needs wandb: pip install it':
+            cfg.wandb_log and not importlib.util.find_spec('wandb'),
+    }
+    for message, refused in refusals.items():
+        if refused:
+            raise ConfigError(message)
+
+
+def count_params(config):
+    """The model's parameters, counted on models of 1 and 2 layers (on 'meta': no memory), so that
+    a huge n_layer is refused by the memory check, not built; a mixer's own checks run."""
+    with torch.device('meta'):
+        one, two = (Model(replace(config, n_layer=n)).num_params(False) for n in (1, 2))
+    return one + (config.n_layer - 1) * (two - one)
+
+
+def ignored_settings(cfg, family, defaults):
+    """The model settings changed in cfg that family does not read (a family ModelConfig's
+    MIXER_SETTINGS lacks reads none of them)."""
+    tags = mixer_tags()
+    others = [key for key in defaults if key in tags and family not in tags[key]]
+    return [key for key in others if getattr(cfg, key) != defaults[key]]
+
+
 def claim(cfg, run):
-    """Rank 0's lock on out_dir -> the earlier run's files this run replaces; refuses a second run, or one over it."""
+    """Rank 0's lock on out_dir -> the earlier run's files this run replaces (or refuses)."""
     lock = run.folder / 'train.lock'
     while run.lock is None:  # until the file locked is the one at lock (a run ending removes it)
         try:
@@ -176,53 +230,55 @@ def claim(cfg, run):
             run.lock = open(lock, 'a+')
             fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder, run.lock = run.lock.seek(0) or run.lock.read().strip() or 'a process that is starting', None
-            raise TrainError(f'{run.folder} is in use by {holder}: wait for it, or use another --out_dir') from None
+            run.lock.seek(0)
+            holder = run.lock.read().strip() or 'a process that is starting'
+            run.lock = None
+            raise TrainError(f'{run.folder} is in use by {holder}: wait for it, or use another '
+                             f'--out_dir') from None
         except OSError as e:  # no folder, or a file system without locks (Lustre's)
             if run.lock is None:
                 reason = 'it is a file' if run.folder.is_file() else e.strerror
-                raise TrainError(f'cannot write --out_dir={run.folder} ({reason}): pass a writable folder') from None
-            print(f'warning: cannot lock {lock} ({e.strerror}): nothing stops a second run in {run.folder}')
+                raise TrainError(f'cannot write --out_dir={run.folder} ({reason}): pass a writable '
+                                 f'folder') from None
+            print(f'warning: cannot lock {lock} ({e.strerror}): nothing stops a second run in '
+                  f'{run.folder}')
         if not lock.exists() or lock.stat().st_ino != os.fstat(run.lock.fileno()).st_ino:
             run.lock = run.lock.close()
     run.lock.truncate(0)
-    print(f'process {os.getpid()} on {os.uname().nodename}, since {time.strftime("%F %T")}', file=run.lock, flush=True)
+    since = time.strftime('%F %T')
+    print(f'process {os.getpid()} on {os.uname().nodename}, since {since}', file=run.lock,
+          flush=True)
     if (run.folder / 'replacing').exists():  # the new files are whole: finish the swap
         swap_in(run.folder, (run.folder / 'replacing').read_text().split())
     for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a killed run
         (run.folder / f'{name}.tmp').unlink(missing_ok=True)
     earlier = [name for name in RUN_FILES if (run.folder / name).exists()]
-    if cfg.init_from == 'scratch' and {'ckpt.pt', 'best.pt'} & set(earlier) and not cfg.overwrite:
-        raise TrainError(f'{run.folder} holds {" and ".join(n for n in earlier if n.endswith(".pt"))} of an earlier '
-                         f'run: continue it (--init_from=resume), use a new --out_dir, or pass --overwrite=True')
-    return earlier if cfg.init_from == 'scratch' else []
+    if cfg.init_from == 'resume':
+        return []
+    checkpoints = [name for name in earlier if name.endswith('.pt')]
+    if checkpoints and not cfg.overwrite:
+        raise TrainError(f'{run.folder} holds {" and ".join(checkpoints)} of an earlier run: '
+                         f'continue it (--init_from=resume), use a new --out_dir, or pass '
+                         f'--overwrite=True')
+    return earlier
 
 
 def save(cfg, run, names):
-    """Write names (ckpt.pt, best.pt) whole, then rename them in, if finite; the first removes the earlier run's."""
-    batches, np_state, model_config = [run.batch_state], np.random.get_state(), asdict(run.raw_model.config)
-    if run.group is not None:
-        batches = [None] * run.world_size
-        dist.all_gather_object(batches, run.batch_state, group=run.group)
-    ckpt = {'model': run.raw_model.state_dict(), 'optimizer': run.optimizer.state_dict(),  # all a resume needs
-            'scaler': run.scaler.state_dict(), 'model_config': model_config, 'tokenizer': cfg.tokenizer,
-            'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},
-            'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss, 'untrained_loss': run.untrained_loss,
-            'eval_cut': run.eval_cut,  # a stop cut this step's evaluation: a resume runs it
-            'rng': {'python': random.getstate(), 'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
-                    'torch': torch.get_rng_state(), 'batch': batches,
-                    'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
-            'data_state': {'folder': str(run.data.folder), 'train_tokens': len(run.data.train), 'world_size':
-                           run.world_size, 'val_set': run.data.val_set, 'tokens_seen': run.iter_num *
-                           run.tokens_per_iter}}
+    """Write names (ckpt.pt, best.pt) whole if finite, then rename them in (over an earlier run)."""
+    ckpt = checkpoint_of(cfg, run)
+    optimizer_state = ckpt['optimizer']['state']
     state = {**ckpt['model'], **{f"the optimizer's {key} of parameter {i}": value
-                                 for i, values in ckpt['optimizer']['state'].items() for key, value in values.items()}}
+                                 for i, values in optimizer_state.items()
+                                 for key, value in values.items()}}
     broken = nonfinite(state)
     if broken:
         diverged(run, f'{broken[0]} is not finite (NaN or infinity) at step {run.iter_num}')
-    then = 'continue with --init_from=resume' if 'ckpt.pt' in run.saved else 'start this run again' + (
-        ' with --overwrite=True (the earlier run is untouched)' if run.earlier else '')
-    gone = [name for name in run.earlier if name != names[0]]  # the earlier names[0] is replaced by a rename
+    then = 'continue with --init_from=resume'
+    if 'ckpt.pt' not in run.saved:
+        then = 'start this run again'
+    if 'ckpt.pt' not in run.saved and run.earlier:
+        then += ' with --overwrite=True (the earlier run is untouched)'
+    gone = [name for name in run.earlier if name != names[0]]  # names[0] is renamed over
 
     def write():  # rank 0's part
         try:
@@ -243,9 +299,35 @@ def save(cfg, run, names):
     run.saved.update(dict.fromkeys(names, run.iter_num))
 
 
+def checkpoint_of(cfg, run):
+    """The checkpoint of this step: all a resume needs to go on bit for bit."""
+    batches, np_state = [run.batch_state], np.random.get_state()
+    if run.group is not None:
+        batches = [None] * run.world_size
+        dist.all_gather_object(batches, run.batch_state, group=run.group)
+    cuda = None
+    if torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state_all()
+    model_config = asdict(run.raw_model.config)
+    return {
+        'model': run.raw_model.state_dict(), 'optimizer': run.optimizer.state_dict(),
+        'scaler': run.scaler.state_dict(), 'model_config': model_config,
+        'tokenizer': cfg.tokenizer,
+        'train_config': {k: model_config.get(k, v) for k, v in vars(cfg).items()},
+        'iter_num': run.iter_num, 'best_val_loss': run.best_val_loss,
+        'untrained_loss': run.untrained_loss,
+        'eval_cut': run.eval_cut,  # a stop cut this step's evaluation: a resume runs it
+        'rng': {'python': random.getstate(),
+                'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
+                'torch': torch.get_rng_state(), 'batch': batches, 'cuda': cuda},
+        'data_state': {'folder': str(run.data.folder), 'train_tokens': len(run.data.train),
+                       'world_size': run.world_size, 'val_set': run.data.val_set,
+                       'tokens_seen': run.iter_num * run.tokens_per_iter}}
+
+
 def swap_in(folder, gone):
-    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in, then remove the journal: out_dir
-    holds one run's files at every point, and each step can be done again."""
+    """Remove the earlier run's files gone, rename the whole .tmp checkpoints in, then remove the
+    journal: out_dir holds one run's files at every point, and each step can be done again."""
     if any(folder.glob('*.pt.tmp')):  # none once all are renamed in: gone is gone
         for name in gone:
             (folder / name).unlink(missing_ok=True)
@@ -256,14 +338,17 @@ def swap_in(folder, gone):
 
 
 def on_rank_0(step, group):
-    """step() on rank 0 -> its result, or its error raised, on every rank (which would wait forever else)."""
+    """step() on rank 0 -> its result, or its error raised, on every rank (else they would hang)."""
     shared = [None, None]  # the result, the error
     if group is None or dist.get_rank() == 0:
         try:
             shared[0] = step()
-        except Exception as e:  # e.g. a full disk while preparing the data
-            shared[1] = e if isinstance(e, (TrainError, CheckpointError)) else TrainError(
-                str(e) if isinstance(e, (OSError, ValueError, RuntimeError)) else repr(e))
+        except (TrainError, CheckpointError) as e:
+            shared[1] = e
+        except (OSError, ValueError, RuntimeError) as e:  # e.g. a full disk preparing the data
+            shared[1] = TrainError(str(e))
+        except Exception as e:
+            shared[1] = TrainError(repr(e))
     if group is not None:
         dist.broadcast_object_list(shared, src=0, group=group)
     if shared[1] is not None:
@@ -271,108 +356,171 @@ def on_rank_0(step, group):
     return shared[0]
 
 
-def setup(cfg, run):
-    """The data, the model, its optimizer and loss scaler, the batch generator: new, or as ckpt.pt left them."""
+def load_data(cfg, run):
+    """The token files (prepared first for the default corpus) and the validation windows."""
     folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
     if cfg.dataset == 'default':
-        on_rank_0(lambda: prepare(dataset='default', tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), run.group)
+        on_rank_0(lambda: prepare(tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), run.group)
     if not (folder / 'train.bin').exists():
-        raise TrainError(f'no dataset at {folder}. Prepare it with:\n  python prepare_data.py --dataset {cfg.dataset} '
-                         f'--tokenizer {cfg.tokenizer}' + f' --data_dir {cfg.data_dir}' * bool(cfg.data_dir) +
-                         f' --hf_config {cfg.hf_config}' * bool(cfg.hf_config))
-    tok, verify = get_tokenizer(cfg.tokenizer), cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'
-    try:  # one process a node checks the token files
-        train, val = (load_tokens(folder / f'{split}.bin', cfg.tokenizer, tok.vocab_size, verify=verify).tokens
-                      for split in ('train', 'val'))
-    except (ValueError, FileNotFoundError) as e:
-        raise TrainError(str(e)) from None
-    for name, tokens in (('train', train), ('val', val)):
-        if len(tokens) < cfg.block_size + 1:
-            raise TrainError(f'{name}.bin in {folder} holds {len(tokens)} tokens: set --block_size below that, or use '
-                             f'more data')
+        raise TrainError(f'no dataset at {folder}. Prepare it with:\n  {prepare_command(cfg)}')
+    tok = get_tokenizer(cfg.tokenizer)
+    verify = cfg.verify_data and os.environ.get('LOCAL_RANK', '0') == '0'  # one a node
+    splits = {}
+    for split in ('train', 'val'):
+        try:
+            path = folder / f'{split}.bin'
+            splits[split] = load_tokens(path, cfg.tokenizer, tok.vocab_size, verify).tokens
+        except (ValueError, FileNotFoundError) as e:
+            raise TrainError(str(e)) from None
+        check_tokens(cfg, folder, split, len(splits[split]), verify)
     windows = cfg.eval_iters * cfg.batch_size  # fixed validation windows
-    run.data = SimpleNamespace(tok=tok, folder=folder, train=train, val=val, val_set=[str(folder), len(val),
-                               cfg.block_size, windows], val_starts=np.random.default_rng(EVAL_SEED).integers(
-                                   0, len(val) - cfg.block_size, windows))
+    val_set = [str(folder), len(splits['val']), cfg.block_size, windows]
+    high = len(splits['val']) - cfg.block_size
+    val_starts = np.random.default_rng(EVAL_SEED).integers(0, high, windows)
+    run.data = SimpleNamespace(tok=tok, folder=folder, val_set=val_set, val_starts=val_starts,
+                               **splits)
+
+
+def prepare_command(cfg):
+    """The prepare_data.py command that writes the run's token files, quoted to paste."""
+    command = f'python prepare_data.py --dataset {shlex.quote(cfg.dataset)} --tokenizer ' \
+              f'{cfg.tokenizer}'
+    if cfg.data_dir:
+        command += f' --data_dir {shlex.quote(cfg.data_dir)}'
+    if cfg.hf_config:
+        command += f' --hf_config {shlex.quote(cfg.hf_config)}'
+    return command
+
+
+def check_tokens(cfg, folder, split, n_tokens, verify):
+    """TrainError if a token file is shorter than a sequence, or (verify) not meta.json's."""
+    if n_tokens < cfg.block_size + 1:
+        raise TrainError(f'{split}.bin in {folder} holds {n_tokens} tokens: set --block_size below '
+                         f'that, or use more data')
+    if not verify:
+        return
+    try:
+        listed = json.loads((folder / 'meta.json').read_text())['files'][f'{split}.bin']['tokens']
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # token files written without prepare_data.py's meta.json
+    if listed != n_tokens:
+        raise TrainError(f'{split}.bin in {folder} holds {n_tokens:,} tokens; its meta.json lists '
+                         f'{listed:,}: the files changed after prepare_data.py wrote them; '
+                         f'write them again: {prepare_command(cfg)}')
+
+
+def setup(cfg, run):
+    """Data, model, optimizer, loss scaler, batch generator: new, or as ckpt.pt left them."""
+    load_data(cfg, run)
     run.iter_num, run.best_val_loss, run.untrained_loss, run.eval_cut = 0, math.inf, None, False
-    ckpt = load_checkpoint(run.folder / 'ckpt.pt') if cfg.init_from == 'resume' else None
+    ckpt = None
+    if cfg.init_from == 'resume':
+        ckpt = load_checkpoint(run.folder / 'ckpt.pt')
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the same weights on every rank
     vocab_size = run.data.tok.vocab_size
-    vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple if vocab_size > 256 else vocab_size
-    run.raw_model = Model(ModelConfig(**model_args(cfg), vocab_size=vocab_size)) if ckpt is None else \
-        model_from_checkpoint(ckpt, run.folder / 'ckpt.pt')
+    if vocab_size > 256:
+        vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
+    if ckpt is None:
+        run.raw_model = Model(ModelConfig(**model_args(cfg), vocab_size=vocab_size))
+    else:
+        run.raw_model = model_from_checkpoint(ckpt, run.folder / 'ckpt.pt')
     run.raw_model.config.block_size = cfg.block_size  # a resume trains at this run's context
     run.raw_model.to(run.device)
-    run.optimizer = run.raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+    betas = (cfg.beta1, cfg.beta2)
+    run.optimizer = run.raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas,
                                                        run.device.type)
-    run.scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == 'float16')
+    scaled = run.dtype == 'float16'
+    run.scaler = torch.amp.GradScaler(run.device.type, enabled=scaled)
     run.gen = np.random.default_rng([cfg.seed, run.rank])  # this rank's batches
     if ckpt is not None:
         resume(cfg, run, ckpt)
-    run.bad = torch.full((2,), NEVER, device=run.device)  # the first bad step of the loss, the gradient norm
-    run.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    run.bad = torch.full((2,), NEVER, device=run.device)  # the first bad step: loss, grad norm
+    accum, batch, block = cfg.gradient_accumulation_steps, cfg.batch_size, cfg.block_size
+    run.tokens_per_iter = accum * batch * block
+    model = run.raw_model
     if run.master:
-        print(f'device {run.device}, dtype {run.dtype}, world size {run.world_size}, tokens per step '
-              f'{run.tokens_per_iter:,} ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size})\n'
-              f'model: {run.raw_model.config}\nparameters: {run.raw_model.num_params(non_embedding=False):,} '
-              f'({run.raw_model.num_params():,} without embeddings)')
-    run.wandb = cfg.wandb_log and run.master and __import__('wandb').init(
-        project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))  # a wandb Run, or False
-    run.model = torch.compile(run.raw_model) if cfg.compile else run.raw_model
+        print(f'device {run.device}, dtype {run.dtype}, world size {run.world_size}, tokens per '
+              f'step {run.tokens_per_iter:,} ({accum} x {batch} x {block})\nmodel: {model.config}'
+              f'\nparameters: {model.num_params(False):,} ({model.num_params():,} without '
+              f'embeddings)')
+    run.wandb = None
+    if cfg.wandb_log and run.master:
+        run.wandb = __import__('wandb').init(project=cfg.wandb_project, name=cfg.wandb_run_name,
+                                             config=vars(cfg))
+    run.model = model
+    if cfg.compile:
+        run.model = torch.compile(model)
     if run.group is not None:
-        run.model = DDP(run.model, device_ids=[run.device.index] if run.device.type == 'cuda' else None)
+        device_ids = None
+        if run.device.type == 'cuda':
+            device_ids = [run.device.index]
+        run.model = DDP(run.model, device_ids=device_ids)
 
 
 def resume(cfg, run, ckpt):
-    """Go on from ckpt (its step, losses, optimizer, random states) as if the run had not stopped."""
+    """Go on from ckpt (step, losses, optimizer, random states) as if the run had not stopped."""
     path, step = run.folder / 'ckpt.pt', ckpt['iter_num']
     saved = asdict(run.raw_model.config) | {'tokenizer': ckpt['tokenizer']}
-    asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size'])) | {'tokenizer': cfg.tokenizer}
+    asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size']))
+    asked['tokenizer'] = cfg.tokenizer
     changed = [k for k, v in saved.items() if k != 'block_size' and asked[k] != v]
     if changed:
-        raise TrainError(f'{path} holds a model with {", ".join(f"{k}={saved[k]!r}" for k in changed)}; this run asks '
-                         f'for {", ".join(f"{k}={asked[k]!r}" for k in changed)}: pass '
-                         f'{" ".join(f"--{k}={saved[k]}" for k in changed)} (or its config file), or use a new '
-                         f'--out_dir')
+        has = ', '.join(f'{k}={saved[k]!r}' for k in changed)
+        wants = ', '.join(f'{k}={asked[k]!r}' for k in changed)
+        flags = ' '.join(f'--{k}={saved[k]}' for k in changed)
+        raise TrainError(f'{path} holds a model with {has}; this run asks for {wants}: pass '
+                         f'{flags} (or its config file), or use a new --out_dir')
     if step >= cfg.max_iters and not ckpt.get('eval_cut'):  # a last evaluation cut short: run it
-        raise TrainError(f'{path} is at step {step}, which --max_iters={cfg.max_iters} does not pass: set it higher')
-    seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are restored: its seed is the run's
-    notes = [f'{k}={vars(cfg)[k]!r} (was {v!r})' for k, v in ckpt['train_config'].items() if vars(cfg).get(k, v) != v
-             and (k == 'block_size' or k not in (*saved, 'init_from', 'out_dir'))] + [f'--seed={seed} is not used: '
-             f'the random states are restored from the checkpoint (seed {cfg.seed})'] * (seed != cfg.seed)
-    run.iter_num, run.best_val_loss, run.untrained_loss = step, ckpt['best_val_loss'], ckpt.get('untrained_loss')
-    run.eval_cut, run.saved = ckpt.get('eval_cut', False), {'ckpt.pt': step}  # its last good checkpoint till a save
+        raise TrainError(f'{path} is at step {step}, which --max_iters={cfg.max_iters} does not '
+                         f'pass: set it higher')
+    seed, cfg.seed = cfg.seed, ckpt['train_config']['seed']  # its random states are the run's
+    kept = (*saved, 'init_from', 'out_dir')
+    notes = []
+    for k, v in ckpt['train_config'].items():
+        if vars(cfg).get(k, v) != v and (k == 'block_size' or k not in kept):
+            notes.append(f'{k}={vars(cfg)[k]!r} (was {v!r})')
+    if seed != cfg.seed:
+        notes.append(f'--seed={seed} is not used: the random states are restored from the '
+                     f'checkpoint (seed {cfg.seed})')
+    run.iter_num, run.best_val_loss = step, ckpt['best_val_loss']
+    run.untrained_loss, run.eval_cut = ckpt.get('untrained_loss'), ckpt.get('eval_cut', False)
+    run.saved = {'ckpt.pt': step}  # its last good checkpoint till a save
     if ckpt['data_state'].get('val_set') != run.data.val_set:  # losses that do not compare
-        run.best_val_loss, run.untrained_loss = math.inf, math.log(run.data.tok.vocab_size)  # a uniform model's
-        notes.append("the validation set is not the checkpoint's (other data, block_size, eval_iters or batch_size): "
-                     'the best loss starts over')
+        run.best_val_loss = math.inf
+        run.untrained_loss = math.log(run.data.tok.vocab_size)  # a uniform model's
+        notes.append("the validation set is not the checkpoint's (other data, block_size, "
+                     'eval_iters or batch_size): the best loss starts over')
     run.optimizer.load_state_dict(ckpt['optimizer'])
     if ckpt.get('scaler') and run.scaler.is_enabled():  # float16 runs only
         run.scaler.load_state_dict(ckpt['scaler'])
     rng = ckpt['rng']
     random.setstate(rng['python'])
-    np.random.set_state((rng['numpy'][0], np.array(rng['numpy'][1], dtype=np.uint32), *rng['numpy'][2:]))
+    np_state = np.array(rng['numpy'][1], dtype=np.uint32)
+    np.random.set_state((rng['numpy'][0], np_state, *rng['numpy'][2:]))
     torch.set_rng_state(rng['torch'])
-    if rng['cuda'] is not None and torch.cuda.is_available() and len(rng['cuda']) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(rng['cuda'])
-    if (ckpt['data_state']['world_size'], ckpt['data_state']['train_tokens']) == (run.world_size, len(run.data.train)):
+    cuda = rng['cuda']
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    data = ckpt['data_state']
+    if (data['world_size'], data['train_tokens']) == (run.world_size, len(run.data.train)):
         run.gen.bit_generator.state = rng['batch'][run.rank]
     else:
         run.gen = np.random.default_rng([cfg.seed, run.rank, step])
-        notes.append('the world size or the training data changed: the batches differ from a straight run')
+        notes.append('the world size or the training data changed: the batches differ from a '
+                     'straight run')
     if run.master and notes:
         print(f"resume: {', '.join(notes)}")
 
 
 def get_batch(tokens, starts, block_size, device, data):
-    """Inputs tokens[s : s+block_size] and targets tokens[s+1 : s+block_size+1] for each start s."""
+    """Inputs tokens[s : s+block_size] and targets tokens[s+1 : s+block_size+1] for each s."""
     xy = np.stack([tokens[s:s + block_size + 1] for s in starts])
     if xy.max() >= data.tok.vocab_size:  # --verify_data=False: before the embedding fails
-        raise TrainError(f'a batch holds token id {xy.max()}, beyond the vocabulary of {data.tok.vocab_size}'
-                         f': the token files in {data.folder} are damaged or of another tokenizer: prepare them again '
-                         f'(prepare_data.py)')
+        raise TrainError(f'a batch holds token id {xy.max()}, beyond the vocabulary of '
+                         f'{data.tok.vocab_size}: the token files in {data.folder} are damaged or '
+                         f'of another tokenizer: prepare them again (prepare_data.py)')
     xy = torch.from_numpy(xy.astype(np.int64))
     if device.type == 'cuda':
         xy = xy.pin_memory().to(device, non_blocking=True)
@@ -380,7 +528,7 @@ def get_batch(tokens, starts, block_size, device, data):
 
 
 def next_batch(cfg, run):
-    """This rank's next random batch; run.batch_state: the generator's state before it, for a resume."""
+    """This rank's next random batch; run.batch_state: the generator's state before it."""
     run.batch_state = run.gen.bit_generator.state
     starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
     return get_batch(run.data.train, starts, cfg.block_size, run.device, run.data)
@@ -388,26 +536,33 @@ def next_batch(cfg, run):
 
 @torch.no_grad()
 def estimate_loss(cfg, run):
-    """Mean loss per token over the fixed validation windows, split over the ranks; None if a signal stopped it."""
-    model = run.model.module if isinstance(run.model, DDP) else run.model  # no gradient sync
+    """Mean loss a token on the fixed val windows, split over ranks; None if a signal stopped it."""
+    model = run.model
+    if isinstance(model, DDP):
+        model = run.model.module  # no gradient sync
     model.eval()
-    total, mine = torch.zeros(3, dtype=torch.float64), run.data.val_starts[run.rank::run.world_size]
+    total = torch.zeros(3, dtype=torch.float64)
+    mine = run.data.val_starts[run.rank::run.world_size]
     for i in range(0, len(mine), cfg.batch_size):
         if run.stop:
             break
-        x, y = get_batch(run.data.val, mine[i:i + cfg.batch_size], cfg.block_size, run.device, run.data)
+        starts = mine[i:i + cfg.batch_size]
+        x, y = get_batch(run.data.val, starts, cfg.block_size, run.device, run.data)
         with run.ctx:
-            total += torch.tensor([model(x, y)[1].item() * len(x), len(x), 0], dtype=torch.float64)
+            loss = model(x, y)[1].item()
+        total += torch.tensor([loss * len(x), len(x), 0], dtype=torch.float64)
     total[2] = run.stop
     if run.group is not None:
         dist.all_reduce(total, group=run.group)  # the stop too: every rank agrees
     model.train()
-    run.stop = bool(total[2])
-    return None if run.stop else (total[0] / total[1]).item()
+    if total[2]:  # the same on every rank: a signal on one stops all
+        agreed_stop(run)
+        return None
+    return (total[0] / total[1]).item()
 
 
 def get_lr(it, cfg):
-    """Linear warmup for warmup_iters steps, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warmup for warmup_iters steps, cosine decay to min_lr at lr_decay_iters, min_lr."""
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
@@ -418,175 +573,270 @@ def get_lr(it, cfg):
 
 
 def check_finite(cfg, run):
-    """Stop the run if a step so far had a loss or gradient norm not finite, on any rank (one sync)."""
+    """Stop the run if a step had a loss or gradient norm not finite, on any rank (one sync)."""
     bad = run.bad.cpu()
     if run.group is not None:
         dist.all_reduce(bad, op=dist.ReduceOp.MIN, group=run.group)
     if bad.min() < NEVER:
         step = int(bad.min())
-        diverged(run, f'the {"loss" if bad[0] <= bad[1] else "gradient norm"} is not finite (NaN or infinity) at step '
-                      f'{step} (learning rate {get_lr(step - 1, cfg):.2e})')
+        what = 'loss'
+        if bad[0] > bad[1]:
+            what = 'gradient norm'
+        diverged(run, f'the {what} is not finite (NaN or infinity) at step {step} (learning rate '
+                      f'{get_lr(step - 1, cfg):.2e})')
 
 
 def diverged(run, what):
     """The TrainError of a diverged run: nothing is saved after it."""
-    name = 'ckpt.pt' if 'ckpt.pt' in run.saved else 'best.pt'
-    kept = (f'{run.folder / name} (step {run.saved[name]}) is the last good checkpoint' if run.saved else
-            f"the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were" if run.earlier else
-            'no checkpoint was written')
-    raise TrainError(f'{what}: training stopped without saving; {kept}. Likely causes: a learning rate too high '
-                     f'(--learning_rate, --warmup_iters, --grad_clip), bad data, or a damaged checkpoint resumed')
+    kept = 'no checkpoint was written'
+    if run.earlier:
+        kept = f"the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were"
+    if run.saved:
+        name = 'ckpt.pt' if 'ckpt.pt' in run.saved else 'best.pt'
+        kept = f'{run.folder / name} (step {run.saved[name]}) is the last good checkpoint'
+    raise TrainError(f'{what}: training stopped without saving; {kept}. Likely causes: a learning '
+                     f'rate too high (--learning_rate, --warmup_iters, --grad_clip), too strong a '
+                     f'--weight_decay, bad data, or a damaged checkpoint resumed')
 
 
 def catch_signals(cfg, run):
-    """Ctrl-C or SIGTERM now stops the run after its step, saved; a second Ctrl-C quits at once, as does the first
-    before a compiled model's first step (its compiles can outlast torchrun's 30 s grace)."""
+    """Ctrl-C or SIGTERM now stops the run after its step, saved (run.stop: the signal); a second
+    Ctrl-C quits at once, as does the first before a compiled model's first step (its compiles
+    can outlast torchrun's 30 s grace) -> the handlers it replaced."""
     start = run.iter_num
 
     def request_stop(signum, frame):
+        name = signal.Signals(signum).name
         if cfg.compile and run.iter_num == start:
             if run.master:
-                print(f'\n{signal.Signals(signum).name}: nothing trained yet to save: quitting now', flush=True)
+                print(f'\n{name}: nothing trained yet to save: quitting now', flush=True)
             raise SystemExit(128 + signum)
-        run.stop = True
-        signal.signal(signum, run.handlers[signum])
+        run.stop = signum
+        signal.signal(signum, handlers[signum])
         if run.master:
-            print(f'\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
+            print(f'\n{name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
+    handlers = {}
     if threading.current_thread() is threading.main_thread():  # the one that takes signals
-        run.handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, request_stop)
+    return handlers
 
 
-def main(argv=()):
-    """python train.py [config files] [--key=value ...] -> the losses logged: {'train': [(step, loss)], 'val': ...}."""
+def main(argv=(), exit_when_stopped=False):
+    """python train.py [config files] [--key=value ...] -> the losses logged: {'train': [(step,
+    loss)], 'val': ...}; a run a signal stopped exits 128 + the signal if exit_when_stopped."""
     cfg = settings(list(argv))
     if cfg is None:
         return None
-    run = SimpleNamespace(folder=Path(cfg.out_dir), created=not os.path.exists(cfg.out_dir), lock=None, handlers={},
-                          saved={}, earlier=[], stop=False, rank=0, world_size=1, group=None, device=cfg.device)
+    created, handlers = not os.path.exists(cfg.out_dir), {}
+    run = SimpleNamespace(folder=Path(cfg.out_dir), lock=None, saved={}, earlier=[], stop=0,
+                          rank=0, world_size=1, group=None, device=cfg.device)
     try:
-        if 'RANK' in os.environ:  # torchrun's; run.group: gloo for small messages
-            run.rank, local_rank, run.world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
-            if cfg.device.startswith('cuda'):
-                run.device = f'cuda:{local_rank}'
-                torch.cuda.set_device(run.device)
-                dist.init_process_group('nccl', device_id=torch.device(run.device))
-            else:
-                dist.init_process_group('gloo')
-            run.group = dist.new_group(backend='gloo')
-        run.device, run.master = torch.device(run.device), run.rank == 0
-        run.dtype = resolve_dtype(cfg.dtype, run.device)
-        if run.device.type == 'cuda':
-            run.dtype = 'float16' if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported() else run.dtype
-            torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
-        half = getattr(torch, run.dtype)
-        run.ctx = nullcontext() if run.dtype == 'float32' else torch.autocast(run.device.type, half)
+        start_processes(cfg, run)
         run.earlier = on_rank_0(lambda: claim(cfg, run), run.group)
         setup(cfg, run)
-        catch_signals(cfg, run)
-        return train(cfg, run)
+        handlers = catch_signals(cfg, run)
+        history = train(cfg, run)
     finally:
-        for sig, handler in run.handlers.items():
+        for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if run.lock is not None:
-            (run.folder / 'train.lock').unlink(missing_ok=True)  # while held (a run that locked this file retries)
+        if run.lock is not None:  # removed while held (a run that locked this file retries)
+            (run.folder / 'train.lock').unlink(missing_ok=True)
             run.lock.close()
-        if run.created and run.rank == 0 and run.folder.is_dir() and not any(run.folder.iterdir()):
+        if created and run.rank == 0 and run.folder.is_dir() and not any(run.folder.iterdir()):
             run.folder.rmdir()  # a refused run leaves no folder behind
         if dist.is_initialized():
             dist.destroy_process_group()
+    if run.stop and exit_when_stopped:
+        raise SystemExit(128 + run.stop)  # 130, 143: a script can tell it from a finished run
+    return history
+
+
+def start_processes(cfg, run):
+    """torchrun's processes (run.group: gloo for small messages), the device and dtype."""
+    if 'RANK' in os.environ:
+        run.rank, run.world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+        if cfg.device.startswith('cuda'):
+            run.device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(run.device)
+            dist.init_process_group('nccl', device_id=torch.device(run.device))
+        else:
+            dist.init_process_group('gloo')
+        run.group = dist.new_group(backend='gloo')
+    run.device, run.master = torch.device(run.device), run.rank == 0
+    run.dtype = resolve_dtype(cfg.dtype, run.device)
+    if run.device.type == 'cuda':
+        if run.dtype == 'bfloat16' and not torch.cuda.is_bf16_supported():
+            run.dtype = 'float16'
+        torch.set_float32_matmul_precision('high')  # TF32 matmuls where float32 remains
+    run.ctx = nullcontext()
+    if run.dtype != 'float32':
+        run.ctx = torch.autocast(run.device.type, getattr(torch, run.dtype))
 
 
 def train(cfg, run):
     """The training loop, from run.iter_num to max_iters -> the losses logged."""
-    history, start, resumed = {'train': [], 'val': []}, run.iter_num, cfg.init_from == 'resume'
-    grad_accum, tokens_per_iter = cfg.gradient_accumulation_steps // run.world_size, run.tokens_per_iter
-    X, Y = next_batch(cfg, run)
-    t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
+    history, run.start = {'train': [], 'val': []}, run.iter_num
+    run.batch = next_batch(cfg, run)
+    t0, steps, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
     while True:
-        # evaluate and save (not again right after resuming, unless a stop cut the evaluation short)
-        fresh = run.iter_num > start or run.eval_cut
-        if (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters) and (fresh or not resumed):
-            check_finite(cfg, run)
-            val_loss = estimate_loss(cfg, run)
-            run.eval_cut = val_loss is None
-            if val_loss is not None:  # None: a signal stopped it
-                run.untrained_loss = val_loss if run.untrained_loss is None else run.untrained_loss
-                if not (math.isfinite(val_loss) and val_loss <= run.untrained_loss + BLOW_UP):
-                    diverged(run, f'the validation loss is {val_loss:.4f} at step {run.iter_num}' + (
-                        f", more than {BLOW_UP} above the untrained model's {run.untrained_loss:.4f}" if
-                        math.isfinite(val_loss) else ': not finite'))
-                history['val'].append((run.iter_num, val_loss))
-                new_best = fresh and val_loss < run.best_val_loss
-                run.best_val_loss = val_loss if new_best else run.best_val_loss
-                if run.master:
-                    bpb = f', {val_loss / math.log(2):.4f} bits per byte' if cfg.tokenizer == 'bytes' else ''
-                    print(f'step {run.iter_num}: val loss {val_loss:.4f}{bpb}{" (best)" * new_best}', flush=True)
-                if run.wandb:
-                    run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': get_lr(run.iter_num, cfg)})
-                last = cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters
-                if fresh and (last or new_best):
-                    save(cfg, run, ['ckpt.pt'] * last + ['best.pt'] * new_best)
-            t_log = time.time()  # evaluation out of the timings
+        if evaluate_and_save(cfg, run, history):
+            t0 = time.time()  # evaluation out of the timings
         if run.iter_num >= cfg.max_iters and not run.eval_cut:  # its evaluation ran whole: done
             break
-        if run.group is not None:  # a signal on any rank stops every rank here
-            stop = torch.tensor([float(run.stop)])
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
-            run.stop = bool(stop.item())
-        if run.stop:  # an --overwrite run not yet saved keeps the earlier run whole
-            if not run.earlier and start < run.iter_num != run.saved.get('ckpt.pt'):  # a step trained, not saved
-                check_finite(cfg, run)
-                save(cfg, run, ['ckpt.pt'])
-            if run.master:
-                print(f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with --init_from=resume' if
-                      start < run.iter_num and not run.earlier else f'stopped at step {run.iter_num}: nothing saved' +
-                      f" (the earlier run's {' and '.join(run.earlier)} in {run.folder} stay)" * bool(run.earlier))
-            return history
+        if agreed_stop(run):
+            return stop(cfg, run, history)
 
         lr = get_lr(run.iter_num, cfg)
         for param_group in run.optimizer.param_groups:
             param_group['lr'] = lr
-        step_loss = torch.zeros((), device=run.device)
-        for micro_step in range(grad_accum):
-            sync = run.group is None or micro_step == grad_accum - 1  # DDP: the gradients all-reduced once
-            with nullcontext() if sync else run.model.no_sync(), run.ctx:
-                _, loss = run.model(X, Y)
-            X, Y = next_batch(cfg, run)  # while the accelerator works
-            run.scaler.scale(loss / grad_accum).backward()
-            step_loss += loss.detach() / grad_accum
-        run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
-        finite = torch.stack([step_loss.isfinite(), grad_norm.isfinite() | run.scaler.is_enabled()])
-        run.bad = torch.where(~finite & (run.bad == NEVER), run.iter_num + 1, run.bad)  # no sync: check_finite acts
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.iter_num, steps_since_log, loss_sum = run.iter_num + 1, steps_since_log + 1, loss_sum + step_loss
+        loss = train_step(cfg, run)
+        if loss is None:  # a signal came between micro-batches
+            return stop(cfg, run, history)
+        run.iter_num, steps, loss_sum = run.iter_num + 1, steps + 1, loss_sum + loss
 
         if run.iter_num % cfg.log_interval == 0 or run.iter_num == cfg.max_iters:
-            check_finite(cfg, run)
-            lossf = loss_sum.item() / steps_since_log  # waits for the GPU: the timing is right
-            dt = (time.time() - t_log) / steps_since_log
-            history['train'].append((run.iter_num, lossf))  # this rank's, averaged since the last log
-            if run.master:
-                mfu = run.raw_model.estimate_mfu(tokens_per_iter / dt / run.world_size)
-                memory = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == 'cuda' else \
-                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
-                left = round(dt * (cfg.max_iters - run.iter_num))  # s, at the mean step time since the last line
-                print(f'iter {run.iter_num}/{cfg.max_iters}: loss {lossf:.4f}, lr {lr:.2e}, '
-                      f'{tokens_per_iter / dt:,.0f} tok/s{f", mfu {100 * mfu:.1f}%" * (run.device.type == "cuda")}, '
-                      f'mem {memory:.2f}GB, {1000 * dt:.1f}ms/iter, {left // 60}m {left % 60}s left', flush=True)
-            if run.wandb:
-                run.wandb.log({'iter': run.iter_num, 'train/loss': lossf, 'lr': lr, 'tok_s': tokens_per_iter / dt})
-            t_log, steps_since_log, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
+            log(cfg, run, history, lr, loss_sum, steps, t0)
+            t0, steps, loss_sum = time.time(), 0, torch.zeros((), device=run.device)
     if run.master:
-        best = f' and best.pt (val loss {run.best_val_loss:.4f})' if (run.folder / 'best.pt').exists() else ''
-        print(f'saved {run.folder / "ckpt.pt"} (step {run.iter_num}){best}; sample it with: python sample.py '
-              f'--out_dir={cfg.out_dir}')
+        best = ''
+        if (run.folder / 'best.pt').exists():
+            best = f' and best.pt (val loss {run.best_val_loss:.4f})'
+        print(f'saved {run.folder / "ckpt.pt"} (step {run.iter_num}){best}; sample it with: '
+              f'python sample.py --out_dir={cfg.out_dir}')
     if run.wandb:
         run.wandb.finish()
+    run.stop = 0  # finished: a signal now changes nothing
     return history
 
 
+def train_step(cfg, run):
+    """One optimizer step on gradient_accumulation_steps micro-batches (the next fetched meanwhile)
+    -> its mean loss; None if a signal came between micro-batches: the step is undone."""
+    grad_accum = cfg.gradient_accumulation_steps // run.world_size
+    first, step_loss = run.batch_state, torch.zeros((), device=run.device)
+    for micro_step in range(grad_accum):
+        if micro_step and agreed_stop(run):
+            run.optimizer.zero_grad(set_to_none=True)
+            run.batch_state = first  # a resume starts this step again
+            return None
+        sync = run.group is None or micro_step == grad_accum - 1  # DDP: all-reduced once
+        with nullcontext() if sync else run.model.no_sync(), run.ctx:
+            _, loss = run.model(*run.batch)
+        run.batch = next_batch(cfg, run)  # while the accelerator works
+        run.scaler.scale(loss / grad_accum).backward()
+        step_loss += loss.detach() / grad_accum
+    run.scaler.unscale_(run.optimizer)  # float16: the true gradients, to clip and check
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    grad_finite = grad_norm.isfinite() | run.scaler.is_enabled()
+    finite = torch.stack([step_loss.isfinite(), grad_finite])
+    new_bad = ~finite & (run.bad == NEVER)
+    run.bad = torch.where(new_bad, run.iter_num + 1, run.bad)  # no sync: check_finite acts
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
+def evaluate_and_save(cfg, run, history):
+    """At an evaluation step: the val loss, logged; ckpt.pt and best.pt saved as due -> whether it
+    evaluated. Not again at the step a run resumes from, unless a stop cut it short."""
+    fresh = run.iter_num > run.start or run.eval_cut
+    due = run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters
+    if not due:
+        return False
+    if not fresh and cfg.init_from == 'resume':  # evaluated before the run stopped
+        return False
+    check_finite(cfg, run)
+    val_loss = estimate_loss(cfg, run)
+    run.eval_cut = val_loss is None
+    if val_loss is None:  # a signal stopped it
+        return True
+    if run.untrained_loss is None:
+        run.untrained_loss = val_loss
+    check_blow_up(run, val_loss)
+    history['val'].append((run.iter_num, val_loss))
+    new_best = fresh and val_loss < run.best_val_loss
+    if new_best:
+        run.best_val_loss = val_loss
+    if run.master:
+        line = f'step {run.iter_num}: val loss {val_loss:.4f}'
+        if cfg.tokenizer == 'bytes':
+            line += f', {val_loss / math.log(2):.4f} bits per byte'
+        if new_best:
+            line += ' (best)'
+        print(line, flush=True)
+    if run.wandb:
+        lr = get_lr(run.iter_num, cfg)
+        run.wandb.log({'iter': run.iter_num, 'val/loss': val_loss, 'lr': lr})
+    names = []
+    if fresh and (cfg.always_save_checkpoint or run.iter_num >= cfg.max_iters):
+        names.append('ckpt.pt')
+    if new_best:
+        names.append('best.pt')
+    if names:
+        save(cfg, run, names)
+    return True
+
+
+def check_blow_up(run, val_loss):
+    """Stop the run, unsaved, if the val loss is not finite or BLOW_UP above the untrained's."""
+    at = f'the validation loss is {val_loss:.4f} at step {run.iter_num}'
+    if not math.isfinite(val_loss):
+        diverged(run, f'{at}: not finite')
+    if val_loss > run.untrained_loss + BLOW_UP:
+        diverged(run, f"{at}, more than {BLOW_UP} above the untrained model's "
+                      f'{run.untrained_loss:.4f}')
+
+
+def agreed_stop(run):
+    """The signal that stops the run (0: none), agreed by every rank: any rank's stops all."""
+    if run.group is not None:
+        stop = torch.tensor([float(run.stop)])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
+        run.stop = int(stop.item())
+    return run.stop
+
+
+def stop(cfg, run, history):
+    """Save the steps trained since the last save, unless an --overwrite run has not replaced the
+    earlier run yet (it stays whole) -> the losses logged."""
+    trained = run.start < run.iter_num and not run.earlier
+    if trained and run.iter_num != run.saved.get('ckpt.pt'):
+        check_finite(cfg, run)
+        save(cfg, run, ['ckpt.pt'])
+    if not run.master:
+        return history
+    if trained:
+        print(f'saved {run.folder / "ckpt.pt"} at step {run.iter_num}; continue with '
+              f'--init_from=resume')
+    elif run.earlier:
+        print(f'stopped at step {run.iter_num}: nothing saved (the earlier run\'s '
+              f"{' and '.join(run.earlier)} in {run.folder} stay)")
+    else:
+        print(f'stopped at step {run.iter_num}: nothing saved')
+    return history
+
+
+def log(cfg, run, history, lr, loss_sum, steps, t0):
+    """The mean loss of the steps since t0: history, a line with speed, memory, time left."""
+    check_finite(cfg, run)
+    lossf = loss_sum.item() / steps  # waits for the GPU: the timing is right
+    dt = (time.time() - t0) / steps
+    history['train'].append((run.iter_num, lossf))  # this rank's, averaged since the last log
+    tok_s = run.tokens_per_iter / dt
+    if run.master:
+        line = f'iter {run.iter_num}/{cfg.max_iters}: loss {lossf:.4f}, lr {lr:.2e}, ' \
+               f'{tok_s:,.0f} tok/s'
+        if run.device.type == 'cuda':
+            line += f', mfu {100 * run.raw_model.estimate_mfu(tok_s / run.world_size):.1f}%'
+        left = round(dt * (cfg.max_iters - run.iter_num))  # s, at the mean step since the last
+        print(f'{line}, mem {peak_memory(run.device):.2f}GB, {1000 * dt:.1f}ms/iter, '
+              f'{left // 60}m {left % 60}s left', flush=True)
+    if run.wandb:
+        run.wandb.log({'iter': run.iter_num, 'train/loss': lossf, 'lr': lr, 'tok_s': tok_s})
+
+
 if __name__ == '__main__':
-    run_main(main, TrainError, CheckpointError)
+    quit_on_sigterm()
+    run_main(lambda argv: main(argv, exit_when_stopped=True), TrainError, CheckpointError)

@@ -75,3 +75,22 @@ def test_config_files_in_the_wrong_order_are_warned(capsys, monkeypatch):
     load_config(config, ['--batch_size=32', 'config/fm_small.py'], types)  # a setting before the file it overrides
     assert capsys.readouterr().err == ('warning: config/fm_small.py sets batch_size after --batch_size=32: the later '
                                        'wins, and --batch_size=32 changes nothing; give --batch_size=32 last\n')
+
+
+@pytest.mark.parametrize('source, argv, message', [
+    ('import sys\nsys.exit(0)\n', [], 'bad.py, line 2: SystemExit: 0: fix the config file'),
+    ('def mixer():\n    pass\n', [], "bad.py: bad value for 'mixer': <function mixer"),  # not dropped
+    ('', ['--batch_size=8', '--batch_size=x'], "'x' is a str, expected a int (default: 16)"),  # not 8
+])
+def test_a_config_mistake_is_named_not_dropped(source, argv, message, tmp_path):
+    (tmp_path / 'bad.py').write_text(source)
+    config, types = defaults()
+    with pytest.raises(ConfigError) as error:
+        load_config(config, [str(tmp_path / 'bad.py'), *argv], types)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize('seed', ['99999999999999999999999', '-1'])
+def test_sample_refuses_a_seed_out_of_range(seed):
+    with pytest.raises(ConfigError, match=f'--seed={seed} is out of range: set it to 0 to 4294967295'):
+        sample.main([f'--seed={seed}'])

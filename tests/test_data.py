@@ -234,6 +234,8 @@ def test_load_tokens_refuses_mismatch_and_missing(token_file):
     (["--data_dir", "notes.txt"], "notes.txt is a file, not a folder, so notes.txt/default_bytes cannot be written: "
                                   "move it away or pass another --data_dir"),
     (["--dataset", "nowhere"], "no corpus at nowhere: pass --dataset default, hf:NAME, or a .txt/.jsonl/.parquet"),
+    (["--dataset", ""], "--dataset is empty: pass --dataset default, hf:NAME, or a .txt/.jsonl/.parquet"),
+    (["--dataset", "corpus", "--max_docs", "9" * 20], "--max_docs 99999999999999999999 is out of range: give at most"),
 ])
 def test_bad_arguments_get_one_line_before_anything_is_written(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
@@ -536,3 +538,27 @@ def test_replacing_leaves_no_file_of_the_earlier_set(tmp_path):
     with prepare_data.replacing([json_path, png_path]) as (json_file, png_file):
         json_file.write_text('new')
     assert json_path.read_text() == 'new' and not png_path.exists() and os.listdir(tmp_path) == ['routing.json']
+
+
+def test_a_corpus_with_records_without_text_says_so_and_what_to_pass(tmp_path, capsys):
+    """Records whose text is null are counted in a note; where no document drew val at the --val_fraction given, the
+    advice is not that same value again."""
+    from prepare_data import _split_key
+    texts = [text for text in (f"document {i}: {TEXT}" for i in range(200)) if _split_key(text) >= 0.5][:6]
+    records = [{"text": text} for text in texts] + [{"text": None}] * 3
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(ValueError) as error:
+        prepare(str(tmp_path / "docs.jsonl"), "bytes", tmp_path / "data", val_fraction=0.5, num_proc=1)
+    assert "--val_fraction 0.5 " not in str(error.value) and "above 0.5" in str(error.value), error.value
+    assert "note: 3 records without text (null or empty) skipped" in capsys.readouterr().err
+
+
+def test_a_token_file_that_is_a_folder_is_refused_before_any_file_is_written(tmp_path):
+    corpus = small_corpus(tmp_path / "texts", 60)
+    out = prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.083, num_proc=1)
+    before = (out / "train.bin").stat().st_mtime_ns
+    (out / "val.bin").unlink()
+    (out / "val.bin").mkdir()
+    with pytest.raises(ValueError, match="val.bin is a folder, not a token file: move it away"):
+        prepare(corpus, "bytes", tmp_path / "data", val_fraction=0.083, num_proc=1)
+    assert (out / "train.bin").stat().st_mtime_ns == before

@@ -584,7 +584,9 @@ def test_routing_shows_its_progress(tmp_path, capsys):
     out_dir = save_model_checkpoint(planted_router_model(3), tmp_path / 'fm')
     evaluation.main(['routing', f'--out_dir={out_dir}', f'--data={routing_texts(tmp_path / "texts")}', '--tokens=1000',
                      '--chunk_len=16', '--device=cpu'])
-    err = capsys.readouterr().err.splitlines()
+    out, err = capsys.readouterr()
+    assert f"wrote {os.path.join(out_dir, 'routing.json')}" in out  # where the results are (and .png, with matplotlib)
+    err = err.splitlines()
     assert [line.split(', ')[0] for line in err] == [  # 130 tokens, 128 predicted: 3 passes for 2 layers
         'fm routing: 16/130 tokens', 'fm routing: 130/130 tokens', 'fm ablations: 16/384 tokens',
         'fm ablations: 384/384 tokens'], err
@@ -898,3 +900,15 @@ def test_eval_reads_text_as_prepare_data_does_and_writes_under_results(trained, 
         'loss_by_position.png'] * plotted
     assert plotted or 'no plot: matplotlib is not installed (pip install matplotlib)' in capsys.readouterr().out
     assert '/results/' in open(os.path.join(REPO, '.gitignore')).read().split()
+
+
+def test_loss_by_position_warns_that_tokenizers_do_not_compare(tmp_path, capsys):
+    """A bytes and a cl100k_base checkpoint in one table: their nats per token do not compare, and a line says so."""
+    texts = routing_texts(tmp_path / 'texts')
+    torch.manual_seed(0)
+    bytes_dir = save_model_checkpoint(Model(tiny_config(vocab_size=256)), tmp_path / 'b')
+    cl100k_dir = save_model_checkpoint(Model(tiny_config(vocab_size=100352)), tmp_path / 'c', 'cl100k_base')
+    evaluation.main([f'--out_dir={bytes_dir}', f'--out_dir={cl100k_dir}', f'--data={texts}', '--chunk_len=16',
+                     f'--out={tmp_path / "results" / "pos"}', '--device=cpu'])
+    assert 'warning: the checkpoints use the tokenizers bytes and cl100k_base: their losses (nats a token) do ' \
+           'not compare' in capsys.readouterr().err

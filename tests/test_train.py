@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -266,7 +267,18 @@ def test_help_lists_the_mixers_of_model_py(capsys, monkeypatch):
     """--help lists MIXER_CLASSES: a mixer added there is listed."""
     monkeypatch.setitem(model_module.MIXER_CLASSES, 'rnn', type('GatedRNN', (), {}))
     train.main(['--help'])
-    assert 'mixers: fm (FactorizationMemory), attn (Attention), mamba2 (Mamba2), rnn (GatedRNN)\n' in capsys.readouterr().out
+    mixers = re.search(r'^mixers: (.*)$', capsys.readouterr().out, re.M)[1].split(', ')
+    assert mixers == [f'{name} ({cls.__name__})' for name, cls in model_module.MIXER_CLASSES.items()]
+    assert mixers[-1] == 'rnn (GatedRNN)'
+
+
+def test_a_fourth_mixer_is_warned_of_the_settings_it_ignores(capsys, monkeypatch):
+    """A mixer family that ModelConfig.MIXER_SETTINGS does not list reads none of the built-in mixers' settings."""
+    def init(self, config):
+        torch.nn.Linear.__init__(self, config.d_model, config.d_model)
+    monkeypatch.setitem(model_module.MIXER_CLASSES, 'rnn', type('GatedRNN', (torch.nn.Linear,), {'__init__': init}))
+    train.settings(['--mixer=rnn', '--n_memory=16', '--n_head=4'])
+    assert 'warning: --mixer=rnn ignores --n_memory=16, --n_head=4 (settings of attn, fm)' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('settings, sources', [
@@ -285,8 +297,8 @@ def test_every_setting_has_a_help_line(settings, sources):
 
 def test_help_text_reads_each_key_from_its_comment(tmp_path):
     """The comment of the line that sets the key (a '#' in a string is none), in the first file that has one; of
-    several lines setting a key, one that sets it to the default first; a key set under a line `# word` (before a blank
-    line) is tagged [word]; explanations in one column."""
+    several lines setting a key, one that sets it to the default first; tags given are shown (train.py: the mixers
+    ModelConfig.MIXER_SETTINGS declares); explanations in one column."""
     first, second = tmp_path / 'first.py', tmp_path / 'second.py'
     first.write_text("a = '# no comment'\nbb = 2  # bb's\nc = 3  # c, first\nX = dict(\n    c=4,  # c of X\n    a='x')\n")
     second.write_text("class C:\n    a: str = 'y'  # a's, second\n    # fm\n    c: int = 3  # c, second\n\n"
@@ -296,7 +308,8 @@ def test_help_text_reads_each_key_from_its_comment(tmp_path):
         "  --bb=2              bb's",
         "  --c=3               c, first"]
     assert help_text({'c': 4, 'a': 'x'}, first).splitlines() == ["  --c=4    c of X", "  --a='x'"]
-    assert help_text({'c': 3, 'bb': 2}, second).splitlines() == ["  --c=3   [fm] c, second", "  --bb=2  untagged"]
+    assert help_text({'c': 3, 'bb': 2}, second, tags={'c': ['fm']}).splitlines() == [
+        "  --c=3   [fm] c, second", "  --bb=2  untagged"]
 
 
 def test_config_files(tmp_path):
@@ -336,6 +349,9 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
         train.main(tiny(data_dir, tmp_path, f'--dataset={tmp_path / "corpus.txt"}'))
     with pytest.raises(ConfigError, match="unknown tokenizer 'nope'"):  # a setting: refused before anything is written
         train.main(tiny(data_dir, tmp_path, '--tokenizer=nope'))
+    spaced = tmp_path / 'my corpus.txt'  # the command printed runs as pasted
+    with pytest.raises(train.TrainError, match=re.escape(f"--dataset '{spaced}' --tokenizer bytes")):
+        train.main(tiny(data_dir, tmp_path, f'--dataset={spaced}'))
     assert not os.listdir(tmp_path)
 
 
@@ -371,6 +387,9 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
     ('FILE', 'is not a config file that can be read (UnicodeDecodeError)'),  # a token file given as a config
     ('--batch_size=100000000', '--batch_size=100000000 x --block_size=48 tokens a micro-batch need more than'),
     ('--data_dir=FILE', 'is a file: give the folder of prepare_data.py'),
+    ('--seed=4294967296', '--seed=4294967296 is out of range: set it to at most 4294967295'),  # numpy's limit
+    ('--learning_rate=1e308', '--learning_rate=1e+308 is out of range: set it above 0 and at most 1e6'),
+    ('--n_layer=99999999999999999999999', 'lower --n_layer or --d_model'),  # counted, not built
     *([] if importlib.util.find_spec('wandb') else [('--wandb_log=True', '--wandb_log=True needs wandb: pip install')]),
 ])
 def test_bad_settings_are_refused(data_dir, tmp_path, arg, message):
@@ -414,15 +433,17 @@ def test_command_line_errors_are_clear():
 
 
 @pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py'])
-def test_ctrl_c_while_starting_is_one_line(script, tmp_path):
-    """Ctrl-C before a script's own handling (here while torch loads): one line on stderr, exit code 130."""
+@pytest.mark.parametrize('name, code, line', [('SIGINT', 130, 'interrupted'), ('SIGTERM', 143, 'terminated')])
+def test_ctrl_c_while_starting_is_one_line(script, name, code, line, tmp_path):
+    """Ctrl-C or SIGTERM before a script's own handling (here while torch loads): one line on stderr, exit code 130
+    or 143."""
     import time
     proc = subprocess.Popen([sys.executable, script, f'--out_dir={tmp_path}', f'--data_dir={tmp_path}'][:3 if script ==
                             'train.py' else 2], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, name))
     err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 130 and err == 'interrupted\n', (proc.returncode, err)
+    assert proc.returncode == code and err == f'{line}\n', (proc.returncode, err)
 
 
 def test_the_memory_check_counts_the_weights_and_adamw(data_dir, tmp_path, monkeypatch):
@@ -458,6 +479,12 @@ def test_settings_a_mixer_ignores_are_warned_and_not_recorded(args, ignored, cap
     assert capsys.readouterr().out == ''
     train.main(['--help'])
     assert re.search(r'^  --chunk_size=16 +\[fm, mamba2\] tokens a chunk', capsys.readouterr().out, re.M)
+
+
+def test_a_weight_decay_that_flips_the_weights_is_warned(capsys):
+    train.settings(['--weight_decay=1e300'])
+    assert "warning: --weight_decay=1e+300 x --learning_rate=0.004 is at least 1: AdamW's decay step flips the " \
+           "weights' sign" in capsys.readouterr().out
 
 
 def test_inconsistent_schedule_chunk_and_hf_config(data_dir, tmp_path, capsys):
@@ -804,7 +831,7 @@ def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
         output = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
-    assert proc.returncode == 0, output
+    assert proc.returncode == 130, output  # stopped, not finished: a script can tell (SIGTERM: 143)
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] >= 3 and f'saved {tmp_path / "ckpt.pt"} at step {ckpt["iter_num"]}' in output
     history = train.main(tiny(data_dir, tmp_path, f'--max_iters={ckpt["iter_num"] + 2}', '--init_from=resume'))
@@ -1442,3 +1469,40 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(data_dir, tmp_path, monkey
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--verify_data=False'))
     assert str(error.value).startswith('a batch holds token id 300, beyond the vocabulary of 256: the token files in ')
     assert str(error.value).endswith('are damaged or of another tokenizer: prepare them again (prepare_data.py)')
+
+
+def test_a_stop_inside_a_long_step_saves_the_step_before(data_dir, tmp_path, monkeypatch, capsys):
+    """A signal between the micro-batches of a step stops it there (with 10^9 of them it would never end): the last
+    whole step is saved, and a resume from it goes on as a straight run does."""
+    straight = train.main(tiny(data_dir, tmp_path / 'a', '--max_iters=3', '--gradient_accumulation_steps=2'))
+    real, calls = train.next_batch, []
+
+    def signal_in_step_2(cfg, run):  # with 2 micro-batches a step, the 4th batch is step 2's second
+        calls.append(cfg.gradient_accumulation_steps)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert len(calls) < 50, 'the step did not stop: a bug'
+        return real(cfg, run)
+    monkeypatch.setattr(train, 'next_batch', signal_in_step_2)
+    for accum, out in ((2, 'b'), (10 ** 9, 'c')):
+        calls.clear()
+        train.main(tiny(data_dir, tmp_path / out, '--max_iters=3', f'--gradient_accumulation_steps={accum}'))
+    out = capsys.readouterr().out
+    assert f'saved {tmp_path / "b" / "ckpt.pt"} at step 1' in out and 'stopped at step 0: nothing saved' in out, out
+    monkeypatch.setattr(train, 'next_batch', real)
+    assert train.main(tiny(data_dir, tmp_path / 'b', '--max_iters=3', '--gradient_accumulation_steps=2',
+                           '--init_from=resume'))['train'] == straight['train'][1:]
+
+
+def test_token_files_that_are_not_the_ones_prepared_are_refused(data_dir, tmp_path, trained):
+    """train.bin replaced by a copy of val.bin (whole, its own checksum right) is refused, as meta.json lists other
+    files; a checkpoint whose step is negative is refused."""
+    mine = tmp_path / 'mine_bytes'
+    shutil.copytree(Path(data_dir) / 'default_bytes', mine)
+    shutil.copy(mine / 'val.bin', mine / 'train.bin')
+    with pytest.raises(train.TrainError, match='train.bin .* holds [89][0-9,]+ tokens; its meta.json lists 5,[0-9,]+'):
+        train.main(tiny(tmp_path, tmp_path / 'out', '--dataset=mine'))
+    ckpt = torch.load(Path(trained[0]) / 'ckpt.pt', weights_only=True)
+    torch.save({**ckpt, 'iter_num': -5}, tmp_path / 'ckpt.pt')
+    with pytest.raises(checkpoint.CheckpointError, match='ckpt.pt is not a checkpoint of this train.py .iter_num=-5'):
+        train.main(tiny(data_dir, tmp_path, '--init_from=resume'))
