@@ -253,7 +253,7 @@ def csv_records(path):
         rows = list(csv.DictReader(f))
     if not rows or not {'run', 'model', *ints, 'learning_rate', 'val_loss'} <= set(rows[0]):
         raise EvalError(f'--runs={path}: not a .csv that analysis.py sweep or frontier wrote')
-    return [{'run': row['run'], 'model': row['model'],
+    return [{'run': row['run'], 'model': row['model'], 'from_csv': True,
              'architecture': row['model'].split(' ', 1)[1].rsplit(' (', 1)[0], **{k: int(row[k]) for k in ints},
              **{k: float(row[k]) for k in floats if row.get(k)}} for row in rows]
 
@@ -271,7 +271,7 @@ def run_record(folder):
     config, train = ckpt['model_config'], ckpt['train_config']
     model = model_from_checkpoint(ckpt, folder / 'ckpt.pt', device='meta')  # shapes only: no weights are made
     tokens = ckpt['data_state']['tokens_seen']
-    return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)",
+    return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)", 'from_csv': False,
             'architecture': describe(config).split(' ', 1)[1], 'parameters': model.num_params(non_embedding=False),
             'non_embedding_parameters': model.num_params(), 'learning_rate': train['learning_rate'],
             'min_lr': train['min_lr'], 'seed': train['seed'], 'val_loss': ckpt['best_val_loss'],
@@ -300,7 +300,7 @@ def edge_warnings(table, best):
     for model, lr in best.items():
         lrs = list(table[model])
         add = [f'{rate:g}' for rate, at_edge in ((lr / 2, lr == lrs[0]), (lr * 2, lr == lrs[-1])) if at_edge]
-        if add:
+        if add and len(lrs) > 1:  # one rate trained: no sweep to warn about
             warnings.append(f"warning: {model}: the best learning rate {lr:g} is at the edge of those trained "
                             f"({' '.join(f'{x:g}' for x in lrs)}): train at {' and '.join(add)} too")
     return warnings
@@ -365,10 +365,14 @@ def run_sweep(cfg, sources):
 def frontier_losses(records, cfg):
     """The loss so far at 2x and 8x the training context of each best-learning-rate run (the mean loss over
     positions 1..t of the long documents with at least t positions), set in its record. The documents are cut
-    at 8x the context, which leaves those losses as they are."""
+    at 8x the context, which leaves those losses as they are. A record of a .csv keeps the losses it has: where
+    its checkpoint is gone (an earlier machine's run), it has none."""
     documents = {}
     for r in records:
         if not r['best_lr'] or r.get('loss_so_far_8x') is not None:  # a record from a .csv has them
+            continue
+        if r['from_csv'] and not (Path(r['run']) / 'ckpt.pt').is_file():
+            print(f"{r['run']}: no checkpoint here (a record of a .csv): its losses past the context left out")
             continue
         ckpt, path = open_checkpoint(r['run'], 'ckpt.pt')
         if ckpt['tokenizer'] not in documents:
