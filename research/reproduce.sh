@@ -120,7 +120,7 @@ $(grep '^step' "$dir/train.log" | tail -1)";;
 export -f train_one
 
 train_all() {  # run lines "SUBSET/RUN train.py-arguments..." on stdin (none may end in a blank: xargs -L joins it
-    xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _  # to the next line)
+    xargs -r -P "$JOBS" -L 1 bash -c 'train_one "$@"' _  # to the next line)
 }
 
 finished() {  # run lines on stdin -> --runs=FOLDER for each finished run
@@ -539,7 +539,7 @@ report() {  # the call's end: exit 1 if a run FAILED or was SKIPPED, 3 if runs s
         return 1
     fi
     if (( stopped )); then
-        echo "$subset: $stopped run(s) stopped unfinished (they saved): run again to go on"
+        echo "$subset: $stopped run(s) not finished (stopped after saving, or not started): run again to go on"
         return 3
     fi
 }

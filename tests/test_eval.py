@@ -824,7 +824,7 @@ def test_eval_and_analysis_refuse_a_device_this_machine_lacks(device, message, t
     ('eval.py', ['rooting'], "unknown subcommand 'rooting': did you mean routing? (eval.py [routing|harness] --key"),
     ('eval.py', ['sweep', '--runs=x'], 'sweep is in research/analysis.py: run python research/analysis.py sweep --'),
     ('analysis.py', ['scalling'], "unknown subcommand 'scalling': did you mean scaling? (research/analysis.py sweep"),
-    ('analysis.py', ['routing'], 'routing is in eval.py: run python eval.py routing --key=value'),
+    ('analysis.py', ['harness'], 'harness is in eval.py: run python eval.py harness --key=value'),
     ('analysis.py', ['--runs=x'], 'name a subcommand (research/analysis.py sweep|frontier|scaling'),
 ])
 def test_a_mistyped_or_moved_subcommand_says_what_to_run(script, argv, message):

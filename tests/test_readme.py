@@ -4,6 +4,7 @@ the numbers of its Results against docs/results."""
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 import eval as evaluation
@@ -607,3 +608,38 @@ def test_readme_cpu_configs_are_their_data():
                      f"{cpu['fm_small config/paper_layer.py']},", [RESEARCH], data),
                     (f"`transformer_small` {cpu['transformer_small']} and `mamba2_small` {cpu['mamba2_small']} "
                      f"(2026-11-27", [RESEARCH], data)])
+
+
+def redraws():
+    """(call, the first command of its 'redrawn without a GPU' cell) of each row of research/README.md's table."""
+    import re
+    rows = []
+    for line in open(os.path.join(REPO, RESEARCH), encoding='utf-8'):
+        cells = [cell.strip() for cell in line.strip().strip('|').split('|')]
+        if line.startswith('| `bash research/reproduce.sh'):
+            call = cells[0].split()[-1].rstrip('`')
+            rows.append((call, re.search(r'`([^`]*)`', cells[4])[1]))
+    return rows
+
+
+def test_research_readme_lists_a_redraw_for_each_call():
+    assert [call for call, _ in redraws()] == ['quality', 'frontier', 'routing', 'scaling', 'levers']
+
+
+@pytest.mark.parametrize('call', ['quality', 'frontier', 'routing', 'scaling', 'levers'])
+def test_research_readme_redraws_work_as_published(call, repo_corpus, tmp_path):
+    """Each redraw of research/README.md's table, as written there: an analysis.py command runs (its --out in
+    tmp_path); a reproduce.sh one (its PREVIOUS and MODELS) trains nothing and exits 0 (TRAIN_SECONDS=1: a run it would
+    train is not started, which exits 3)."""
+    import shlex
+    import subprocess
+    command = dict(redraws())[call]
+    if command.startswith('python research/analysis.py'):
+        analysis.main(shlex.split(command)[2:] + [f'--out={tmp_path / "out"}'])
+        return
+    env = dict(word.split('=', 1) for word in shlex.split(command))
+    run = subprocess.run(['bash', 'research/reproduce.sh', call], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **env, 'TRAIN_SECONDS': '1', 'RUNS': str(tmp_path / 'runs'),
+                              'RESULTS': str(tmp_path / 'results')})
+    assert run.returncode == 0, f'{command} bash research/reproduce.sh {call}: ' + run.stdout[-2000:] + run.stderr
+    assert 'not started' not in run.stdout

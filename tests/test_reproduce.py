@@ -58,8 +58,8 @@ def fake_train(tmp_path):
 
 
 @pytest.mark.parametrize('code, status, line', [
-    (130, 3, 'quality: 1 run(s) stopped unfinished (they saved): run again to go on'),  # Ctrl-C, after saving
-    (143, 3, 'quality: 1 run(s) stopped unfinished (they saved): run again to go on'),  # SIGTERM, after saving
+    (130, 3, 'quality: 1 run(s) not finished (stopped after saving, or not started): run again to go on'),  # Ctrl-C, after saving
+    (143, 3, 'quality: 1 run(s) not finished (stopped after saving, or not started): run again to go on'),  # SIGTERM, after saving
     (1, 1, 'quality: 1 run(s) FAILED or SKIPPED (above: extrapolation/mamba2-lr4e-3-s1): fix them, then run again'),
 ])
 def test_reproduce_exits_with_what_its_runs_did(code, status, line, repo_corpus, fake_train, tmp_path):
