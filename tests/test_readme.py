@@ -262,13 +262,18 @@ def levers_rows():
 
 def test_readme_quality_sentences_are_their_data():
     """The block against the paper's layer and Mamba-2 (the percentages and their range verdicts), in each README
-    that prints them."""
+    that prints them; the parameters' match (a bound: rounded up)."""
+    import math
     quality, levers = quality_rows(), levers_rows()
     data = 'docs/results/2026-11-25/extrapolation_lr.csv'
     block, layer = quality['fm-k16-block'], quality['fm-k16']
     verdict = apart(seed_losses('2026-11-25/extrapolation_lr.csv', 'fm-k16-block'),
                     seed_losses('2026-11-25/extrapolation_lr.csv', 'fm-k16'))
-    claims = [(f"The block is {percent(block['val_loss'], layer['val_loss'])} the paper's layer at the context "
+    sizes = {name: r['non_embedding_parameters'] for r in analysis.csv_records(str(RESULTS / '2026-11-25' /
+             'extrapolation_lr.csv')) for name in [analysis.run_name(r['run'])] if name in quality}
+    spread_of_sizes = 100 * (max(sizes.values()) / min(sizes.values()) - 1)
+    claims = [(f"parameters matched within {math.ceil(10 * spread_of_sizes) / 10:g}%", [README], data),
+              (f"The block is {percent(block['val_loss'], layer['val_loss'])} the paper's layer at the context "
                f"({block['seeds']} seeds each, {verdict})", [README], data)]
     block, mamba = levers['fm-k16-block'], levers['mamba2']
     data = 'docs/results/2026-11-27/levers_lr.csv, mamba2_lr.csv, *_positions.csv'
@@ -413,6 +418,9 @@ def test_readme_scaling_sentences_are_their_data():
                if rises(dense) and rises(quarter) else 'NOT a rise beyond the spread for dense and k = m/4')
     verdict += ', and stays within it for k = 4' if within(four) else ', and moves beyond it for k = 4'
     at_or_below = all(quarter[m]['val_loss'] <= dense[m]['val_loss'] for m in dense)
+    rows = analysis.scaling_rows([str(RESULTS / '2026-11-27b' / 'scaling-block.csv')])
+    at_256 = [r for r in rows if r['n_memory'] == 256 and r['tau'] == 0.25]
+    unfinished = [r for r in at_256 if r['iter_num'] < r['max_iters']]
     taus = [p['tau'] for series in best.values() for p in series.values()]
     apart_64, apart_256 = (apart(quarter[m]['losses'], dense[m]['losses']) for m in (64, 256))
     with open(RESULTS / '2026-11-24' / 'scaling-paper-layer.csv', newline='') as f:
@@ -431,6 +439,7 @@ def test_readme_scaling_sentences_are_their_data():
          f"({apart_64}) and 256 ({apart_256})", [RESEARCH], data),
         (f"k = m/4 {'at or below' if at_or_below else 'above'} dense at every m", [README], data),
         (f"tau = 1 wins {taus.count(1.0)} of {len(taus)} cells", [README], data),
+        (f"m = 256 at 0.25 has {len(unfinished)} of its {len(at_256)} runs unfinished", [README], data),
         (f"k = m/4 above dense at m = {' and '.join(map(str, above))}", [README],
          'docs/results/2026-11-24/scaling-paper-layer.csv'),
     ])
