@@ -1,5 +1,7 @@
 """The README's commands (Quickstart, Training, Sampling, Evaluating) in order, at toy size; its bench.py commands;
-the numbers of its Results against docs/results."""
+the numbers and verdict words of README.md's Results and research/README.md's Results in detail, each sentence built
+from its data file in docs/results and found in each README that prints it; research/README.md's redraws as
+published."""
 
 import os
 from pathlib import Path
