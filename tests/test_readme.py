@@ -604,7 +604,8 @@ def test_readme_generation_and_kernel_sentences_are_their_data():
          f"{rounded(float(train['transformer_1b']['tokens_per_s']) / 1000, 1)}K, mamba2_1b "
          f"{rounded(float(train['mamba2_1b']['tokens_per_s']) / 1000, 1)}K", [README],
          'docs/results/2026-11-23/train.csv'),
-        (f"training took {minutes(quiet)} (2026-11-27, a fresh clone, one run", [README], 'docs/results/quickstart.csv'),
+        (f"training took {minutes(quiet)} (2026-11-27, a fresh clone, one run", [README],
+         'docs/results/quickstart.csv'),
         (f"from {rounded(start, 2)} to {rounded(float(cpu['fm_small']['val_loss']))} nats per byte", [README],
          'docs/results/quickstart.csv, 2026-11-27b/cpu_small.csv'),
         (f"torch's default threads took {minutes(busy)} there", [README], 'docs/results/quickstart.csv'),
