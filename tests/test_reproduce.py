@@ -77,9 +77,9 @@ def test_reproduce_exits_with_what_its_runs_did(code, status, line, repo_corpus,
 
 
 def test_reproduce_quality_dry_run_with_spaces_in_its_paths(repo_corpus, tmp_path):
-    """A CPU dry run (2 steps, one model, one rate, one seed, eval.py on a short text) with RUNS and RESULTS holding
-    spaces: trained, evaluated, tabulated, exit 0."""
-    run = reproduce('quality', tmp_path, MODELS='mamba2', SEEDS='1', LRS_MAMBA2='4e-3', TRAIN_ARGS=DRY_RUN,
+    """A CPU dry run (2 steps of one layer, one model, one rate, one seed, eval.py on a short text) with RUNS and
+    RESULTS holding spaces: trained, evaluated, tabulated, exit 0."""
+    run = reproduce('quality', tmp_path, MODELS='mamba2', SEEDS='1', LRS_MAMBA2='4e-3', TRAIN_ARGS=f'{DRY_RUN} --n_layer=1',
                     EVAL_ARGS='--data=corpus/COPYING.txt')
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(tmp_path / 'my results' / 'quality.csv') as f:
