@@ -32,6 +32,11 @@ them, NAME-lrLR-sSEED):
     python research/analysis.py positions --runs=docs/results/2026-11-25/extrapolation_positions.csv --out=results/x
 Writes --out's .png.
 
+The README's "Inside the memory" from eval.py routing's .csv (no checkpoints needed): each model's effective rows a
+layer by selection and by weight and its heaviest row's write rate, medians over layers and seeds:
+    python research/analysis.py routing --runs=docs/results/2026-11-25/routing.csv --out=results/routing
+Writes --out.png (by-weight effective rows, a point a layer and seed). Measuring checkpoints: python eval.py routing.
+
 The gap to a reference model past the context, from eval.py's loss by position (its .json or .csv, here --runs):
 each model's loss so far, mean over its seeds, minus the reference's (a word of its model name), by position:
     python research/analysis.py gap --runs=results/levers.json --runs=results/extrapolation.json --reference=mamba2
@@ -76,6 +81,9 @@ POSITIONS_SETTINGS = dict(
 RECALL_SETTINGS = dict(
     out='results/recall',  # writes out_best.txt, out_state.png and out_step.png
 )
+ROUTING_SETTINGS = dict(
+    out='results/routing',  # writes out.png
+)
 GAP_SETTINGS = dict(
     reference='mamba2',  # the model the others are measured against: a word of its name in eval.py's tables
     out='results/gap',  # writes out.png
@@ -93,8 +101,8 @@ SERIES = {  # the sparsity rules of paper Figure 5: name -> whether a run of m r
     'k = m/4': lambda m, k: 4 * k == m,
     'k = 4': lambda m, k: k == 4,
 }
-USAGE = ('research/analysis.py sweep|frontier|scaling|table|positions|gap|recall --runs=PATH --key=value ...; '
-         'routing and harness are in eval.py')
+USAGE = ('research/analysis.py sweep|frontier|scaling|table|positions|routing|gap|recall --runs=PATH --key=value ...; '
+         "measuring a checkpoint's routing and harness are in eval.py")
 RUNS = {  # what --runs takes
     'sweep': 'a run folder (with ckpt.pt), a folder of run folders or a .csv that sweep or frontier wrote',
     'scaling': 'a folder of FM run folders or a .csv that scaling wrote',
@@ -102,6 +110,7 @@ RUNS = {  # what --runs takes
     'positions': "a .json or .csv that eval.py's loss by position wrote",
     'gap': "a .json or .csv that eval.py's loss by position wrote",
     'recall': 'a .csv that research/recall.py wrote',
+    'routing': "the .csv that eval.py routing --out=PREFIX wrote (PREFIX.csv; checkpoints: python eval.py routing)",
 }
 SCALING_FIELDS = ('run', 'n_memory', 'top_k', 'tau', 'seed', 'val_loss', 'iter_num', 'max_iters')
 SWEEP_FIELDS = ('run', 'model', 'parameters', 'non_embedding_parameters', 'learning_rate', 'min_lr', 'seed',
@@ -264,7 +273,7 @@ def csv_records(path):
         rows = list(csv.DictReader(f))
     if not rows or not {'run', 'model', *ints, 'learning_rate', 'val_loss'} <= set(rows[0]):
         raise EvalError(f'--runs={path}: not a .csv that analysis.py sweep or frontier wrote')
-    return [{'run': row['run'], 'model': row['model'],
+    return [{'run': row['run'], 'model': row['model'], 'from_csv': True,
              'architecture': row['model'].split(' ', 1)[1].rsplit(' (', 1)[0], **{k: int(row[k]) for k in ints},
              **{k: float(row[k]) for k in floats if row.get(k)}} for row in rows]
 
@@ -282,7 +291,7 @@ def run_record(folder):
     config, train = ckpt['model_config'], ckpt['train_config']
     model = model_from_checkpoint(ckpt, folder / 'ckpt.pt', device='meta')  # shapes only: no weights are made
     tokens = ckpt['data_state']['tokens_seen']
-    return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)",
+    return {'run': str(folder), 'model': f"{describe(config)} ({model.num_params() / 1e6:.2f}M)", 'from_csv': False,
             'architecture': describe(config).split(' ', 1)[1], 'parameters': model.num_params(non_embedding=False),
             'non_embedding_parameters': model.num_params(), 'learning_rate': train['learning_rate'],
             'min_lr': train['min_lr'], 'seed': train['seed'], 'val_loss': ckpt['best_val_loss'],
@@ -311,7 +320,7 @@ def edge_warnings(table, best):
     for model, lr in best.items():
         lrs = list(table[model])
         add = [f'{rate:g}' for rate, at_edge in ((lr / 2, lr == lrs[0]), (lr * 2, lr == lrs[-1])) if at_edge]
-        if add:
+        if add and len(lrs) > 1:  # one rate trained: no sweep to warn about
             warnings.append(f"warning: {model}: the best learning rate {lr:g} is at the edge of those trained "
                             f"({' '.join(f'{x:g}' for x in lrs)}): train at {' and '.join(add)} too")
     return warnings
@@ -376,10 +385,14 @@ def run_sweep(cfg, sources):
 def frontier_losses(records, cfg):
     """The loss so far at 2x and 8x the training context of each best-learning-rate run (the mean loss over
     positions 1..t of the long documents with at least t positions), set in its record. The documents are cut
-    at 8x the context, which leaves those losses as they are."""
+    at 8x the context, which leaves those losses as they are. A record of a .csv keeps the losses it has: where
+    its checkpoint is gone (an earlier machine's run), it has none."""
     documents = {}
     for r in records:
         if not r['best_lr'] or r.get('loss_so_far_8x') is not None:  # a record from a .csv has them
+            continue
+        if r['from_csv'] and not (Path(r['run']) / 'ckpt.pt').is_file():
+            print(f"{r['run']}: no checkpoint here (a record of a .csv): its losses past the context left out")
             continue
         ckpt, path = open_checkpoint(r['run'], 'ckpt.pt')
         if ckpt['tokenizer'] not in documents:
@@ -799,10 +812,57 @@ def run_recall(cfg, sources):
     return table
 
 
+# ----------------------------------------------------------------------------- routing from eval.py's .csv
+
+ROUTING_COLUMNS = ('effective_rows', 'weight_effective_rows', 'busiest_row_theta')
+
+
+def routing_groups(sources):
+    """eval.py routing's .csv files -> {model (run name less -lrLR-sSEED, or its checkpoint): [layer rows]}, each
+    row's ROUTING_COLUMNS as floats; a checkpoint two files hold: the later one's."""
+    rows = {}
+    for source in sources:
+        if not (source.endswith('.csv') and Path(source).is_file()):
+            raise EvalError(f'--runs={source}: not a .csv: give {RUNS["routing"]}')
+        with open(source, newline='') as f:
+            found = list(csv.DictReader(f))
+        if not found or not {'checkpoint', 'layer', *ROUTING_COLUMNS} <= set(found[0]):
+            raise EvalError(f'--runs={source}: not a .csv of eval.py routing: give {RUNS["routing"]}')
+        rows.update(((row['checkpoint'], row['layer']), row) for row in found)
+    groups = {}
+    for (checkpoint, _), row in rows.items():
+        groups.setdefault(run_name(checkpoint), []).append({k: float(row[k]) for k in ROUTING_COLUMNS})
+    return groups
+
+
+def run_routing(cfg, sources):
+    """Each model's medians over its layers and seeds: effective rows by selection and by weight, the heaviest
+    row's write rate and the tokens between its rewrites; out.png. -> {model: medians}."""
+    groups = routing_groups(sources)
+    summary = {name: {k: float(np.median([r[k] for r in rows])) for k in ROUTING_COLUMNS} | {'layers': len(rows)}
+               for name, rows in groups.items()}
+    print(f'{"model":<22} {"layers":>6} {"eff. rows by selection":>22} {"by weight":>10} {"heaviest row theta":>18} '
+          f'{"rewritten every":>15}   (medians over layers and seeds)')
+    for name, m in summary.items():
+        print(f"{name:<22} {m['layers']:>6} {m['effective_rows']:>22.1f} {m['weight_effective_rows']:>10.1f} "
+              f"{m['busiest_row_theta']:>18.3f} {1 / m['busiest_row_theta']:>9.1f} tokens")
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for i, (name, rows) in enumerate(groups.items()):
+            ax.plot([i] * len(rows), [r['weight_effective_rows'] for r in rows], 'o', alpha=0.5)
+        ax.set_xticks(range(len(groups)), list(groups), rotation=30, ha='right', fontsize=8)
+        ax.set(title='effective rows by weight, a point a layer and seed', ylabel='effective rows (of m)')
+        ax.grid(alpha=0.3)
+        if save_figure(plt, fig, f"{cfg['out']}.png"):
+            print(f"wrote {cfg['out']}.png")
+    return summary
+
+
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=()):
-    """python research/analysis.py sweep|frontier|scaling|table|positions|gap --runs=... --key=value ... -> the
+    """python research/analysis.py sweep|frontier|scaling|table|positions|routing|gap --runs=... --key=value ... -> the
     subcommand's results (None for --help)."""
     argv = list(argv)
     if argv[:1] in (['-h'], ['--help']):
@@ -810,8 +870,8 @@ def main(argv=()):
         return None
     modes = {'scaling': SCALING_SETTINGS, 'sweep': SWEEP_SETTINGS, 'frontier': FRONTIER_SETTINGS,
              'table': TABLE_SETTINGS, 'positions': POSITIONS_SETTINGS, 'gap': GAP_SETTINGS,
-             'recall': RECALL_SETTINGS}
-    mode = take_subcommand(argv, modes, USAGE, dict.fromkeys(('routing', 'harness'), 'eval.py'))
+             'routing': ROUTING_SETTINGS, 'recall': RECALL_SETTINGS}
+    mode = take_subcommand(argv, modes, USAGE, {'harness': 'eval.py'})
     if '-h' in argv or '--help' in argv:
         print(__doc__ + f'\nsettings of {mode} (--key=value; --runs may repeat):\n' + help_text(modes[mode], __file__))
         return None
@@ -837,6 +897,8 @@ def main(argv=()):
         return run_gap(cfg, sources)
     if mode == 'recall':
         return run_recall(cfg, sources)
+    if mode == 'routing':
+        return run_routing(cfg, sources)
     check_device(cfg['device'], cfg['dtype'])
     return run_frontier(cfg, sources)
 

@@ -48,6 +48,10 @@
 #                           plots take their records (their loss by position from their *positions.csv)
 #   TRAIN_ARGS=             more train.py arguments for every run; a dry run on a CPU (with RUNS and RESULTS of its
 #                           own): TRAIN_ARGS="--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu"
+#   EVAL_ARGS=              more eval.py / analysis.py frontier arguments (the dry run: --data=corpus/COPYING.txt,
+#                           a short text rather than the 0.9M-byte long split)
+# Exit status: 0 when every run finished (or diverged: a result), 1 when one FAILED (its train.log's end above), 2 for
+# a bad setting (nothing trained), 3 when runs stopped unfinished (a signal, the time limit): run again to go on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,8 +71,8 @@ VARIANT=${VARIANT-block}
 D_MODELS=${D_MODELS:-64 128 256}
 LRS_RECALL=${LRS_RECALL:-1e-3 3e-3 3e-4 1e-2}
 RECALL_ARGS=${RECALL_ARGS:-}
+EVAL_ARGS=${EVAL_ARGS:-}
 export PREVIOUS=${PREVIOUS:-}
-export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
 
 # ----------------------------------------------------------------------------- training
 
@@ -78,6 +82,7 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
     local args="$* $TRAIN_ARGS"
     if [[ -f $dir/args && $(< "$dir/args") != "$args" ]]; then
         echo "SKIPPED $name: $dir was trained with other settings ($(< "$dir/args")); remove it or set another RUNS"
+        echo "SKIPPED $name" >> "$TRAIN_STATUS"
         return 0
     fi
     [[ -f $dir/finished || -f $dir/diverged ]] && return 0
@@ -85,6 +90,7 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
     left=$(( DEADLINE - $(date +%s) ))
     if (( TRAIN_SECONDS > 0 && left < 30 )); then
         echo "not started (time limit): $name"
+        echo "stopped $name" >> "$TRAIN_STATUS"
         return 0
     fi
     mkdir -p "$dir"
@@ -102,20 +108,22 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
         0) touch "$dir/finished"
            echo "finished $name in $(( $(date +%s) - start )) s: $(grep -m1 '^parameters' "$dir/train.log"), \
 $(grep '^step' "$dir/train.log" | tail -1)";;
-        124) echo "stopped at the time limit: $name (run again to resume)";;
+        124|130|143) echo "stopped: $name (run again to go on)"  # the time limit, Ctrl-C, SIGTERM: it saved
+             echo "stopped $name" >> "$TRAIN_STATUS";;
         *) if grep -q 'training stopped without saving' "$dir/train.log"; then  # not trained again: it would again
                touch "$dir/diverged"
                echo "DIVERGED $name: $(grep 'training stopped without saving' "$dir/train.log" | tail -1 | cut -c1-150)"
                return 0
            fi
            echo "FAILED $name (exit $status), the end of $dir/train.log:"
-           tail -5 "$dir/train.log";;
+           tail -5 "$dir/train.log"
+           echo "FAILED $name" >> "$TRAIN_STATUS";;
     esac
 }
 export -f train_one
 
 train_all() {  # run lines "SUBSET/RUN train.py-arguments..." on stdin (none may end in a blank: xargs -L joins it
-    xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _  # to the next line)
+    xargs -r -P "$JOBS" -L 1 bash -c 'train_one "$@"' _  # to the next line)
 }
 
 finished() {  # run lines on stdin -> --runs=FOLDER for each finished run
@@ -155,7 +163,7 @@ previous_positions() {  # previous_positions OUT BEST.txt...: the rows of PREVIO
     # position, a checkpoint named by its run folder) of the runs listed, a file each into OUT-N.csv -> --runs=...
     local out=$1 names folder file n=0
     shift
-    names=$(cat "$@" | xargs -r -n1 basename)
+    names=$(cat "$@" | while read -r dir; do basename "$dir"; done)
     for folder in $PREVIOUS; do
         for file in "$folder"/*positions.csv; do
             [[ -f $file ]] || continue
@@ -245,13 +253,14 @@ extrapolation_runs() {  # each model at each of its learning rates, each of its 
 positions_of_best() {  # positions_of_best OUT BEST.txt...: eval.py's loss by position of the run folders listed
     # (a sweep's best-rate runs) that hold a checkpoint here, into RESULTS/OUT; attention runs a document in one pass:
     # its first 32,768 positions (64x its context), the others whole
-    local out=$1 runs
+    local out=$1 runs=()
     shift
-    runs=$(cat "$@" | while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
-    [[ -z $runs ]] && { echo "the best-rate runs are all an earlier machine's: their loss by position from PREVIOUS"; \
-                        return 0; }
-    # shellcheck disable=SC2086  # several --out_dir
-    python eval.py $runs --max_len=32768 --out="$RESULTS/$out"
+    mapfile -t runs < <(cat "$@" | while read -r dir; do if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi
+                        done)
+    (( ${#runs[@]} )) || { echo "the best-rate runs are all an earlier machine's: their loss by position from \
+PREVIOUS"; return 0; }
+    # shellcheck disable=SC2086  # EVAL_ARGS: several arguments
+    python eval.py "${runs[@]}" --max_len=32768 $EVAL_ARGS --out="$RESULTS/$out"
 }
 
 positions_runs() {  # positions_runs POSITIONS SWEEP...: --runs= for the loss by position of the sweeps' best-rate runs:
@@ -266,25 +275,22 @@ positions_runs() {  # positions_runs POSITIONS SWEEP...: --runs= for the loss by
 table() {  # table NAME POSITIONS SWEEP...: the README's table of the sweeps (SWEEP.csv) and the loss by position of
     # their best-rate runs: each model at its best rate, its seeds' range, the loss so far at 1x, 8x and 64x its
     # context, into RESULTS/NAME.csv; their loss by position plotted into POSITIONS.png
-    local name=$1 positions=$2 sweep runs="" csvs=""
+    local name=$1 positions=$2 sweep runs=() csvs=()
     shift 2
-    for sweep; do csvs+=" --runs=$sweep.csv"; done
-    runs=$(positions_runs "$positions" "$@")
-    [[ -z ${runs// /} ]] && { echo "no loss by position to tabulate yet"; return 0; }
-    # shellcheck disable=SC2086  # several --runs
-    python research/analysis.py table $csvs $runs --out="$RESULTS/$name"
-    # shellcheck disable=SC2086
-    python research/analysis.py positions $runs --out="$positions"
+    for sweep; do csvs+=("--runs=$sweep.csv"); done
+    mapfile -t runs < <(positions_runs "$positions" "$@")
+    (( ${#runs[@]} )) || { echo "no loss by position to tabulate yet"; return 0; }
+    python research/analysis.py table "${csvs[@]}" "${runs[@]}" --out="$RESULTS/$name"
+    python research/analysis.py positions "${runs[@]}" --out="$positions"
 }
 
 extrapolation() {  # the README's quality table (quality: the same)
     extrapolation_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
-    local runs
-    runs="$(extrapolation_runs | finished) $(extrapolation_runs | previous "$RESULTS/previous_extrapolation")"
-    [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
-    # shellcheck disable=SC2086  # several --runs
-    python research/analysis.py sweep $runs --out="$RESULTS/extrapolation_lr"
+    local runs=()
+    mapfile -t runs < <(extrapolation_runs | finished; extrapolation_runs | previous "$RESULTS/previous_extrapolation")
+    (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet"; return 0; }
+    python research/analysis.py sweep "${runs[@]}" --out="$RESULTS/extrapolation_lr"
     positions_of_best extrapolation "$RESULTS/extrapolation_lr_best.txt"  # the best-rate runs trained here
     table quality "$RESULTS/extrapolation" "$RESULTS/extrapolation_lr"
 }
@@ -340,24 +346,27 @@ frontier_runs() {  # each model of SIZES at each of its learning rates, seed 1
 frontier() {
     frontier_runs | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
-    local runs
-    runs="$(frontier_runs | previous "$RESULTS/previous_frontier") $(frontier_runs | finished)"
-    [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
-    # shellcheck disable=SC2086  # several --runs
-    python research/analysis.py frontier $runs --out="$RESULTS/frontier"
+    local runs=()
+    mapfile -t runs < <(frontier_runs | previous "$RESULTS/previous_frontier"; frontier_runs | finished)
+    (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet"; return 0; }
+    # shellcheck disable=SC2086  # EVAL_ARGS: several arguments
+    python research/analysis.py frontier "${runs[@]}" $EVAL_ARGS --out="$RESULTS/frontier"
 }
 
 routing() {  # the quality table's FM runs at their best rates (run quality first)
-    local runs
-    runs=$(grep -s '/extrapolation/fm-' "$RESULTS/extrapolation_lr_best.txt" | while read -r dir; do
-               if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
-    [[ -z $runs ]] && { echo "no FM runs of the quality table here: run quality first"; return 0; }
-    # shellcheck disable=SC2086  # several --out_dir
-    python eval.py routing $runs --out="$RESULTS/routing"
+    local runs=()
+    mapfile -t runs < <(grep -s '/extrapolation/fm-' "$RESULTS/extrapolation_lr_best.txt" | while read -r dir; do
+                            if [[ -f $dir/ckpt.pt ]]; then echo "--out_dir=$dir"; fi; done)
+    if (( ! ${#runs[@]} )); then
+        echo "no FM runs of the quality table in $RESULTS: run quality first (or redraw docs/results' with" \
+             "python research/analysis.py routing)"
+        return 1
+    fi
+    python eval.py routing "${runs[@]}" --out="$RESULTS/routing"
 }
 
 scaling() {
-    local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant= previous="" folder
+    local done_before=" " subset=scaling${VARIANT:+-$VARIANT} variant= previous=() folder
     if [[ -n $VARIANT && $VARIANT != block ]] && ! grep -q "^class $VARIANT(" research/levers.py; then
         echo "VARIANT=$VARIANT: give block or a class of research/levers.py" >&2
         return 2
@@ -365,9 +374,8 @@ scaling() {
     [[ -n $VARIANT ]] && variant="--fm_conv=4 --fm_gate=True"
     [[ -n $VARIANT && $VARIANT != block ]] && variant+=" --mixer=research.levers:$VARIANT"  # a lever on the block
     for folder in $PREVIOUS; do
-        [[ -f $folder/$subset.csv ]] && previous+=" --runs=$folder/$subset.csv" && done_before+="$(awk -F, '
-            NR == 1 {for (i = 1; i <= NF; i++) column[$i] = i; next}
-            $column["iter_num"] == $column["max_iters"] {printf "%s ", $1}' "$folder/$subset.csv")"
+        [[ -f $folder/$subset.csv ]] && previous+=("--runs=$folder/$subset.csv") && done_before+="$(awk -F, '
+            NR > 1 {printf "%s ", $1}' "$folder/$subset.csv")"  # its unfinished runs too: their records say why
     done
     # each tau in turn, the slowest runs first: m = 256 runs the PyTorch scan (the Triton kernels take m <= 128),
     # about 5 GB each, so only a few of those at a time
@@ -385,8 +393,7 @@ scaling() {
     done | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     mkdir -p "$RUNS/$subset"
-    # shellcheck disable=SC2086  # previous: --runs for each earlier machine's
-    python research/analysis.py scaling $previous --runs="$RUNS/$subset" --out="$RESULTS/$subset"
+    python research/analysis.py scaling "${previous[@]}" --runs="$RUNS/$subset" --out="$RESULTS/$subset"
 }
 
 # ----------------------------------------------------------------------------- levers (issue 39)
@@ -441,26 +448,90 @@ levers_peer_runs() {  # Mamba-2 beside the levers, at 3 rates x SEEDS (the quali
 levers() {
     { levers_peer_runs; levers_runs; } | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
-    local runs at_512 at_2048 sweeps="$RESULTS/levers_lr"
+    local runs=() at_512 at_2048 sweeps=("$RESULTS/levers_lr")
     at_512=$({ levers_peer_runs; levers_runs; } | grep -v '^levers/ctx2048')
     at_2048=$(levers_runs | grep '^levers/ctx2048' || true)
-    runs="$(previous "$RESULTS/previous_levers" <<< "$at_512") $(finished <<< "$at_512")"
-    [[ -z ${runs// /} ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
-    # shellcheck disable=SC2086  # several --runs
-    python research/analysis.py sweep $runs --out="$RESULTS/levers_lr"
+    mapfile -t runs < <(previous "$RESULTS/previous_levers" <<< "$at_512"; finished <<< "$at_512")
+    (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet"; return 0; }
+    python research/analysis.py sweep "${runs[@]}" --out="$RESULTS/levers_lr"
     if [[ -n $at_2048 ]]; then
-        runs="$(previous "$RESULTS/previous_levers_ctx2048" <<< "$at_2048") $(finished <<< "$at_2048")"
-        # shellcheck disable=SC2086  # several --runs
-        [[ -z ${runs// /} ]] || { python research/analysis.py sweep $runs --out="$RESULTS/levers_ctx2048_lr" &&
-                                  sweeps+=" $RESULTS/levers_ctx2048_lr"; }
+        mapfile -t runs < <(previous "$RESULTS/previous_levers_ctx2048" <<< "$at_2048"; finished <<< "$at_2048")
+        if (( ${#runs[@]} )); then
+            python research/analysis.py sweep "${runs[@]}" --out="$RESULTS/levers_ctx2048_lr"
+            sweeps+=("$RESULTS/levers_ctx2048_lr")
+        fi
     fi
-    # shellcheck disable=SC2086  # several sweeps
-    positions_of_best levers ${sweeps// /_best.txt }_best.txt
-    # shellcheck disable=SC2086
-    table levers_table "$RESULTS/levers" $sweeps
-    # shellcheck disable=SC2046,SC2086  # several --runs
-    selected mamba2 && python research/analysis.py gap $(positions_runs "$RESULTS/levers" $sweeps) \
-        --reference=mamba2 --out="$RESULTS/levers_gap"
+    positions_of_best levers "${sweeps[@]/%/_best.txt}"
+    table levers_table "$RESULTS/levers" "${sweeps[@]}"
+    if selected mamba2; then
+        mapfile -t runs < <(positions_runs "$RESULTS/levers" "${sweeps[@]}")
+        python research/analysis.py gap "${runs[@]}" --reference=mamba2 --out="$RESULTS/levers_gap"
+    fi
+}
+
+# ----------------------------------------------------------------------------- the settings, checked before training
+
+refuse() {  # refuse MESSAGE: say it on stderr and stop, nothing trained
+    echo "reproduce.sh $subset: $1" >&2
+    exit 2
+}
+
+each_is() {  # each_is NAME PATTERN WHAT: refuse unless every word of the variable NAME matches the regex PATTERN
+    local word
+    for word in ${!1}; do
+        [[ $word =~ ^($2)$ ]] || refuse "$1=\"${!1}\": $word is not $3"
+    done
+}
+
+call_models() {  # the models MODELS may name in this call
+    case $subset in
+        quality|extrapolation) extrapolation_models | cut -d' ' -f1;;
+        frontier) frontier_sizes | awk '{print $2}' | sort -u;;
+        levers) echo mamba2; levers_models | cut -d' ' -f1;;
+        recall) recall_models | cut -d' ' -f1;;
+    esac
+}
+
+call_runs() {  # the run lines this call's settings select (scaling and routing: checked by their own settings)
+    case $subset in
+        quality|extrapolation) extrapolation_runs;;
+        frontier) frontier_runs;;
+        levers) levers_peer_runs; levers_runs;;
+        recall) for seed in $SEEDS; do recall_runs "$seed" 2> /dev/null; done;;
+    esac
+}
+
+check_settings() {  # refuse a setting this call cannot use, before anything is trained or written
+    local known model folder
+    each_is JOBS '[1-9][0-9]*' 'a number of trainings at once (1 or more)'
+    each_is TRAIN_SECONDS '[0-9]+' 'a number of seconds (0: no limit)'
+    each_is SEEDS '[0-9]{1,9}' 'a seed (a whole number, e.g. SEEDS="1 2 3")'
+    each_is GPUS '[0-9]+' 'a GPU number (e.g. GPUS="0 1")'
+    each_is MEMORIES '[1-9][0-9]*' 'a number of memory rows m'
+    each_is TAUS '[0-9.]+(e-?[0-9]+)?' 'a temperature tau'
+    each_is SIZES '1M|2M|4M|8M' 'a frontier size: 1M, 2M, 4M or 8M'
+    local lrs
+    each_is D_MODELS '[1-9][0-9]*' 'a model width (e.g. D_MODELS="64 128")'
+    for lrs in LRS_TRANSFORMER LRS_MAMBA2 LRS_FM LRS_FM_BLOCK LRS_RECALL; do
+        each_is $lrs '[0-9.]+(e-?[0-9]+)?' 'a learning rate (e.g. 2e-3)'
+    done
+    [[ -n $SEEDS ]] || refuse 'SEEDS is empty: give seeds, e.g. SEEDS="1 2 3"'
+    for folder in $PREVIOUS; do
+        [[ -d $folder ]] || refuse "PREVIOUS: $folder is not a folder (give RESULTS folders of earlier machines, \
+e.g. PREVIOUS=docs/results/2026-11-25)"
+    done
+    if [[ -n $MODELS ]]; then
+        known=$(call_models)
+        [[ -n $known ]] || refuse "MODELS=\"$MODELS\": the $subset call has no models to choose from; leave MODELS out"
+        for model in $MODELS; do
+            grep -qx -- "$model" <<< "$known" || refuse "MODELS: $model is not a model of the $subset call (its \
+models: $(echo $known))"
+        done
+    fi
+    if [[ $subset != scaling && $subset != routing && -z $(call_runs) ]]; then
+        refuse "MODELS=\"$MODELS\" SEEDS=\"$SEEDS\" SIZES=\"$SIZES\" select no run of the $subset call (the tables at \
+the top of each part of reproduce.sh list each model's seeds and sizes)"
+    fi
     return 0
 }
 
@@ -547,6 +618,7 @@ recall_one() {  # recall_one NAME research/recall.py-arguments...: train and tes
     left=$(( DEADLINE - $(date +%s) ))
     if (( TRAIN_SECONDS > 0 && left < 30 )); then
         echo "not started (time limit): $name"
+        echo "stopped $name" >> "$TRAIN_STATUS"
         return 0
     fi
     (( TRAIN_SECONDS > 0 )) && limit=(timeout "$left")
@@ -564,28 +636,29 @@ recall_one() {  # recall_one NAME research/recall.py-arguments...: train and tes
         0) echo "finished $name in $(( $(date +%s) - start )) s:" \
                 "$(grep '^step' "$RUNS/recall/$name.log" | tail -1)," \
                 "$(grep -c accuracy "$RUNS/recall/$name.log") slices";;
-        124) echo "stopped at the time limit: $name (run again to train it)";;
+        124) echo "stopped at the time limit: $name (run again to train it)"
+             echo "stopped $name" >> "$TRAIN_STATUS";;
         *) echo "FAILED $name (exit $status), the end of $RUNS/recall/$name.log:"
-           tail -5 "$RUNS/recall/$name.log";;
+           tail -5 "$RUNS/recall/$name.log"
+           echo "FAILED $name" >> "$TRAIN_STATUS";;
     esac
 }
 export -f recall_one
 
 recall_analysis() {  # the table, recall_best.txt and the plots from RESULTS's recall.csv and
     # PREVIOUS's
-    local runs="" folder
+    local runs=() folder
     for folder in $PREVIOUS "$RESULTS"; do
-        [[ -f $folder/recall.csv ]] && runs+=" --runs=$folder/recall.csv"
+        [[ -f $folder/recall.csv ]] && runs+=("--runs=$folder/recall.csv")
     done
-    [[ -z $runs ]] && { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
-    # shellcheck disable=SC2086  # several --runs
-    python research/analysis.py recall $runs --out="$RESULTS/recall"
+    (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
+    python research/analysis.py recall "${runs[@]}" --out="$RESULTS/recall"
 }
 
 recall() {
     export RESULTS RECALL_ARGS
     if [[ " $SEEDS " == *" 1 "* ]]; then
-        recall_runs 1 | xargs -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
+        recall_runs 1 | xargs -r -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
         echo "seed 1 done at $(( $(date +%s) - BEGIN )) s"
     fi
     recall_analysis
@@ -597,6 +670,21 @@ recall() {
     echo "training done at $(( $(date +%s) - BEGIN )) s"
 }
 
+report() {  # the call's end: exit 1 if a run FAILED or was SKIPPED, 3 if runs stopped unfinished, else 0
+    local failed stopped
+    failed=$(grep -c -v '^stopped ' "$TRAIN_STATUS" || true)
+    stopped=$(grep -c '^stopped ' "$TRAIN_STATUS" || true)
+    if (( failed )); then
+        echo "$subset: $failed run(s) FAILED or SKIPPED (above: $(grep -v '^stopped ' "$TRAIN_STATUS" | cut -d' ' -f2 \
+| head -3 | xargs)): fix them, then run again"
+        return 1
+    fi
+    if (( stopped )); then
+        echo "$subset: $stopped run(s) not finished (stopped after saving, or not started): run again to go on"
+        return 3
+    fi
+}
+
 # ----------------------------------------------------------------------------- the subset named
 
 case ${1:-} in
@@ -604,6 +692,11 @@ case ${1:-} in
     *) echo "usage: bash research/reproduce.sh quality|frontier|routing|scaling|levers|recall  (see research/README.md)" >&2
        exit 2;;
 esac
+check_settings
+export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
+TRAIN_STATUS=$(mktemp)  # a line a run that FAILED, was SKIPPED or stopped (train_one writes them)
+export TRAIN_STATUS
+trap 'rm -f "$TRAIN_STATUS"' EXIT
 mkdir -p "$RESULTS"
 BEGIN=$(date +%s)
 {
@@ -613,4 +706,5 @@ git $(git rev-parse --short HEAD 2> /dev/null)"
     python prepare_data.py  # the default corpus, once, before the trainings start
     $subset
     echo "$subset: $(( $(date +%s) - BEGIN )) s in all"
+    report
 } 2>&1 | tee "$RESULTS/$subset.txt"

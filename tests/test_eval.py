@@ -473,10 +473,9 @@ def test_sweep_takes_each_model_at_its_best_mean_learning_rate(capsys):
     assert best == {'middle': 2e-3, 'lowest': 5e-4, 'highest': 8e-3, 'single': 1e-3}
     assert [len(members) for members in table['lowest'].values()] == [1, 1, 1]  # the unfinished run is not in it
     warnings = analysis.edge_warnings(table, best)
-    assert len(warnings) == 3 and not any('middle' in w for w in warnings)
+    assert len(warnings) == 2 and not any('middle' in w or 'single' in w for w in warnings)  # one rate: no sweep
     assert 'lowest:' in warnings[0] and warnings[0].endswith('train at 0.00025 too')
     assert 'highest:' in warnings[1] and warnings[1].endswith('train at 0.016 too')
-    assert 'single:' in warnings[2] and warnings[2].endswith('train at 0.0005 and 0.002 too')
     analysis.print_sweep(records, table, best)
     out = capsys.readouterr().out
     assert 'left out, not finished: lowest-lr0.002-s2' in out
@@ -826,7 +825,7 @@ def test_eval_and_analysis_refuse_a_device_this_machine_lacks(device, message, t
     ('eval.py', ['rooting'], "unknown subcommand 'rooting': did you mean routing? (eval.py [routing|harness] --key"),
     ('eval.py', ['sweep', '--runs=x'], 'sweep is in research/analysis.py: run python research/analysis.py sweep --'),
     ('analysis.py', ['scalling'], "unknown subcommand 'scalling': did you mean scaling? (research/analysis.py sweep"),
-    ('analysis.py', ['routing'], 'routing is in eval.py: run python eval.py routing --key=value'),
+    ('analysis.py', ['harness'], 'harness is in eval.py: run python eval.py harness --key=value'),
     ('analysis.py', ['--runs=x'], 'name a subcommand (research/analysis.py sweep|frontier|scaling'),
 ])
 def test_a_mistyped_or_moved_subcommand_says_what_to_run(script, argv, message):

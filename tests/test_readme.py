@@ -1,9 +1,12 @@
 """The README's commands (Quickstart, Training, Sampling, Evaluating) in order, at toy size; its bench.py commands;
-the numbers of its Results against docs/results."""
+the numbers and verdict words of README.md's Results and research/README.md's Results in detail, each sentence built
+from its data file in docs/results and found in each README that prints it; research/README.md's redraws as
+published."""
 
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 import eval as evaluation
@@ -210,15 +213,246 @@ def so_far(name, t, *files):
     return float(np.mean([evaluation.loss_at(r, t) for r in rows]))
 
 
-def test_readme_sentences_are_their_data():
-    """The numbers of the Results' sentences (levers, memory scaling, the frontier, the block against the others)
-    as docs/results gives them, rounded as printed: each phrase built from the data is in the README."""
+README, RESEARCH = 'README.md', 'research/README.md'
+
+
+def flat(path):
+    """A README's text with its whitespace runs made one space (a phrase may wrap)."""
+    return ' '.join(open(os.path.join(REPO, path), encoding='utf-8').read().split())
+
+
+def assert_printed(claims):
+    """claims: (phrase built from the data, the READMEs that print it, a README named once a time it prints it, the
+    data): each phrase, its numbers and its verdict words computed from its data, stands that often in each."""
+    texts = {path: flat(path) for path in (README, RESEARCH)}
+    missing = [f'{path}: "{phrase}" {paths.count(path)} time(s) (from {data})' for phrase, paths, data in claims
+               for path in set(paths) if texts[path].count(phrase) < paths.count(path)]
+    assert not missing, ('these sentences disagree with their data (a README bug; or, after docs/results changed, '
+                         'print what the data now says):\n' + '\n'.join(missing))
+
+
+def apart(a, b):
+    """The verdict on two seed ranges: 'ranges apart' where they do not overlap, else 'within the spread'."""
+    return 'ranges apart' if max(a) < min(b) or max(b) < min(a) else 'within the spread'
+
+
+def percent(x, y):
+    """'5.8% below' / '1.1% above': x against y."""
+    return f"{rounded(100 * abs(x / y - 1), 1)}% {'below' if x < y else 'above'}"
+
+
+def span(values, digits=1, unit=''):
+    """'5.1-7.3' of several values, rounded as printed; one value if they round alike."""
+    low, high = rounded(min(values), digits), rounded(max(values), digits)
+    return f'{low}{unit}' if low == high else f'{low}-{high}{unit}'
+
+
+def quality_rows():
+    return table('2026-11-25/extrapolation_lr.csv', '2026-11-25/extrapolation_positions.csv')
+
+
+def seed_losses(sweep_file, name):
+    """The validation losses of a model's best-rate runs in a sweep .csv."""
+    return [r['val_loss'] for r in analysis.csv_records(str(RESULTS / sweep_file))
+            if r['best_lr'] and analysis.run_name(r['run']) == name]
+
+
+def levers_rows():
+    return table('2026-11-27/levers_lr.csv', '2026-11-27/mamba2_lr.csv', '2026-11-27/levers_positions.csv',
+                 '2026-11-27/mamba2_positions.csv')
+
+
+def test_readme_quality_sentences_are_their_data():
+    """The block against the paper's layer and Mamba-2 (the percentages and their range verdicts), in each README
+    that prints them; the parameters' match (a bound: rounded up)."""
+    import math
+    quality, levers = quality_rows(), levers_rows()
+    data = 'docs/results/2026-11-25/extrapolation_lr.csv'
+    block, layer = quality['fm-k16-block'], quality['fm-k16']
+    verdict = apart(seed_losses('2026-11-25/extrapolation_lr.csv', 'fm-k16-block'),
+                    seed_losses('2026-11-25/extrapolation_lr.csv', 'fm-k16'))
+    sizes = {name: r['non_embedding_parameters'] for r in analysis.csv_records(str(RESULTS / '2026-11-25' /
+             'extrapolation_lr.csv')) for name in [analysis.run_name(r['run'])] if name in quality}
+    spread_of_sizes = 100 * (max(sizes.values()) / min(sizes.values()) - 1)
+    claims = [(f"parameters matched within {math.ceil(10 * spread_of_sizes) / 10:g}%", [README], data),
+              (f"The block is {percent(block['val_loss'], layer['val_loss'])} the paper's layer at the context "
+               f"({block['seeds']} seeds each, {verdict})", [README], data)]
+    block, mamba = levers['fm-k16-block'], levers['mamba2']
+    data = 'docs/results/2026-11-27/levers_lr.csv, mamba2_lr.csv, *_positions.csv'
+    at_context, at_64x = percent(block['val_loss'], mamba['val_loss']), percent(block['so_far_64x'],
+                                                                                 mamba['so_far_64x'])
+    verdict = apart(seed_losses('2026-11-27/levers_lr.csv', 'fm-k16-block'),
+                    seed_losses('2026-11-27/mamba2_lr.csv', 'mamba2'))
+    claims += [(f"it is {at_context} Mamba-2 at the context and {at_64x.split('%')[0]}% at 64x it", [README], data),
+               (f"the block is {at_context} it at the context ({rounded(block['val_loss'], 4)}, "
+                f"{rounded(block['val_min'], 4)}-{rounded(block['val_max'], 4)}, against "
+                f"{rounded(mamba['val_loss'], 4)}, {rounded(mamba['val_min'], 4)}-{rounded(mamba['val_max'], 4)}: "
+                f"{verdict}) and {at_64x.split('%')[0]}% at 64x it ({rounded(block['so_far_64x'])} / "
+                f"{rounded(mamba['so_far_64x'])})", [RESEARCH], data)]
+    assert_printed(claims)
+
+
+def frontier():
+    """analysis.py frontier's points of docs/results, {architecture: [point a size, ascending]}."""
+    return analysis.frontier_points(analysis.sweep([str(RESULTS / '2026-11-25' / 'frontier.csv'),
+                                                    str(RESULTS / '2026-11-24' / 'frontier.csv')])[0])
+
+
+BLOCK, LAYER = 'fm m=64 k=16 tau=1 conv4 gate', 'fm m=64 k=16 tau=1'
+
+
+def test_readme_frontier_sentences_are_their_data():
+    """The block against the paper's layer, Mamba-2 and the Transformer at each size (percentages, signs, 'at every
+    size'), the gap at 8x, and the seed range at 4.1M, in each README that prints them."""
+    points = frontier()
+    data = 'docs/results/2026-11-25/frontier.csv and 2026-11-24/frontier.csv'
+    loss = {arch: [p['val_loss'] for p in series] for arch, series in points.items()}
+    to_layer = [100 * (b / p - 1) for b, p in zip(loss[BLOCK], loss[LAYER], strict=True)]
+    to_mamba = [100 * (b / m - 1) for b, m in zip(loss[BLOCK], loss['mamba2'], strict=True)]
+    word = {True: 'below', False: 'above'}
+    assert len({x < 0 for x in to_layer}) == len({x > 0 for x in to_mamba}) == 1, (
+        f'the block is not on one side of the paper\'s layer or Mamba-2 at every size ({data}): the frontier '
+        f'sentences need rewording')
+    sentence = (f"{span([abs(x) for x in to_layer])}% {word[to_layer[0] < 0]} the paper's layer's and "
+                f"{span([abs(x) for x in to_mamba])}% {word[to_mamba[0] < 0]} Mamba-2's")
+    ranges = [max(v) - min(v) for name in ('transformer', 'mamba2', 'fm-k16', 'fm-k16-block')
+              for v in [seed_losses('2026-11-25/extrapolation_lr.csv', name)]]
+    below_transformer = all(b < t for b, t in zip(loss[BLOCK], loss['attn'], strict=True))
+    gaps = {f: [p[f'loss_so_far_{f}x'] - m[f'loss_so_far_{f}x'] for p, m in zip(points[BLOCK], points['mamba2'],
+                                                                                  strict=True)] for f in (2, 8)}
+    trails = all(g > 0 for g in gaps[2] + gaps[8])
+    layer_gaps = [p['loss_so_far_8x'] - m['loss_so_far_8x'] for p, m in zip(points[LAYER], points['mamba2'],
+                                                                             strict=True)]
+    narrows = all(a > b for a, b in zip(layer_gaps, layer_gaps[1:]))
+    monotone = all(a > b for a, b in zip(gaps[8], gaps[8][1:]))
+    both_below = all(p['loss_so_far_8x'] < t['loss_so_far_8x'] for arch in (BLOCK, LAYER)
+                     for p, t in zip(points[arch], points['attn'], strict=True))
+    assert_printed([
+        (f"{'' if monotone else ', not monotone'}; the paper's layer's gap at 8x "
+         f"{'narrows' if narrows else 'does not narrow'}, {' / '.join(rounded(g) for g in layer_gaps)}; the "
+         f"Transformer half: at 8x {'both FM layers below' if both_below else 'FM not below'} the Transformer at "
+         f"every size", [README], data),
+        (sentence, [README, RESEARCH], data),
+        (f"(at 4.1M the seed range is {span(ranges, 3)})", [RESEARCH], '2026-11-25/extrapolation_lr.csv'),
+        (f"with the block, above Mamba-2's, {'below' if below_transformer else 'not below'} the Transformer's",
+         [README], data),
+        (f"the block trails Mamba-2 at 2x and 8x {'at every size' if trails else 'at some sizes'}; at 8x the gap goes "
+         f"{' / '.join(rounded(g) for g in gaps[8])} nats from 1.1M to 8.3M", [README], data),
+    ])
+
+
+def test_readme_routing_sentences_are_their_data():
+    """Inside the memory (routing.csv: effective rows by selection and by weight, the heaviest row's write rate) and
+    the levers' heaviest rows (levers_routing.csv, .txt), in each README that prints them."""
+    import csv
+    import math
     import numpy as np
-    readme = ' '.join((readme_text() + open(os.path.join(REPO, 'research', 'README.md'), encoding='utf-8').read())
-                      .split())  # the levers' numbers stand in research/README.md
+
+    def medians(path, column):
+        with open(RESULTS / path, newline='') as f:
+            rows = list(csv.DictReader(f))
+        groups = {}
+        for row in rows:
+            groups.setdefault(analysis.run_name(row['checkpoint']), []).append(float(row[column]))
+        return {name: float(np.median(values)) for name, values in groups.items()}
+
+    data = 'docs/results/2026-11-25/routing.csv'
+    by_selection = medians('2026-11-25/routing.csv', 'effective_rows')
+    by_weight = medians('2026-11-25/routing.csv', 'weight_effective_rows')
+    theta = medians('2026-11-25/routing.csv', 'busiest_row_theta')
+    models = ('fm-k16', 'fm-k16-block')
+    every = [1 / theta[m] for m in models]
+    claims = [(f"({span([by_selection[m] for m in models], 0)} effective rows of 64)", [README], data),
+              (f"a median of {rounded(by_weight['fm-k16'], 1)} effective rows a layer in the paper's layer, "
+               f"{rounded(by_weight['fm-k16-block'], 1)} with the block", [README], data),
+              (f"rewritten every {math.floor(min(every))}-{math.ceil(max(every))} tokens (median write rate "
+               f"{' / '.join(rounded(theta[m], 2) for m in models)})", [README], data)]
+    data = 'docs/results/2026-11-27/levers_routing.csv, levers_routing.txt'
+    theta = medians('2026-11-27/levers_routing.csv', 'busiest_row_theta')
+    heaviest = levers_heaviest()
+    levers = ('fm-k16-block', 'RowRatesFM', 'LowWriteFM')
+    claims += [(f"takes a median {span([100 * heaviest[m] for m in levers], 0)}% of its weight", [RESEARCH], data),
+               (f"its median write rate is {rounded(theta['fm-k16-block'], 2)} (the block), "
+                f"{rounded(theta['RowRatesFM'], 2)} (per-row rates) and {rounded(theta['LowWriteFM'], 2)} (the low "
+                f"start): rewritten every {', '.join(rounded(1 / theta[m], 1) for m in levers[:2])} and "
+                f"{rounded(1 / theta['LowWriteFM'], 1)} tokens", [RESEARCH], data)]
+    assert_printed(claims)
+
+
+def levers_heaviest():
+    """{model: the median over layers and seeds of the heaviest row's share of the weight}, from the column
+    'heaviest' of eval.py routing's printed tables (levers_routing.txt; the .csv lacks it)."""
+    import re
+    import numpy as np
+    groups, name = {}, None
+    for line in (RESULTS / '2026-11-27' / 'levers_routing.txt').read_text().splitlines():
+        header = re.match(r'(\S+): ', line)
+        if header and RUN_NAME_RE.search(header[1]):
+            name = analysis.run_name(header[1])
+        elif name and line.split()[:1] and line.split()[0].isdigit():
+            groups.setdefault(name, []).append(float(line.split()[7]))  # layer dead rare eff entropy busiest weight
+    return {name: float(np.median(values)) for name, values in groups.items()}
+
+
+RUN_NAME_RE = analysis.RUN_NAME
+
+
+def test_readme_scaling_sentences_are_their_data():
+    """Memory scaling (3 seeds): every series at each m's best tau, the verdicts 'rises ... beyond the seed spread',
+    'stays within it', k = m/4 against dense, tau's wins; the paper's layer's sweep of 2026-11-24; in each README
+    that prints them."""
+    import csv
+    data = 'docs/results/2026-11-27b/scaling-block.csv'
+    best = analysis.best_per_series(analysis.scaling_rows([str(RESULTS / '2026-11-27b' / 'scaling-block.csv')]))
+    dense, quarter, four = best['dense (k = m)'], best['k = m/4'], best['k = 4']
+
+    def point(p, whole=True):
+        return (f"{rounded(p['val_loss'])} ({rounded(min(p['losses']))}-{rounded(max(p['losses']))})" if whole
+                else rounded(p['val_loss']))
+
+    def rises(series):
+        return min(series[256]['losses']) > max(series[16]['losses'])
+
+    def within(series):
+        return apart(series[16]['losses'], series[256]['losses']) == 'within the spread'
+
+    verdict = ('loss rises with m from 16 to 256 for dense and k = m/4, beyond the seed spread'
+               if rises(dense) and rises(quarter) else 'NOT a rise beyond the spread for dense and k = m/4')
+    verdict += ', and stays within it for k = 4' if within(four) else ', and moves beyond it for k = 4'
+    at_or_below = all(quarter[m]['val_loss'] <= dense[m]['val_loss'] for m in dense)
+    rows = analysis.scaling_rows([str(RESULTS / '2026-11-27b' / 'scaling-block.csv')])
+    at_256 = [r for r in rows if r['n_memory'] == 256 and r['tau'] == 0.25]
+    unfinished = [r for r in at_256 if r['iter_num'] < r['max_iters']]
+    taus = [p['tau'] for series in best.values() for p in series.values()]
+    apart_64, apart_256 = (apart(quarter[m]['losses'], dense[m]['losses']) for m in (64, 256))
+    with open(RESULTS / '2026-11-24' / 'scaling-paper-layer.csv', newline='') as f:
+        sweep = {(row['series'], int(row['n_memory'])): float(row['val_loss']) for row in csv.DictReader(f)}
+    above = [m for m in (16, 32, 64, 128, 256) if sweep['k = m/4', m] > sweep['dense', m]]
+    lowest = [m for m in (64, 256) if four[m]['val_loss'] < min(dense[m]['val_loss'], quarter[m]['val_loss'])]
+    flat_four = apart(four[16]['losses'], four[256]['losses']) == 'within the spread'
+    assert_printed([
+        (verdict, [README, README], data),
+        (f"{'flat from m = 16' if flat_four else 'not flat'} and the lowest of the three, k = 4 lowest at m = "
+         f"{' and '.join(map(str, lowest))} (3 seeds)", [README], data),
+        ('dense ' + ' / '.join(point(p) for p in dense.values()), [RESEARCH], data),
+        ('k = m/4 ' + ' / '.join(point(p) for p in quarter.values()), [RESEARCH], data),
+        ('k = 4 ' + ' / '.join(point(p, m != 16) for m, p in four.items()), [RESEARCH], data),
+        (f"k = m/4 is {'below' if quarter[64]['val_loss'] < dense[64]['val_loss'] else 'above'} dense at m = 64 "
+         f"({apart_64}) and 256 ({apart_256})", [RESEARCH], data),
+        (f"k = m/4 {'at or below' if at_or_below else 'above'} dense at every m", [README], data),
+        (f"tau = 1 wins {taus.count(1.0)} of {len(taus)} cells", [README], data),
+        (f"m = 256 at 0.25 has {len(unfinished)} of its {len(at_256)} runs unfinished", [README], data),
+        (f"k = m/4 above dense at m = {' and '.join(map(str, above))}", [README],
+         'docs/results/2026-11-24/scaling-paper-layer.csv'),
+    ])
+
+
+def test_readme_levers_sentences_are_their_data():
+    """The levers' numbers (research/README.md), the verdict 'none below the block beyond the seed spread' and the
+    gap to Mamba-2 past the context (both READMEs), 8.3M and per-row rates' scaling."""
+    import numpy as np
     phrases = []
-    levers = table('2026-11-27/levers_lr.csv', '2026-11-27/mamba2_lr.csv', '2026-11-27/levers_positions.csv',
-                   '2026-11-27/mamba2_positions.csv')
+    levers = levers_rows()
     for label, name in (('Mamba-2', 'mamba2'), ('the block', 'fm-k16-block'), ('a learned write rate per row',
                         'RowRatesFM'), ('the write gate started at 0.05', 'LowWriteFM'), ('4 routers of 16 rows',
                         'HeadsFM'), ('16 of 4', 'Heads16FM')):
@@ -231,59 +465,193 @@ def test_readme_sentences_are_their_data():
     for label, name in (('writes capped at 0.1', 'SlowWriteFM'), ('a 16-tap convolution', 'conv16'),
                         ("the block's", 'fm-k16-block')):
         phrases.append(f"{label} {seeds_text(second[name]).rsplit(', ', 1)[0]})")
-    block, mamba = levers['fm-k16-block'], levers['mamba2']
-    phrases.append(f"{rounded(block['val_loss'], 4)}, {rounded(block['val_min'], 4)}-{rounded(block['val_max'], 4)}, "
-                   f"against {rounded(mamba['val_loss'], 4)}, {rounded(mamba['val_min'], 4)}-"
-                   f"{rounded(mamba['val_max'], 4)}: ranges apart")
-    phrases.append(f"{rounded(100 * (block['val_loss'] / mamba['val_loss'] - 1), 1)}% above it at the context")
-    phrases.append(f"{rounded(100 * (block['so_far_64x'] / mamba['so_far_64x'] - 1), 1)}% at 64x it "
-                   f"({rounded(block['so_far_64x'])} / {rounded(mamba['so_far_64x'])})")
-    quality = table('2026-11-25/extrapolation_lr.csv')
-    phrases.append(f"{rounded(100 * (1 - quality['fm-k16-block']['val_loss'] / quality['fm-k16']['val_loss']), 1)}% "
-                   f"below the paper's layer at the context")
+    block = seed_losses('2026-11-27/levers_lr.csv', 'fm-k16-block')
+    beyond = [name for name in ('RowRatesFM', 'LowWriteFM', 'HeadsFM', 'Heads16FM')
+              if max(seed_losses('2026-11-27/levers_lr.csv', name)) < min(block)]
+    beyond += [name for name in ('SlowWriteFM', 'conv16') if max(seed_losses(
+        '2026-11-27/second-start/slow_writes_lr.csv', name)) < min(seed_losses(
+            '2026-11-27/second-start/slow_writes_lr.csv', 'fm-k16-block'))]
+    verdict = 'none is below the block beyond the seed spread' if not beyond else f'{beyond} below the block'
+    claims = [(phrase, [RESEARCH], 'docs/results/2026-11-27/') for phrase in phrases]
+    claims += [(verdict, [README], 'docs/results/2026-11-27/*_lr.csv'),
+               (verdict.replace('none is', 'No lever is').capitalize().replace('no lever', 'No lever'),
+                [RESEARCH], 'docs/results/2026-11-27/*_lr.csv')]
     # the gap past the context, seed by seed (the block against Mamba-2, both at their best rates)
     pairs = [(f'fm-k16-block-lr2e-3-s{s}', f'mamba2-lr4e-3-s{s}') for s in (1, 2, 3)]
     results = {r['label']: r for f in ('levers_positions.csv', 'mamba2_positions.csv')
                for r in analysis.positions_csv(str(RESULTS / '2026-11-27' / f))}
+    data = 'docs/results/2026-11-27/levers_positions.csv, mamba2_positions.csv'
     for t in (32768, 512):
         gaps = [evaluation.loss_at(results[b], t) - evaluation.loss_at(results[m], t) for b, m in pairs]
-        phrases.append(' / '.join(rounded(g) for g in gaps) + ' (seeds 1 / 2 / 3)' * (t == 32768))
-    phrases.append('validation ' + ' / '.join(rounded(results[b]['val_loss'] - results[m]['val_loss'])
-                                              for b, m in pairs))
+        claims.append((' / '.join(rounded(g) for g in gaps) + ' (seeds 1 / 2 / 3)' * (t == 32768), [RESEARCH], data))
+    claims.append(('validation ' + ' / '.join(rounded(results[b]['val_loss'] - results[m]['val_loss'])
+                                              for b, m in pairs), [RESEARCH], data))
     buckets = [np.mean([next(x['loss'] for x in results[b]['buckets'] if x['start'] == start)
                         - next(x['loss'] for x in results[m]['buckets'] if x['start'] == start) for b, m in pairs])
                for start in (2 ** i for i in range(11, 19))]
-    phrases.append(f"256K the gap is {rounded(min(buckets))}-{rounded(max(buckets))} nats")
-    # memory scaling, 3 seeds: each series at each m's best tau
-    rows = analysis.scaling_rows([str(RESULTS / '2026-11-27b' / 'scaling-block.csv')])
-    best = analysis.best_per_series(rows)
-    for label, series in (('dense', 'dense (k = m)'), ('k = m/4', 'k = m/4')):
-        phrases.append(f'{label} ' + ' / '.join(
-            f"{rounded(p['val_loss'])} ({rounded(min(p['losses']))}-{rounded(max(p['losses']))})"
-            for p in best[series].values()))
-    # the frontier: the block against the paper's layer and Mamba-2 at each size, one run each
-    points = analysis.frontier_points(analysis.sweep([str(RESULTS / '2026-11-25' / 'frontier.csv'),
-                                                      str(RESULTS / '2026-11-24' / 'frontier.csv')])[0])
-    losses = {arch: [p['val_loss'] for p in series] for arch, series in points.items()}
-    block = losses['fm m=64 k=16 tau=1 conv4 gate']
-    block_fm = [100 * (1 - b / p) for b, p in zip(block, losses['fm m=64 k=16 tau=1'], strict=True)]
-    block_mamba = [100 * (b / m - 1) for b, m in zip(block, losses['mamba2'], strict=True)]
-    phrases.append(f"{rounded(min(block_fm), 1)}-{rounded(max(block_fm), 1)}% below the paper's layer's and "
-                   f"{rounded(min(block_mamba), 1)}-{rounded(max(block_mamba), 1)}% above Mamba-2's")
-    at_8x = [p['loss_so_far_8x'] - m['loss_so_far_8x'] for p, m in zip(points['fm m=64 k=16 tau=1 conv4 gate'],
-                                                                         points['mamba2'], strict=True)]
-    phrases.append(f'at 8x the gap goes {rounded(at_8x[0])} -> {rounded(at_8x[-1])} nats from 1.1M to 8.3M')
-    # 8.3M and memory scaling with per-row rates, one seed
+    trails = 'trails Mamba-2 by a constant' if min(buckets) > 0 else 'does not trail Mamba-2 throughout'
+    gap = f'{rounded(min(buckets))}-{rounded(max(buckets))}'
+    claims += [(f'the block {trails}, {gap} nats from 2K to 256K positions', [README, README], data),
+               (f'the block {trails}: by position bucket from 2K to 256K the gap is {gap} nats', [RESEARCH], data)]
     at_8m = table('2026-11-27/frontier_8M.csv')
-    phrases.append(f"Mamba-2 {rounded(at_8m['mamba2-8M']['val_loss'])}, the block "
+    claims.append((f"Mamba-2 {rounded(at_8m['mamba2-8M']['val_loss'])}, the block "
                    f"{rounded(at_8m['fm-k16-block-8M']['val_loss'])}, per-row rates "
-                   f"{rounded(at_8m['fm-k16-rowrates-block-8M']['val_loss'])}")
+                   f"{rounded(at_8m['fm-k16-rowrates-block-8M']['val_loss'])}", [RESEARCH],
+                   'docs/results/2026-11-27/frontier_8M.csv'))
     rates = analysis.best_per_series(analysis.scaling_rows([str(RESULTS / '2026-11-27' / 'scaling-RowRatesFM.csv')]))
-    phrases.append(f"k = m/4 {' / '.join(rounded(p['val_loss']) for p in rates['k = m/4'].values())}, dense "
-                   f"{' / '.join(rounded(p['val_loss']) for p in rates['dense (k = m)'].values())}")
+    claims.append((f"k = m/4 {' / '.join(rounded(p['val_loss']) for p in rates['k = m/4'].values())}, dense "
+                   f"{' / '.join(rounded(p['val_loss']) for p in rates['dense (k = m)'].values())}", [RESEARCH],
+                   'docs/results/2026-11-27/scaling-RowRatesFM.csv'))
+    assert_printed(claims)
+
+
+def test_readme_paper_table_is_its_data():
+    """The numbers and verdicts of "The paper against this reproduction" that come from the quality table, and the
+    rerun sentence (docs/results/rerun.csv against the committed seed-1 runs)."""
+    import csv
+    import numpy as np
+    quality = quality_rows()
+    data = 'docs/results/2026-11-25/extrapolation_lr.csv, extrapolation_positions.csv'
+    layer, attn, mamba = quality['fm-k16'], quality['transformer'], quality['mamba2']
+    falls = layer['so_far_64x'] < layer['so_far_1x'] and mamba['so_far_64x'] < mamba['so_far_1x']
+    losses = {name: seed_losses('2026-11-25/extrapolation_lr.csv', name)
+              for name in ('fm-k16', 'fm-dense', 'fm-k16-block', 'fm-dense-block')}
+    matches = all(np.mean(losses[k]) <= np.mean(losses[d]) or apart(losses[k], losses[d]) == 'within the spread'
+                  for k, d in (('fm-k16', 'fm-dense'), ('fm-k16-block', 'fm-dense-block')))
+    with open(RESULTS / 'rerun.csv', newline='') as f:
+        rerun = list(csv.DictReader(f))
+    committed = {r['run'].rsplit('/', 1)[1]: r['val_loss'] for r in analysis.csv_records(
+        str(RESULTS / '2026-11-25' / 'extrapolation_lr.csv'))}
+    moved = [float(r['rerun_val_loss']) - committed[r['run']] for r in rerun]
+    assert_printed([
+        (f"the paper's layer {rounded(layer['so_far_1x'], 2)} -> {rounded(layer['so_far_64x'], 2)} from 512 to "
+         f"32,768, the Transformer {rounded(attn['so_far_1x'], 2)} -> {rounded(attn['so_far_64x'], 2)}, Mamba-2 "
+         f"{rounded(mamba['so_far_1x'], 2)} -> {rounded(mamba['so_far_64x'], 2)}", [README], data),
+        ('FM\'s and Mamba-2\'s fall' if falls else 'FM\'s or Mamba-2\'s does not fall', [README], data),
+        (f"{'reproduced' if matches else 'not reproduced'}: at 4.1M, m = 64, the paper's layer k = 16 "
+         f"{rounded(np.mean(losses['fm-k16']))} ({len(losses['fm-k16'])} seeds) against dense "
+         f"{rounded(np.mean(losses['fm-dense']))} ({len(losses['fm-dense'])}), the block "
+         f"{rounded(np.mean(losses['fm-k16-block']))} ({len(losses['fm-k16-block'])}) against "
+         f"{rounded(np.mean(losses['fm-dense-block']))} ({len(losses['fm-dense-block'])}, "
+         f"{apart(losses['fm-k16-block'], losses['fm-dense-block'])})", [README], data),
+        (f"validation losses within {rounded(min(moved))} to +{rounded(max(moved))} of the committed seed-1 runs",
+         [README], 'docs/results/rerun.csv'),
+    ])
+
+
+def test_readme_generation_and_kernel_sentences_are_their_data():
+    """The ratios under the generation tables, the long-prompt sweep, the Kernels and Training paragraph and the
+    Quickstart's time and losses, each from its data file."""
+    import csv
+    gen = csv_rows('2026-11-24/generate.csv')
+    fm, mamba, attn = gen['fm_1b k=8'], gen['mamba2_1b mamba-ssm step'], gen['transformer_1b']
+
+    def times(a, b, key, digits=1):
+        return f"{rounded(float(b[key]) / float(a[key]), digits)}x"
+
+    block = csv_rows('2026-11-25/generate_block.csv')
+    layer, with_block, peer = (block["fm_1b the paper's layer"], block['fm_1b the block'],
+                               block["mamba2_1b mamba-ssm's step"])
+    cost_b1 = 100 * (float(with_block['b1_ms_per_token']) / float(layer['b1_ms_per_token']) - 1)
+    cost_train = 100 * (1 - float(with_block['train_tokens_per_s']) / float(layer['train_tokens_per_s']))
+    sweep = {row['prompt_tokens']: row for row in csv.DictReader(open(RESULTS / '2026-11-24' / 'generate_sweep.csv'))}
+    with open(RESULTS / '2026-11-23' / 'kernels.csv', newline='') as f:
+        kernels = {}
+        for row in csv.DictReader(f):
+            kernels.setdefault(row['kernel'], []).append(float(row['ms']))
+    train = csv_rows('2026-11-23/train.csv')
+    with open(RESULTS / 'quickstart.csv', newline='') as f:
+        quick = list(csv.DictReader(f))
+    quiet = next(int(r['seconds']) for r in quick if r['machine'].startswith('a quiet') and r['date'] == '2026-11-27')
+    busy = next(int(r['seconds']) for r in quick if r['machine'].startswith('a busy'))
+    start = next(float(r['start_val_loss']) for r in quick if r['start_val_loss'])
+    cpu = csv_rows('2026-11-27b/cpu_small.csv')
+
+    def minutes(seconds):
+        return f'{seconds // 60} min {seconds % 60} s'
+
+    def micro(name):
+        return ' / '.join(f'{1000 * t:.1f}' if 1000 * t < 10 else f'{1000 * t:.0f}' for t in kernels[name])
+
+    dense = gen['fm_1b dense']
+    fm_tokens = float(train['fm_1b']['tokens_per_s'])
+    assert_printed([
+        (f"fm_1b k = 8 decodes {times(fm, dense, 'b1_ms_per_token')} / {times(fm, dense, 'b64_ms_per_token')} faster "
+         f"than dense (batch 1 / 64)", [README], 'docs/results/2026-11-24/generate.csv'),
+        (f"fm_1b's batch-1 step {sweep['1024']['b1_ms_per_token']} ms after a 1K-token prompt, "
+         f"{sweep['65536']['b1_ms_per_token']} ms after 64K", [README], 'docs/results/2026-11-24/generate_sweep.csv'),
+        (f"fm_1b trains at {rounded(fm_tokens / float(train['transformer_1b']['tokens_per_s']), 2)}x the "
+         f"Transformer's tokens/s and {rounded(fm_tokens / float(train['mamba2_1b']['tokens_per_s']), 2)}x Mamba-2's",
+         [README], 'docs/results/2026-11-23/train.csv'),
+        (f"FM decodes {times(fm, mamba, 'b1_ms_per_token')} faster than Mamba-2 at batch 1 and "
+         f"{times(fm, mamba, 'b64_ms_per_token')} at batch 64 (mamba-ssm's step), {times(fm, attn, 'b1_ms_per_token')}"
+         f" / {times(fm, attn, 'b64_ms_per_token')} faster than the Transformer", [README],
+         'docs/results/2026-11-24/generate.csv'),
+        (f"the block costs {rounded(cost_b1, 0)}% at batch 1 and {rounded(cost_train, 0)}% in training; FM with it "
+         f"decodes {times(with_block, peer, 'b1_ms_per_token', 2)} / {times(with_block, peer, 'b64_ms_per_token', 2)}"
+         f" faster than Mamba-2 and trains "
+         f"{rounded(float(with_block['train_tokens_per_s']) / float(peer['train_tokens_per_s']), 2)}x faster",
+         [README], 'docs/results/2026-11-25/generate_block.csv'),
+        (f"fm_1b's batch-1 step took {sweep['1024']['b1_ms_per_token']} ms after a 1K-token prompt and "
+         f"{sweep['65536']['b1_ms_per_token']} ms after 64K", [RESEARCH], 'docs/results/2026-11-24/generate_sweep.csv'),
+        (f"FM's scan forward+backward {span(kernels['fm_scan k=8 fwd+bwd'], 2)} ms from T = 1K to 16K, against "
+         f"Mamba-2's SSD {span(kernels['mamba2 ssd fwd+bwd'], 2)} ms and causal SDPA "
+         f"{span(kernels['sdpa causal fwd+bwd'], 2)} ms", [README], 'docs/results/2026-11-23/kernels.csv'),
+        (f"`fm_step` k = 8 {micro('fm_step k=8')} µs, Mamba-2's fused step {micro('mamba2 fused step')} µs", [README],
+         'docs/results/2026-11-23/kernels.csv'),
+        (f"fm_1b with the paper's layer {rounded(float(train['fm_1b']['tokens_per_s']) / 1000, 1)}K tokens/s "
+         f"({rounded(100 * float(train['fm_1b']['mfu']), 0)}% MFU), transformer_1b "
+         f"{rounded(float(train['transformer_1b']['tokens_per_s']) / 1000, 1)}K, mamba2_1b "
+         f"{rounded(float(train['mamba2_1b']['tokens_per_s']) / 1000, 1)}K", [README],
+         'docs/results/2026-11-23/train.csv'),
+        (f"training took {minutes(quiet)} (2026-11-27, a fresh clone, one run", [README],
+         'docs/results/quickstart.csv'),
+        (f"from {rounded(start, 2)} to {rounded(float(cpu['fm_small']['val_loss']))} nats per byte", [README],
+         'docs/results/quickstart.csv, 2026-11-27b/cpu_small.csv'),
+        (f"torch's default threads took {minutes(busy)} there", [README], 'docs/results/quickstart.csv'),
+    ])
+
+
+def test_readme_cpu_configs_are_their_data():
+    """The small configs' validation losses on a 2-core CPU (research/README.md)."""
     cpu = {name: rounded(float(row['val_loss'])) for name, row in csv_rows('2026-11-27b/cpu_small.csv').items()}
-    phrases += [f"`fm_small` {cpu['fm_small']} (with the block, 2026-11-25; the paper's layer "
-                f"{cpu['fm_small config/paper_layer.py']},", f"`transformer_small` {cpu['transformer_small']} and "
-                f"`mamba2_small` {cpu['mamba2_small']} (2026-11-27"]
-    missing = [phrase for phrase in phrases if phrase not in readme]
-    assert not missing, missing
+    data = 'docs/results/2026-11-27b/cpu_small.csv'
+    assert_printed([(f"`fm_small` {cpu['fm_small']} (with the block, 2026-11-25; the paper's layer "
+                     f"{cpu['fm_small config/paper_layer.py']},", [RESEARCH], data),
+                    (f"`transformer_small` {cpu['transformer_small']} and `mamba2_small` {cpu['mamba2_small']} "
+                     f"(2026-11-27", [RESEARCH], data)])
+
+
+def redraws():
+    """(call, the first command of its 'redrawn without a GPU' cell) of each row of research/README.md's table."""
+    import re
+    rows = []
+    for line in open(os.path.join(REPO, RESEARCH), encoding='utf-8'):
+        cells = [cell.strip() for cell in line.strip().strip('|').split('|')]
+        if line.startswith('| `bash research/reproduce.sh'):
+            call = cells[0].split()[-1].rstrip('`')
+            rows.append((call, re.search(r'`([^`]*)`', cells[4])[1]))
+    return rows
+
+
+def test_research_readme_lists_a_redraw_for_each_call():
+    assert [call for call, _ in redraws()] == ['quality', 'frontier', 'routing', 'scaling', 'levers']
+
+
+@pytest.mark.parametrize('call', ['quality', 'frontier', 'routing', 'scaling', 'levers'])
+def test_research_readme_redraws_work_as_published(call, repo_corpus, tmp_path):
+    """Each redraw of research/README.md's table, as written there: an analysis.py command runs (its --out in
+    tmp_path); a reproduce.sh one (its PREVIOUS and MODELS) trains nothing and exits 0 (TRAIN_SECONDS=1: a run it would
+    train is not started, which exits 3)."""
+    import shlex
+    import subprocess
+    command = dict(redraws())[call]
+    if command.startswith('python research/analysis.py'):
+        analysis.main(shlex.split(command)[2:] + [f'--out={tmp_path / "out"}'])
+        return
+    env = dict(word.split('=', 1) for word in shlex.split(command))
+    run = subprocess.run(['bash', 'research/reproduce.sh', call], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **env, 'TRAIN_SECONDS': '1', 'RUNS': str(tmp_path / 'runs'),
+                              'RESULTS': str(tmp_path / 'results')})
+    assert run.returncode == 0, f'{command} bash research/reproduce.sh {call}: ' + run.stdout[-2000:] + run.stderr
+    assert 'not started' not in run.stdout
