@@ -505,6 +505,38 @@ def test_readme_levers_sentences_are_their_data():
     assert_printed(claims)
 
 
+def recall_accuracy(path):
+    """{run: {(seq_len, n_pairs): accuracy}} of a research/recall.py .csv in docs/results."""
+    runs = {}
+    for row in analysis.recall_rows([str(RESULTS / path)]):
+        runs.setdefault(row['run'], {})[row['seq_len'], row['n_pairs']] = row['accuracy']
+    return runs
+
+
+def test_readme_recall_sentences_are_their_data():
+    """Recall (MQAR): the 800-step sweep's runs and best accuracy, the 2,500-step runs' only learner and the
+    others' ceiling, in the paragraph and the paper table's row."""
+    sweep = recall_accuracy('2026-11-29/recall.csv')
+    long = recall_accuracy('2026-11-29/recall_long.csv')
+    learner = long['mamba2-n16-d128-lr3e-3-s1']
+    others = [a for run, a in long.items() if run.startswith(('fm', 'attn'))]
+    learned = [run for run, a in long.items() if a[64, 4] > 0.5]
+    assert learned == ['mamba2-n16-d128-lr3e-3-s1'], ('README says one run learned to recall', learned)
+    best = max(a[64, 4] for a in sweep.values())
+    slices = ((64, 4), (128, 32), (256, 64), (512, 128), (1024, 256))
+    top4 = rounded(max(a[64, 4] for a in others), 2)
+    data = 'docs/results/2026-11-29/recall.csv, recall_long.csv'
+    claims = [(f"steps of 8,192 tokens ({len(sweep)} of its 80 runs finished", [README], data),
+              (f"the best accuracy at 64 tokens and 4 pairs was {rounded(best, 2)} (chance 1/4)", [README], data),
+              (f"At 2,500 steps ({len(long)} runs,", [README], data),
+              (f"learned to recall: {' / '.join(rounded(learner[s], 2) for s in slices)} at 64/4", [README], data),
+              (f"(at most {top4} at 64/4 and {rounded(max(a[64, 16] for a in others), 3)} at 64/16, chance "
+               f"0.0625)", [README], data),
+              (f"(at most {top4} at 64/4, chance 1/4), nor did attention; Mamba-2 (d_state 16) did "
+               f"({rounded(learner[64, 4], 2)})", [README], data)]
+    assert_printed(claims)
+
+
 def test_readme_paper_table_is_its_data():
     """The numbers and verdicts of "The paper against this reproduction" that come from the quality table, and the
     rerun sentence (docs/results/rerun.csv against the committed seed-1 runs)."""
