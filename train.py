@@ -382,13 +382,12 @@ def load_data(cfg, run):
 
 def prepare_command(cfg):
     """The prepare_data.py command of the run's token files, quoted to paste."""
-    command = f'python prepare_data.py --dataset {shlex.quote(cfg.dataset)} --tokenizer ' \
-              f'{cfg.tokenizer}'
+    args = ['python', 'prepare_data.py', '--dataset', cfg.dataset, '--tokenizer', cfg.tokenizer]
     if cfg.data_dir:
-        command += f' --data_dir {shlex.quote(cfg.data_dir)}'
+        args += ['--data_dir', cfg.data_dir]
     if cfg.hf_config:
-        command += f' --hf_config {shlex.quote(cfg.hf_config)}'
-    return command
+        args += ['--hf_config', cfg.hf_config]
+    return shlex.join(args)
 
 
 def check_tokens(cfg, folder, split, n_tokens, verify):
