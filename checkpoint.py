@@ -21,8 +21,7 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(ckpt, path, then='continue with --init_from=resume', rename=True):
-    """ckpt whole to path.tmp, then renamed to path (rename=False: by the caller);
-    CheckpointError if it fails."""
+    """ckpt whole to path.tmp, renamed to path (rename=False: by the caller); CheckpointError."""
     tmp = Path(f'{path}.tmp')
     try:
         with open(tmp, 'wb') as f:
@@ -53,23 +52,19 @@ def checkpoint_mb(ckpt):
 
 
 def nonfinite(tensors):
-    """Names of the float tensors of {name: tensor} holding a NaN or an infinity (a sum each,
-    then exact)."""
+    """Names of the float tensors of {name: tensor} with a NaN or infinity (a sum, then exact)."""
     floats = {name: t for name, t in tensors.items() if t.is_floating_point()}
     suspects = [name for name, t in floats.items() if not t.sum(dtype=torch.float32).isfinite()]
     return [name for name in suspects if not floats[name].isfinite().all()]
 
 
 def load_checkpoint(path, advise=True):
-    """The checkpoint at path; CheckpointError if missing, unreadable, damaged or not finite,
-    naming what to use."""
+    """The checkpoint at path; CheckpointError naming what to use if it is missing, unreadable,
+    damaged or not finite."""
     path = Path(path)
-    partner = path.with_name('ckpt.pt')  # the run's other one
+    partner, copy = path.with_name('ckpt.pt'), ''  # the run's other one
     if path.name == 'ckpt.pt':
-        partner = path.with_name('best.pt')
-    copy = ''
-    if partner.name == 'best.pt':
-        copy = 'to resume from it, copy it to ckpt.pt'
+        partner, copy = path.with_name('best.pt'), 'to resume from it, copy it to ckpt.pt'
     if path.is_dir():
         raise CheckpointError(f'{path} is a folder, not a checkpoint file: give the folder as '
                               f'--out_dir and a file in it as --ckpt (ckpt.pt or best.pt)')
@@ -103,7 +98,7 @@ def load_checkpoint(path, advise=True):
 
 
 def checkpoint_problem(ckpt, path):
-    """What is wrong with a checkpoint loaded from path (the end of a sentence), or None."""
+    """What is wrong with a checkpoint loaded from path (a sentence's end), or None."""
     with zipfile.ZipFile(path) as archive:  # before the contents: damaged, they can be anything
         records = [record for record in archive.infolist() if record.file_size]
         checked = any(record.CRC for record in records)  # torch.save wrote CRCs
@@ -128,8 +123,7 @@ def checkpoint_problem(ckpt, path):
 
 
 def training_command(out_dir):
-    """The command whose run writes out_dir: train.py with the config that names it, else with
-    --out_dir."""
+    """The train.py command that writes out_dir: with the config naming it, else --out_dir."""
     line = f'\nout_dir = {str(out_dir)!r}'
     for path in sorted((Path(__file__).parent / 'config').glob('*.py')):
         if line in '\n' + path.read_text(encoding='utf-8'):
@@ -138,8 +132,7 @@ def training_command(out_dir):
 
 
 def model_from_checkpoint(ckpt, path, device='cpu'):
-    """A checkpoint's model (device 'meta': shapes only); CheckpointError if it cannot be built
-    or loaded."""
+    """A checkpoint's model (device 'meta': shapes only); CheckpointError if it cannot be."""
     try:
         with torch.device(device):
             model = Model(ModelConfig(**ckpt['model_config']))
@@ -162,8 +155,7 @@ def model_from_checkpoint(ckpt, path, device='cpu'):
 
 
 def tokenizer_of(ckpt, path):
-    """A checkpoint's tokenizer; CheckpointError if it cannot be loaded here or holds ids past
-    the model's vocab."""
+    """A checkpoint's tokenizer; CheckpointError if it cannot load or outgrows the model's vocab."""
     name, vocab = ckpt['tokenizer'], ckpt['model_config']['vocab_size']
     try:
         tok = get_tokenizer(name)

@@ -19,34 +19,37 @@ class ConfigError(ValueError):
     """A setting, argument or config file refused: the message says what to pass instead."""
 
 
+def leave(line, code, exit=sys.exit):
+    """One line on stderr (one write), then exit code."""
+    sys.stderr.write(f'{line}\n')
+    exit(code)
+
+
 def quit_on_ctrl_c():
-    """A script's first step: a Ctrl-C or SIGTERM while torch loads exits 130 or 143 with one
-    line."""
-    signal.signal(signal.SIGINT, lambda *_: os._exit(sys.stderr.write('interrupted\n') and 130))
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(sys.stderr.write('terminated\n') and 143))
+    """A script's first step: a Ctrl-C or SIGTERM while torch loads exits 130 or 143."""
+    signal.signal(signal.SIGINT, lambda *_: leave('interrupted', 130, os._exit))
+    signal.signal(signal.SIGTERM, lambda *_: leave('terminated', 143, os._exit))
 
 
 def quit_on_sigterm():
-    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): one line,
-    'terminated', and exit code 143."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(sys.stderr.write('terminated\n') and 143))
+    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): 143."""
+    signal.signal(signal.SIGTERM, lambda *_: leave('terminated', 143))
 
 
 def run_main(main, *errors):
-    """main(sys.argv[1:]): a Ctrl-C, a ConfigError or one of errors is one line (one write), exit
-    code 130 or 1."""
+    """main(sys.argv[1:]): a Ctrl-C, a ConfigError or one of errors is one line, exit 130 or 1."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt:
-        sys.exit(sys.stderr.write('interrupted\n') and 130)
+        leave('interrupted', 130)
     except (ConfigError, *errors) as e:
-        sys.exit(sys.stderr.write(f'error: {e}\n') and 1)
+        leave(f'error: {e}', 1)
 
 
 def load_config(config, argv, types=None, config_files=True, program=None):
     """config with argv's config files and --key=value settings applied in order (a warning for an
-    argument a later one undoes whole); ConfigError naming the fix."""
+    argument a later one undoes); ConfigError naming the fix."""
     config, defaults, types = dict(config), dict(config), types or {}
     program = program or os.path.basename(sys.argv[0])
     origin = {}  # key -> the argument that last changed it
@@ -140,8 +143,7 @@ def warn_undone(arg, changed, origin):
 
 
 def not_a_setting(arg, after, config, config_files, program):
-    """What an argument (after: the next) neither --key=value nor a config file was meant to be,
-    and what to pass."""
+    """What an argument (after: the next) neither --key=value nor a config file meant: the fix."""
     key, eq, _ = arg.lstrip('-').partition('=')
     if arg.startswith('--') and key not in config:
         return unknown_key(key, config)
@@ -171,8 +173,7 @@ def unknown_key(key, config):
 
 
 def setting_notes(config, *sources):
-    """{key: comment} of `key = value  # comment` lines in sources (the first that sets the
-    default)."""
+    """{key: comment} of `key = value  # comment` lines in sources (the default's first)."""
     notes = {}  # key -> (whether its line sets the default, comment)
     for source in sources:
         for line in open(source, encoding='utf-8'):
@@ -186,8 +187,7 @@ def setting_notes(config, *sources):
 
 
 def help_text(config, *sources, tags=None):
-    """`  --key=default  [tags] comment` a key, the comments as setting_notes finds them; tags:
-    {key: names} (train.py: the mixers that read a model setting)."""
+    """`  --key=default  [tags] comment` a key (setting_notes' comments); tags: {key: names}."""
     notes, tags = setting_notes(config, *sources), tags or {}
     width = max(len(f'{key}={value!r}') for key, value in config.items())
     lines = []

@@ -78,8 +78,7 @@ def check_batch_fits(batch_size, block_size, config, n_params, device):
 
 
 def check_generation_fits(model, batch, prompt_len, max_new_tokens):
-    """ConfigError if the decoding buffers of batch rows (states, new tokens, logits) exceed the
-    free memory."""
+    """ConfigError if batch rows' decoding buffers (states, tokens, logits) exceed free memory."""
     device = model.embed.weight.device
     state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
     need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())

@@ -37,8 +37,7 @@ def nucleus(logits, top_p):
 
 
 def sample_next(logits, sampling):
-    """logits (B, V) -> ids (B,), by torch's default generator, no host sync
-    (a CUDA graph holds it)."""
+    """logits (B, V) -> ids (B,), by torch's default generator; no host sync (a CUDA graph)."""
     logits = logits[:, :sampling.n_tokens]
     if sampling.temperature == 0:
         return logits.argmax(-1)
@@ -63,8 +62,7 @@ class Generator:
 
     def __init__(self, model, sampling=Sampling(), eot=None, cuda_graph=None, compile=None,
                  prefill_tokens=16384):
-        """compile: None, or a torch.compile mode for the step (with STEP_COMPILE_OPTIONS)
-        and the prefill."""
+        """compile: None, or a torch.compile mode of the step (STEP_COMPILE_OPTIONS), prefill."""
         self.model, self.eot = model, eot
         self.sampling = replace(sampling)  # a copy, checked again
         self.device = model.embed.weight.device
@@ -82,8 +80,7 @@ class Generator:
         self.shape = None
 
     def _allocate(self, batch_size, max_len):
-        """Static buffers (state, next tokens, finished rows) of batch_size x max_len
-        tokens; the graph."""
+        """Static buffers (state, next tokens, finished rows) of batch_size x max_len; the graph."""
         self.shape, self.replay = (batch_size, max_len), self.compiled_step
         self.state = self.model.init_state(batch_size, max_len, self.device)
         self.tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -109,8 +106,7 @@ class Generator:
 
     @torch.no_grad()
     def start(self, prompts, max_new_tokens):
-        """Prefill prompts (lists of ids), room for max_new_tokens more -> each row's
-        first new token (B,)."""
+        """Prefill prompts (lists of ids), room for max_new_tokens -> each first new token (B,)."""
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max_new_tokens < 1:
             raise ValueError('give every prompt a token or more, and max_new_tokens of 1 or more')
@@ -129,8 +125,7 @@ class Generator:
         return self.tokens
 
     def _prefill(self, prompts):
-        """Passes over right-padded prompts -> the hidden state at each one's end
-        (B, d_model), the states."""
+        """Passes over right-padded prompts -> the hidden state at each end (B, d_model), states."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (B,)
         width = int(lengths.max())
         padded = [p + [0] * (width - len(p)) for p in prompts]

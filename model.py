@@ -37,10 +37,8 @@ PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per
 
 @dataclass
 class ModelConfig:
-    """Model settings, checked and resolved when built: a None field takes the value its comment
-    names."""
-    # the fields each mixer family reads (one not listed reads none): --help's tags, and
-    # train.py's warning for a setting the chosen mixer ignores
+    """Model settings, checked when built: a None field takes the value its comment names."""
+    # the fields each mixer family reads: --help's tags; train.py warns of one the mixer ignores
     MIXER_SETTINGS = {
         'fm': ('n_memory', 'top_k', 'd_memory', 'tau', 'fm_eps', 'fm_conv', 'fm_gate',
                'chunk_size'),
@@ -190,8 +188,7 @@ def real_positions(lengths, T):
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
-    """fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT):
-    Triton on CUDA, else chunked PyTorch."""
+    """fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT): Triton on CUDA, else PyTorch."""
     fits = theta.shape[-1] <= fm_kernel.MAX_ROWS
     if xbar.is_cuda and xbar.dtype != torch.float64 and fits:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
@@ -253,8 +250,7 @@ class FactorizationMemory(nn.Module):
         return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)
 
     def weights(self, idx, alpha, eta, mu):
-        """route's output -> theta = eta alpha, phi = mu alpha (..., M),
-        zero outside the rows idx."""
+        """route's output -> theta = eta alpha, phi = mu alpha (..., M), 0 outside the rows idx."""
         theta, phi = eta * alpha, mu * alpha
         if idx is None:
             return theta, phi
@@ -262,8 +258,7 @@ class FactorizationMemory(nn.Module):
         return zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi)
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token
-        (lengths (B,); None: T)."""
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token."""
         theta, phi = self.weights(*self.route(x))  # (B, T, M)
         if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
@@ -324,8 +319,7 @@ class FactorizationMemory(nn.Module):
         return 2 * (rows + window)
 
     def init_state(self, batch_size, max_len, device):
-        """Empty buffers; and whether step routes in the fused kernel
-        (fm_kernel.route_step_takes_over, for any values of the parameters)."""
+        """Empty buffers; and whether step routes fused (fm_kernel.route_step_takes_over)."""
         if torch.device(device).type != 'meta':  # a meta state only counts bytes
             self.fused_router = fm_kernel.route_step_takes_over(self)
         dtype = self.in_proj.weight.dtype
@@ -341,8 +335,8 @@ class FactorizationMemory(nn.Module):
 # ----------------------------------------------------------------------------- attention
 
 def rotate(x, positions, rope_theta):
-    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles
-    (bfloat16's are off by radians)."""
+    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are
+    off by radians)."""
     hd = x.shape[-1]
     dims = torch.arange(0, hd, 2, dtype=torch.float32, device=x.device)
     inv_freq = rope_theta ** (-dims / hd)  # (hd/2,)
@@ -589,8 +583,7 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    """Embedding, n_layer Blocks, a final RMSNorm, the LM head (tied to the embedding
-    by default)."""
+    """Embedding, n_layer Blocks, a final RMSNorm, the LM head (tied to the embedding)."""
 
     def __init__(self, config):
         super().__init__()
@@ -621,9 +614,8 @@ class Model(nn.Module):
         return logits.to(compute_dtype(logits.dtype))
 
     def hidden(self, idx, state=None, lengths=None):
-        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the
-        states after each row's last real token (lengths (B,) of right-padded rows;
-        None: T)."""
+        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the states after
+        each row's last real token (lengths (B,) of right-padded rows; None: T)."""
         x, states = self.embed(idx), []
         for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
             x, layer_state = block(x, layer_state, lengths)
@@ -631,8 +623,7 @@ class Model(nn.Module):
         return x, states
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets the mean
-        loss over targets != -1."""
+        """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets, the mean loss."""
         logits = self.head(self.hidden(idx)[0])
         if targets is None:
             return logits, None
@@ -646,8 +637,7 @@ class Model(nn.Module):
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def step(self, tokens, state):
-        """Decode one token: tokens (B,) -> logits (B, V), the state's buffers updated
-        in place (a CUDA graph)."""
+        """Decode one token: tokens (B,) -> logits (B, V), the state updated in place."""
         x = self.embed(tokens)  # (B, d_model)
         for block, layer_state in zip(self.blocks, state):
             x = block.step(x, layer_state)
@@ -664,8 +654,7 @@ class Model(nn.Module):
         return n
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs (3 x forward) a token at context seq_len:
-        6 (N_nonembedding + d_model V), n_layer mixers'."""
+        """Training FLOPs a token at seq_len: 6 (N_nonembedding + d_model V), n_layer mixers'."""
         c = self.config
         if c.family == 'attn':  # QK^T, AV; no causal discount, as nanoGPT
             mixer = 12 * seq_len * c.d_model
@@ -679,8 +668,7 @@ class Model(nn.Module):
         return float(6 * (self.num_params() + c.d_model * c.vocab_size) + c.n_layer * mixer)
 
     def estimate_mfu(self, tokens_per_sec, device_name=None):
-        """Model FLOPs utilisation of a GPU (None: the model's) at tokens_per_sec
-        (0 if not in PEAK_BF16_FLOPS)."""
+        """Model FLOPs utilisation of a GPU (None: the model's; 0 if not in PEAK_BF16_FLOPS)."""
         if device_name is None and self.embed.weight.is_cuda:
             device_name = torch.cuda.get_device_name(self.embed.weight.device)
         peak = math.inf
@@ -699,8 +687,7 @@ class Model(nn.Module):
 
 
 def write_state(static, states, rows=slice(None)):
-    """Copy a parallel pass's states into rows of static decoding buffers, at the start
-    of every dimension."""
+    """Copy a parallel pass's states into rows of static decoding buffers, at each start."""
     for static_layer, layer in zip(static, states):
         for name, tensor in layer.items():
             static_layer[name][rows][tuple(slice(0, n) for n in tensor.shape)] = tensor

@@ -39,8 +39,7 @@ _DEFAULTS = {k: v for k, v in globals().items() if k[0] != '_' and isinstance(v,
 
 
 def load(argv):
-    """argv's settings, checked; the checkpoint's model (on the device, in the dtype), tokenizer,
-    sampling, ids."""
+    """argv -> cfg (checked), the checkpoint's model (device, dtype), tok, sampling, ids."""
     cfg = load_config(_DEFAULTS, argv, {'top_k': int}, config_files=False, program='sample.py')
     n, length = cfg['num_samples'], cfg['max_new_tokens']
     if cfg['dtype'] not in DTYPES or min(n, length) < 1:
@@ -75,8 +74,7 @@ def load(argv):
 
 
 def read_prompt(start):
-    """The prompt --start gives: its text, or the text of the file FILE:path names; ConfigError
-    if it is not UTF-8."""
+    """--start's text, or the text of the file FILE:path names; ConfigError if not UTF-8."""
     if start == 'FILE:':
         raise ConfigError('--start=FILE: names no file: give FILE:path, e.g. '
                           '--start=FILE:prompt.txt')

@@ -117,7 +117,7 @@ def model_args(cfg):
 
 
 def mixer_tags():
-    """{setting: the mixers that read it}, as ModelConfig.MIXER_SETTINGS declares."""
+    """{setting: the mixers that read it}, from ModelConfig.MIXER_SETTINGS."""
     tags = {}
     for family, keys in ModelConfig.MIXER_SETTINGS.items():
         for key in keys:
@@ -206,16 +206,15 @@ def check_settings(cfg):
 
 
 def count_params(config):
-    """The model's parameters, counted on models of 1 and 2 layers (on 'meta': no memory), so that
-    a huge n_layer is refused by the memory check, not built; a mixer's own checks run."""
+    """The parameters, from 1- and 2-layer models on 'meta': a huge n_layer is refused by the
+    memory check, not built; a mixer's own checks run."""
     with torch.device('meta'):
         one, two = (Model(replace(config, n_layer=n)).num_params(False) for n in (1, 2))
     return one + (config.n_layer - 1) * (two - one)
 
 
 def ignored_settings(cfg, family, defaults):
-    """The model settings changed in cfg that family does not read (a family ModelConfig's
-    MIXER_SETTINGS lacks reads none of them)."""
+    """The model settings changed in cfg that family does not read."""
     tags = mixer_tags()
     others = [key for key in defaults if key in tags and family not in tags[key]]
     return [key for key in others if getattr(cfg, key) != defaults[key]]
@@ -224,7 +223,7 @@ def ignored_settings(cfg, family, defaults):
 def claim(cfg, run):
     """Rank 0's lock on out_dir -> the earlier run's files this run replaces (or refuses)."""
     lock = run.folder / 'train.lock'
-    while run.lock is None:  # until the file locked is the one at lock (a run ending removes it)
+    while run.lock is None:  # till the file locked is the one at lock (an ending run removes it)
         try:
             run.folder.mkdir(parents=True, exist_ok=True)
             run.lock = open(lock, 'a+')
@@ -246,8 +245,8 @@ def claim(cfg, run):
             run.lock = run.lock.close()
     run.lock.truncate(0)
     since = time.strftime('%F %T')
-    print(f'process {os.getpid()} on {os.uname().nodename}, since {since}', file=run.lock,
-          flush=True)
+    holder = f'process {os.getpid()} on {os.uname().nodename}, since {since}'
+    print(holder, file=run.lock, flush=True)
     if (run.folder / 'replacing').exists():  # the new files are whole: finish the swap
         swap_in(run.folder, (run.folder / 'replacing').read_text().split())
     for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a killed run
@@ -264,7 +263,7 @@ def claim(cfg, run):
 
 
 def save(cfg, run, names):
-    """Write names (ckpt.pt, best.pt) whole if finite, then rename them in (over an earlier run)."""
+    """Write names (ckpt.pt, best.pt) whole if finite, then rename them in."""
     ckpt = checkpoint_of(cfg, run)
     optimizer_state = ckpt['optimizer']['state']
     state = {**ckpt['model'], **{f"the optimizer's {key} of parameter {i}": value
@@ -300,7 +299,7 @@ def save(cfg, run, names):
 
 
 def checkpoint_of(cfg, run):
-    """The checkpoint of this step: all a resume needs to go on bit for bit."""
+    """This step's checkpoint: all a resume needs to go on bit for bit."""
     batches, np_state = [run.batch_state], np.random.get_state()
     if run.group is not None:
         batches = [None] * run.world_size
@@ -338,7 +337,7 @@ def swap_in(folder, gone):
 
 
 def on_rank_0(step, group):
-    """step() on rank 0 -> its result, or its error raised, on every rank (else they would hang)."""
+    """step() on rank 0 -> its result, or its error raised, on every rank (else they hang)."""
     shared = [None, None]  # the result, the error
     if group is None or dist.get_rank() == 0:
         try:
@@ -357,7 +356,7 @@ def on_rank_0(step, group):
 
 
 def load_data(cfg, run):
-    """The token files (prepared first for the default corpus) and the validation windows."""
+    """The token files (the default corpus prepared first) and the validation windows."""
     folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
     if cfg.dataset == 'default':
         on_rank_0(lambda: prepare(tokenizer=cfg.tokenizer, data_dir=cfg.data_dir), run.group)
@@ -382,14 +381,13 @@ def load_data(cfg, run):
 
 
 def prepare_command(cfg):
-    """The prepare_data.py command that writes the run's token files, quoted to paste."""
-    command = f'python prepare_data.py --dataset {shlex.quote(cfg.dataset)} --tokenizer ' \
-              f'{cfg.tokenizer}'
+    """The prepare_data.py command of the run's token files, quoted to paste."""
+    args = ['python', 'prepare_data.py', '--dataset', cfg.dataset, '--tokenizer', cfg.tokenizer]
     if cfg.data_dir:
-        command += f' --data_dir {shlex.quote(cfg.data_dir)}'
+        args += ['--data_dir', cfg.data_dir]
     if cfg.hf_config:
-        command += f' --hf_config {shlex.quote(cfg.hf_config)}'
-    return command
+        args += ['--hf_config', cfg.hf_config]
+    return shlex.join(args)
 
 
 def check_tokens(cfg, folder, split, n_tokens, verify):
@@ -460,7 +458,7 @@ def setup(cfg, run):
 
 
 def resume(cfg, run, ckpt):
-    """Go on from ckpt (step, losses, optimizer, random states) as if the run had not stopped."""
+    """Go on from ckpt (step, losses, optimizer, random states) as if never stopped."""
     path, step = run.folder / 'ckpt.pt', ckpt['iter_num']
     saved = asdict(run.raw_model.config) | {'tokenizer': ckpt['tokenizer']}
     asked = asdict(ModelConfig(**model_args(cfg), vocab_size=saved['vocab_size']))
@@ -528,7 +526,7 @@ def get_batch(tokens, starts, block_size, device, data):
 
 
 def next_batch(cfg, run):
-    """This rank's next random batch; run.batch_state: the generator's state before it."""
+    """This rank's next batch; run.batch_state: the generator's state before it."""
     run.batch_state = run.gen.bit_generator.state
     starts = run.gen.integers(0, len(run.data.train) - cfg.block_size, cfg.batch_size)
     return get_batch(run.data.train, starts, cfg.block_size, run.device, run.data)
@@ -587,7 +585,7 @@ def check_finite(cfg, run):
 
 
 def diverged(run, what):
-    """The TrainError of a diverged run: nothing is saved after it."""
+    """The TrainError of a diverged run: nothing saved after it."""
     kept = 'no checkpoint was written'
     if run.earlier:
         kept = f"the earlier run's {' and '.join(run.earlier)} in {run.folder} stay as they were"
@@ -790,7 +788,7 @@ def check_blow_up(run, val_loss):
 
 
 def agreed_stop(run):
-    """The signal that stops the run (0: none), agreed by every rank: any rank's stops all."""
+    """The signal that stops the run (0: none): any rank's stops all."""
     if run.group is not None:
         stop = torch.tensor([float(run.stop)])
         dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=run.group)
