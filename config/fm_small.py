@@ -1,6 +1,6 @@
 # A small Factorization Memory model on the default corpus (Shakespeare and Milton, bytes): what `python train.py`
-# trains, written out. 2 min 33 s on a quiet 2-core CPU (2026-11-27, a fresh clone, one run, as the README's
-# Quickstart; 500 steps of 16 x 256 bytes); val loss 1.754 nats/byte.
+# trains, written out: 500 steps of 16 x 256 bytes, 2.5-4 minutes on a quiet 2-core CPU (the README's Quickstart,
+# docs/results/quickstart.csv); val loss 1.754 nats/byte.
 # Parameters: 772,744 (772,232 with config/paper_layer.py). Compare with transformer_small.py and mamba2_small.py
 # (same size within 2%).
 #   python train.py config/fm_small.py
