@@ -497,7 +497,7 @@ call_runs() {  # the run lines this call's settings select (scaling and routing:
         quality|extrapolation) extrapolation_runs;;
         frontier) frontier_runs;;
         levers) levers_peer_runs; levers_runs;;
-        recall) for seed in $SEEDS; do recall_runs "$seed" 2> /dev/null; done;;
+        recall) recall_runs 1;;  # the models and widths (another seed's best rate may come from PREVIOUS)
     esac
 }
 

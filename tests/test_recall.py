@@ -197,3 +197,14 @@ def test_fillers_are_uniform_over_the_tokens_that_are_not_keys():
     counts = torch.stack([torch.bincount(row, minlength=5) for row in fillers(
         2, 30000, torch.tensor([[2, 1], [0, 4]]), 5, torch.Generator().manual_seed(0))]) / 10000
     assert rel_err(counts, torch.tensor([[1, 0, 0, 1, 1], [0, 1, 1, 1, 0]]).double()) < 0.03
+
+
+def test_another_seed_alone_is_not_refused_before_its_best_rate_is_read(tmp_path):
+    """SEEDS=2 in a new RESULTS folder: the settings check lists the call's models (the best rate
+    comes from PREVIOUS's seed-1 rows once the call runs), not a refusal of 'no run'."""
+    out = reproduce_sh('subset=recall; check_settings && echo accepted', RESULTS=str(tmp_path),
+                       MODELS='attn', D_MODELS='32', SEEDS='2', LRS_RECALL='3e-3', PREVIOUS='',
+                       JOBS='1', TRAIN_SECONDS='0', GPUS='', MEMORIES='16', TAUS='1',
+                       SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='1e-3', LRS_FM='1e-3',
+                       LRS_FM_BLOCK='1e-3')
+    assert out.strip() == 'accepted'
