@@ -38,9 +38,9 @@ from research.mqar import TEST, TRAIN, VOCAB, held_out, mqar
 SETTINGS = dict(
     name='',  # the run's name ('': MIXER-dD_MODEL-lrLR-sSEED); its model: the name less -lr-s
     out='results/recall.csv',  # the rows are appended to this .csv (its header first when new)
-    steps=800,  # training steps (sized for the sweep's 80 runs on one H200)
-    batch_tokens=8192,  # tokens a training batch: batch_tokens / seq_len examples
-    warmup_steps=50,  # linear warmup, then cosine decay to learning_rate / 10
+    steps=4000,  # training steps (800 and 2,500 were too few: docs/kernel_log.md)
+    batch_tokens=16384,  # tokens a training batch: batch_tokens / seq_len examples
+    warmup_steps=200,  # linear warmup, then cosine decay to learning_rate / 10
     learning_rate=1e-3,  # the peak learning rate
     weight_decay=0.1,  # train.py's AdamW settings
     beta1=0.9,
@@ -49,7 +49,7 @@ SETTINGS = dict(
     test_examples=512,  # held-out examples a test slice (the same for every run)
     seed=1,  # of the initial weights and the training examples
     device='cuda' if torch.cuda.is_available() else 'cpu',
-    log_interval=100,  # steps between log lines
+    log_interval=250,  # steps between log lines
 )
 MODEL_SETTINGS = {f.name: f.default for f in fields(ModelConfig)
                   if f.name not in ('vocab_size', 'block_size')}

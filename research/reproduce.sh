@@ -537,7 +537,7 @@ the top of each part of reproduce.sh list each model's seeds and sizes)"
 
 # ------------------------------------------------------------------------ recall (issue 55)
 # bash research/reproduce.sh recall: multi-query associative recall (research/mqar.py, recall.py):
-# FM's block and the paper's layer at m = 1024, 256, 64, 16 rows with k = 8 and dense, Mamba-2 at
+# FM's block and the paper's layer at m = 1024, 256, 128, 64, 16 rows with k = 8 and dense, Mamba-2 at
 # d_state 256, 64, 16, attention (recall_models), 2 layers at each width of D_MODELS, each at the
 # rates of LRS_RECALL with seed 1, then each other seed of SEEDS at the model's best rate
 # (RESULTS/recall_best.txt, from seed 1's runs here or in PREVIOUS). Every run appends its rows (a
@@ -546,7 +546,7 @@ the top of each part of reproduce.sh list each model's seeds and sizes)"
 # recall_best.txt, recall_state.png, recall_step.png; each run's log in RUNS/recall/.
 #   D_MODELS="64 128 256"   the widths
 #   LRS_RECALL="1e-3 3e-3 3e-4 1e-2"   the rates, in the order they are trained
-#   RECALL_ARGS=            more research/recall.py arguments for every run (default: 800 steps);
+#   RECALL_ARGS=            more research/recall.py arguments for every run (default: 4,000 steps);
 #                           a dry run on a CPU: RECALL_ARGS="--device=cpu --steps=2
 #                           --batch_tokens=256 --test_examples=2" (D_MODELS=32, a few MODELS)
 
@@ -561,6 +561,10 @@ fm-block-m256-dense  --mixer=fm --n_memory=256 --top_k=None --fm_conv=4 --fm_gat
 fm-block-m256-k8     --mixer=fm --n_memory=256 --top_k=8 --fm_conv=4 --fm_gate=True
 fm-m256-dense        --mixer=fm --n_memory=256 --top_k=None
 fm-m256-k8           --mixer=fm --n_memory=256 --top_k=8
+fm-block-m128-dense  --mixer=fm --n_memory=128 --top_k=None --fm_conv=4 --fm_gate=True
+fm-block-m128-k8     --mixer=fm --n_memory=128 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-m128-dense        --mixer=fm --n_memory=128 --top_k=None
+fm-m128-k8           --mixer=fm --n_memory=128 --top_k=8
 mamba2-n256          --mixer=mamba2 --d_state=256
 mamba2-n64           --mixer=mamba2 --d_state=64
 mamba2-n16           --mixer=mamba2 --d_state=16
