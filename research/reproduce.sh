@@ -538,7 +538,8 @@ the top of each part of reproduce.sh list each model's seeds and sizes)"
 # ------------------------------------------------------------------------ recall (issue 55)
 # bash research/reproduce.sh recall: multi-query associative recall (research/mqar.py, recall.py):
 # FM's block and the paper's layer at m = 1024, 256, 128, 64, 16 rows with k = 8 and dense, Mamba-2 at
-# d_state 256, 64, 16, attention (recall_models), 2 layers at each width of D_MODELS, each at the
+# d_state 256, 64, 16, FM's block routed on the last 4 tokens (research/levers.py's ConvRouterFM),
+# attention (recall_models), 2 layers at each width of D_MODELS, each at the
 # rates of LRS_RECALL with seed 1, then each other seed of SEEDS at the model's best rate
 # (RESULTS/recall_best.txt, from seed 1's runs here or in PREVIOUS). Every run appends its rows (a
 # test slice each) to RESULTS/recall.csv when it ends; a run found there or in a PREVIOUS folder's
@@ -576,6 +577,10 @@ fm-block-m16-dense   --mixer=fm --n_memory=16 --top_k=None --fm_conv=4 --fm_gate
 fm-block-m16-k8      --mixer=fm --n_memory=16 --top_k=8 --fm_conv=4 --fm_gate=True
 fm-m16-dense         --mixer=fm --n_memory=16 --top_k=None
 fm-m16-k8            --mixer=fm --n_memory=16 --top_k=8
+fm-block-cr-m128-k8  --mixer=research.levers:ConvRouterFM --n_memory=128 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-block-cr-m64-dense --mixer=research.levers:ConvRouterFM --n_memory=64 --top_k=None --fm_conv=4 --fm_gate=True
+fm-block-cr-m64-k8   --mixer=research.levers:ConvRouterFM --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-block-cr-m16-k8   --mixer=research.levers:ConvRouterFM --n_memory=16 --top_k=8 --fm_conv=4 --fm_gate=True
 attn                 --mixer=attn --n_head=2
 EOF
 }

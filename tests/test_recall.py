@@ -147,12 +147,12 @@ def test_the_recall_sweep_lists_every_model_at_each_rate_then_seeds_at_the_best(
     env = dict(MODELS='', D_MODELS='128', LRS_RECALL='1e-3 3e-3 3e-4 1e-2', RESULTS=str(tmp_path))
     lines = reproduce_sh('recall_runs 1', **env).splitlines()
     names = [line.split()[0] for line in lines]
-    assert len(names) == len(set(names)) == 24 * 4
-    assert all('-lr1e-3-s1' in name for name in names[:24])
+    assert len(names) == len(set(names)) == 28 * 4
+    assert all('-lr1e-3-s1' in name for name in names[:28])
     assert names[0] == 'fm-block-m1024-dense-d128-lr1e-3-s1'
     attention = 'attn-d128-lr1e-2-s1 --mixer=attn --n_head=2 --d_model=128 --learning_rate=1e-2'
     assert f'{attention} --seed=1' in lines
-    assert '--chunk_size=16' in lines[0] and '--chunk_size' not in lines[23]
+    assert '--chunk_size=16' in lines[0] and '--chunk_size' not in lines[27]
     (tmp_path / 'recall_best.txt').write_text('attn-d128 3e-3\nmamba2-n16-d128 1e-2\n')
     seeds = reproduce_sh('recall_runs 2 2> /dev/null', **env).split('\n')
     assert [line.split()[0] for line in seeds if line] == ['mamba2-n16-d128-lr1e-2-s2',
