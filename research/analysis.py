@@ -765,6 +765,12 @@ def recall_family(model):
     return re.sub(r'-[mn]\d+', '', model)
 
 
+def recall_size(model):
+    """The size in a model's name (m64: FM's rows, n16: Mamba-2's d_state), '' for none."""
+    found = re.search(r'-([mn]\d+)', model)
+    return found[1] if found else ''
+
+
 def plot_recall(table, index, label, path):
     """Accuracy against bytes (index 0: the state's a layer, 1: a step's; log scale), a panel a
     length of RECALL_PANELS, a line a family of models, a point a size. -> whether it wrote it."""
@@ -781,9 +787,13 @@ def plot_recall(table, index, label, path):
                 slices = [s for s in RECALL_SLICES if low <= s[0] <= high and s in entry]
                 if recall_family(entry['model']) == family and slices:
                     x = max(entry['bytes'][s][index] for s in slices)  # attention's grows
-                    points.append((x, np.mean([np.mean(entry[s]) for s in slices])))
+                    y = np.mean([np.mean(entry[s]) for s in slices])
+                    points.append((x, y, recall_size(entry['model'])))
             if points:
-                ax.plot(*zip(*sorted(points)), marker='o', color=f'C{colour % 10}', label=family)
+                xs, ys, sizes = zip(*sorted(points))
+                ax.plot(xs, ys, marker='o', color=f'C{colour % 10}', label=family)
+                for x, y, size in points:  # which size a point is: k = 8 shares one x
+                    ax.annotate(size, (x, y), xytext=(4, 2), textcoords='offset points', fontsize=6)
         ax.set_xscale('log', base=2)
         ax.set(title=title, xlabel=label, ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)

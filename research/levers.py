@@ -114,3 +114,16 @@ class ConvRouterFM(FactorizationMemory):
             raise NotImplementedError(f'{type(self).__name__} routes on the tokens before: no decoding step')
         weight, bias = self.router_conv.weight[:, 0], self.router_conv.bias
         return super().route(fm_kernel.causal_conv(x, None, weight, bias)[0])
+
+    def init_state(self, batch_size, max_len, device):
+        """FactorizationMemory's buffers and the router's window a decoding step would keep: counted (the bytes of
+        research/recall.py), never used, for there is no step."""
+        state = super().init_state(batch_size, max_len, device)
+        shape = (batch_size, self.router_conv.in_channels, self.TAPS - 1)
+        state['router_window'] = torch.zeros(shape, dtype=self.in_proj.weight.dtype, device=device)
+        return state
+
+    def step_state_bytes(self, context):
+        """FactorizationMemory's, and the router's window read and written."""
+        window = self.router_conv.in_channels * (self.TAPS - 1) * self.in_proj.weight.dtype.itemsize
+        return super().step_state_bytes(context) + 2 * window
