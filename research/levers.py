@@ -9,8 +9,9 @@ remember, is a context of 2048 with the same tokens a step (--batch_size=8 --blo
 write rate (SlowWriteFM); the sixth, a longer local path that might free the rows from buffering the last few tokens,
 is --fm_conv=16 (alone and with SlowWriteFM).
 A class that overrides route decodes through it (fm_kernel.route_step_takes_over); LowWriteFM keeps the
-fused kernel. The seventh, ConvRouterFM, routes on the last few tokens rather than the token alone (multi-query
-associative recall, issue 55: research/recall.py --mixer=research.levers:ConvRouterFM).
+fused kernel. The seventh, ConvRouterFM, routes on the last few tokens rather than the token
+alone (multi-query associative recall, issue 55: research/recall.py
+--mixer=research.levers:ConvRouterFM).
 """
 import math
 
@@ -94,36 +95,43 @@ class SlowWriteFM(FactorizationMemory):
 
 
 class ConvRouterFM(FactorizationMemory):
-    """7. The router reads a causal depthwise convolution + SiLU of the last TAPS inputs (as Mamba-2's B and C), not
-    the token alone, so a key-value pair can be written to rows chosen by the key before the value. A pass from the
-    start only: a decoding step (or a pass after a state) would need the router's window in the state, not built."""
+    """7. The router reads a causal depthwise convolution + SiLU of the last TAPS inputs (as
+    Mamba-2's B and C), not the token alone: a key-value pair can be written to rows chosen by the
+    key before the value. A pass from the start only: a decoding step, or a pass after a state,
+    would need the router's window in the state (not built)."""
     TAPS = 4
 
     def __init__(self, config):
         super().__init__(config)
-        self.router_conv = nn.Conv1d(config.d_model, config.d_model, self.TAPS, groups=config.d_model)
+        d = config.d_model
+        self.router_conv = nn.Conv1d(d, d, self.TAPS, groups=d)
 
     def forward(self, x, state=None, lengths=None):
         if state or lengths is not None:
-            raise NotImplementedError(f'{type(self).__name__} keeps no window of its router\'s inputs: '
+            name = type(self).__name__
+            raise NotImplementedError(f"{name} keeps no window of its router's inputs: "
                                       'a pass from the start of unpadded rows only')
         return super().forward(x)
 
     def route(self, x):  # x (B, T, d_model)
         if x.dim() != 3:
-            raise NotImplementedError(f'{type(self).__name__} routes on the tokens before: no decoding step')
+            name = type(self).__name__
+            raise NotImplementedError(f'{name} routes on the tokens before: no decoding step')
         weight, bias = self.router_conv.weight[:, 0], self.router_conv.bias
-        return super().route(fm_kernel.causal_conv(x, None, weight, bias)[0])
+        mixed = fm_kernel.causal_conv(x, None, weight, bias)[0]  # (B, T, d_model)
+        return super().route(mixed)
 
     def init_state(self, batch_size, max_len, device):
-        """FactorizationMemory's buffers and the router's window a decoding step would keep: counted (the bytes of
-        research/recall.py), never used, for there is no step."""
+        """FactorizationMemory's buffers and the router's window a step would keep: counted (in
+        research/recall.py's bytes), never used, for there is no step."""
         state = super().init_state(batch_size, max_len, device)
         shape = (batch_size, self.router_conv.in_channels, self.TAPS - 1)
-        state['router_window'] = torch.zeros(shape, dtype=self.in_proj.weight.dtype, device=device)
+        dtype = self.in_proj.weight.dtype
+        state['router_window'] = torch.zeros(shape, dtype=dtype, device=device)
         return state
 
     def step_state_bytes(self, context):
         """FactorizationMemory's, and the router's window read and written."""
-        window = self.router_conv.in_channels * (self.TAPS - 1) * self.in_proj.weight.dtype.itemsize
+        itemsize = self.in_proj.weight.dtype.itemsize
+        window = self.router_conv.in_channels * (self.TAPS - 1) * itemsize
         return super().step_state_bytes(context) + 2 * window

@@ -182,42 +182,48 @@ def test_routing_statistics_take_a_rate_a_row():
 
 def conv_router(top_k):
     """A float64 ConvRouterFM layer of tiny_config, every parameter random."""
-    config = tiny_config(mixer='research.levers:ConvRouterFM', top_k=top_k, fm_conv=4, fm_gate=True)
+    config = tiny_config(mixer='research.levers:ConvRouterFM', top_k=top_k, fm_conv=4,
+                         fm_gate=True)
     return randomized(Model(config)).double().blocks[0].mixer
 
 
 @pytest.mark.parametrize('top_k', [4, None])
 def test_the_conv_router_routes_on_the_last_four_inputs(top_k):
-    """ConvRouterFM.route(x) at t is the standard router's on silu(b + sum_j w_j x_{t-3+j}) (zeros before the
-    start), computed here by a loop: an input moves the routing of its own and the next 3 positions, no other."""
+    """ConvRouterFM.route(x) at t is the standard router's on silu(b + sum_j w_j x_{t-3+j})
+    (zeros before the start), computed here by a loop: an input moves the routing of its own
+    position and the next 3, no other."""
     torch.manual_seed(0)
     layer = conv_router(top_k)
     x = torch.randn(2, 12, 32, dtype=torch.float64)
     weight, bias = layer.router_conv.weight[:, 0], layer.router_conv.bias  # (32, 4), (32,)
     padded = torch.cat([x.new_zeros(2, 3, 32), x], 1)
-    mixed = torch.stack([bias + sum(weight[:, j] * padded[:, t + j] for j in range(4)) for t in range(12)], 1)
-    routed, standard = layer.route(x), FactorizationMemory.route(layer, torch.nn.functional.silu(mixed))
+    mixed = torch.stack([bias + sum(weight[:, j] * padded[:, t + j] for j in range(4))
+                         for t in range(12)], 1)  # (2, 12, 32)
+    standard = FactorizationMemory.route(layer, torch.nn.functional.silu(mixed))
+    routed = layer.route(x)
     for got, want in zip(routed, standard):
         assert (got is None and want is None) or rel_err(got, want) < 1e-12
     moved = x.clone()
     moved[:, 5] += 1
-    changed = (layer.weights(*layer.route(moved))[0] != layer.weights(*routed)[0]).any(-1).any(0)  # (T,)
+    theta, before = layer.weights(*layer.route(moved))[0], layer.weights(*routed)[0]
+    changed = (theta != before).any(-1).any(0)  # (T,)
     assert changed.tolist() == [t in range(5, 9) for t in range(12)]
 
 
 def test_the_conv_router_counts_its_window_and_refuses_to_decode():
-    """Its bytes count the router's window (d_model x 3 inputs, kept and read-written by a step), and what it cannot
-    do it refuses, naming itself: a decoding step (the probe keeps it off the fused kernel), a pass after a state,
-    padded rows."""
+    """Its bytes count the router's window (d_model x 3 inputs, kept, and read and written by a
+    step), and what it cannot do it refuses, naming itself: a decoding step (the probe keeps it
+    off the fused kernel), a pass after a state, padded rows."""
     layer = conv_router(4)
     window = 32 * 3 * 8  # float64
     standard = FactorizationMemory.step_state_bytes(layer, 10)
     assert layer.step_state_bytes(10) == standard + 2 * window
     state = layer.init_state(1, 10, 'cpu')
     assert state['router_window'].shape == (1, 32, 3) and not layer.fused_router
-    with pytest.raises(NotImplementedError, match='ConvRouterFM routes on the tokens before: no decoding step'):
+    refusal = 'ConvRouterFM routes on the tokens before: no decoding step'
+    with pytest.raises(NotImplementedError, match=refusal):
         layer.step(torch.randn(1, 32, dtype=torch.float64), state)
     x = torch.randn(1, 5, 32, dtype=torch.float64)
     for kwargs in (dict(state=state), dict(lengths=torch.tensor([3]))):
-        with pytest.raises(NotImplementedError, match='a pass from the start of unpadded rows only'):
+        with pytest.raises(NotImplementedError, match='a pass from the start of unpadded rows'):
             layer(x, **kwargs)
