@@ -9,9 +9,9 @@ remember, is a context of 2048 with the same tokens a step (--batch_size=8 --blo
 write rate (SlowWriteFM); the sixth, a longer local path that might free the rows from buffering the last few tokens,
 is --fm_conv=16 (alone and with SlowWriteFM).
 A class that overrides route decodes through it (fm_kernel.route_step_takes_over); LowWriteFM keeps the
-fused kernel. The seventh, ConvRouterFM, routes on the last few tokens rather than the token
-alone (multi-query associative recall, issue 55: research/recall.py
---mixer=research.levers:ConvRouterFM).
+fused kernel. The seventh, ConvRouterFM, routes (rows and rates) on the last few tokens rather
+than the token alone (multi-query associative recall, issue 55: research/recall.py
+--mixer=research.levers:ConvRouterFM); it trains but does not decode.
 """
 import math
 
@@ -95,9 +95,9 @@ class SlowWriteFM(FactorizationMemory):
 
 
 class ConvRouterFM(FactorizationMemory):
-    """7. The router reads a causal depthwise convolution + SiLU of the last TAPS inputs (as
-    Mamba-2's B and C), not the token alone: a key-value pair can be written to rows chosen by the
-    key before the value. A pass from the start only: a decoding step, or a pass after a state,
+    """7. The router (the rows' logits and the rates eta and mu) reads a causal depthwise
+    convolution + SiLU of the last TAPS inputs (as Mamba-2's B and C), not the token alone: a
+    key-value pair can be written to rows chosen by the key before the value. A pass from the start only: a decoding step, or a pass after a state,
     would need the router's window in the state (not built)."""
     TAPS = 4
 

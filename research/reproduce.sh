@@ -537,10 +537,10 @@ the top of each part of reproduce.sh list each model's seeds and sizes)"
 
 # ------------------------------------------------------------------------ recall (issue 55)
 # bash research/reproduce.sh recall: multi-query associative recall (research/mqar.py, recall.py):
-# FM's block and the paper's layer at m = 1024, 256, 128, 64, 16 rows with k = 8 and dense, Mamba-2 at
-# d_state 256, 64, 16, FM's block routed on the last 4 tokens (research/levers.py's ConvRouterFM),
-# attention (recall_models), 2 layers at each width of D_MODELS, each at the
-# rates of LRS_RECALL with seed 1, then each other seed of SEEDS at the model's best rate
+# FM's block and the paper's layer at m = 1024, 256, 128, 64, 16 rows with k = 8 and dense,
+# Mamba-2 at d_state 256, 64, 16, FM's block routed on the last 4 tokens (research/levers.py's
+# ConvRouterFM), attention (recall_models), 2 layers at each width of D_MODELS, each at the rates
+# of LRS_RECALL with seed 1, then each other seed of SEEDS at the model's best rate
 # (RESULTS/recall_best.txt, from seed 1's runs here or in PREVIOUS). Every run appends its rows (a
 # test slice each) to RESULTS/recall.csv when it ends; a run found there or in a PREVIOUS folder's
 # recall.csv is not trained again. Writes recall.txt (the log and table), recall.csv,

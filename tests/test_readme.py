@@ -505,86 +505,117 @@ def test_readme_levers_sentences_are_their_data():
     assert_printed(claims)
 
 
+def recall_rows():
+    """The rows of the 4,000-step sweep's .csv."""
+    return analysis.recall_rows([str(RESULTS / '2026-11-29' / 'recall' / 'recall.csv')])
+
+
 def recall_best_table():
     """{model: research/analysis.py's recall table entry at its best rate} of the 4,000-step
     sweep, the model named without -d128."""
-    rows = analysis.recall_rows([str(RESULTS / '2026-11-29' / 'recall' / 'recall.csv')])
+    rows = recall_rows()
     table = analysis.recall_table(rows, analysis.recall_best(rows))
     return {entry['model'].removesuffix('-d128'): entry for entry in table}
 
 
 def test_readme_recall_sentences_are_their_data():
     """Recall (MQAR): each number of the paragraph, the paper table's row and research/README
-    (accuracy at 256/64, mean and min-max over seeds; bytes; beyond training), each verdict (flat
-    in m; below Mamba-2 at equal state bytes), and the seeds the paragraph counts."""
+    (accuracy, mean and min-max over seeds; bytes; beyond training), each verdict (flat in m;
+    below Mamba-2 on the mean, within the spread or ranges apart), the seeds and rates counted."""
     import numpy as np
     best = recall_best_table()
+    rates = {model.removesuffix('-d128'): trained
+             for model, (_, trained) in analysis.recall_best(recall_rows()).items()}
     hardest, far = (256, 64), ((512, 128), (1024, 256))
 
     def mean(model, at=hardest):
         return rounded(np.mean(best[model][at]))
 
-    def spread(model):
-        seeds = best[model][hardest]
+    def spread(model, at=hardest):
+        seeds = best[model][at]
         return f'{rounded(min(seeds))}-{rounded(max(seeds))}'
+
+    def both(model):
+        return f'{mean(model)} ({spread(model)})'
+
+    def state_bytes(model):
+        return best[model]['bytes'][hardest][0]
 
     def step_bytes(model):
         return best[model]['bytes'][hardest][1]
 
+    def verdict(model, other, at=hardest):
+        return apart(best[model][at], best[other][at])
+
     sizes = ('fm-block-m16-k8', 'fm-block-m64-k8', 'fm-block-m128-k8')
     conv = ('fm-block-cr-m64-k8', 'fm-block-cr-m128-k8')
-    three_seeds = (*sizes, *conv, 'fm-block-m128-dense', 'mamba2-n16', 'mamba2-n64')
-    assert all(len(best[m]['seeds']) == 3 for m in three_seeds)
-    by_size = [best[m][hardest] for m in sizes]
-    for a in by_size:
-        for b in by_size:
-            assert apart(a, b) == 'within the spread', 'README: flat in m'
+    k8 = (*sizes, *conv, 'fm-block-cr-m16-k8')
+    dense, mamba, small = 'fm-block-m128-dense', 'mamba2-n64', 'mamba2-n16'
+    unnamed = ('fm-block-m16-dense', 'fm-block-m64-dense')  # one seed, not in the README
+    one_seed = ('attn', 'mamba2-n256', 'fm-block-cr-m16-k8', 'fm-block-cr-m64-dense', 'fm-m64-k8',
+                'fm-m64-dense', *unnamed)
+    for model, entry in best.items():
+        assert len(entry['seeds']) == (1 if model in one_seed else 3), (model, entry['seeds'])
+    assert sorted(len(r) for r in rates.values()).count(1) == 5, 'README: five models at one rate'
+    assert {len(r) for r in rates.values()} == {1, 3, 4}
+    for a in sizes:
+        for b in sizes:
+            assert verdict(a, b) == 'within the spread', 'README: flat in m'
     assert {step_bytes(m) for m in sizes} == {11264}
+    by_size = [best[m][hardest] for m in sizes]
     learned = [max(seeds) for seeds in by_size]
     runner_up = max(sorted(seeds)[1] for seeds in by_size)
-    assert runner_up < 0.05 < 0.15 < min(learned), 'README: one seed learned at each m, two did not'
-    lowest = min(min(best[m][hardest]) for m in conv)
-    assert lowest > 0.2, 'README: the convolved router learned in every seed'
-    mamba = np.mean(best['mamba2-n64'][hardest])
-    for m in ('fm-block-m128-k8', 'fm-block-m128-dense', 'fm-block-cr-m128-k8'):
-        assert np.mean(best[m][hardest]) < mamba, 'README: below Mamba-2 at equal state bytes'
-    small = best['mamba2-n16'][hardest]
-    assert max(np.mean(best[m][hardest]) for m in conv) > np.mean(small)
-    assert apart(best[conv[0]][hardest], small) == 'within the spread'
+    assert runner_up < 0.05 and min(learned) > 0.15, 'README: one seed learned at each m'
+    assert min(min(best[m][hardest]) for m in conv) > 0.2, 'README: the lever learned in every seed'
+    for m in ('fm-block-m128-k8', dense, 'fm-block-cr-m128-k8'):
+        assert np.mean(best[m][hardest]) < np.mean(best[mamba][hardest]), 'README: below, mean'
+    assert verdict('fm-block-m128-k8', mamba) == verdict(dense, mamba) == 'within the spread'
+    assert verdict('fm-block-cr-m128-k8', mamba) == 'ranges apart'
+    assert max(np.mean(best[m][hardest]) for m in conv) > np.mean(best[small][hardest])
+    assert verdict(conv[0], small) == verdict(conv[1], small) == 'within the spread'
     for m in sizes:
-        assert np.mean(best[m][hardest]) < np.mean(small), "README: the block's k = 8 is below"
+        assert np.mean(best[m][hardest]) < np.mean(best[small][hardest]), 'README: k = 8 below'
+    for at in far:
+        assert verdict(dense, mamba, at) == 'within the spread'
+        top = max(k8, key=lambda m: np.mean(best[m][at]))
+        assert top == 'fm-block-cr-m128-k8', ('README: the best FM at k = 8 beyond training', top)
     for m in ('fm-m64-k8', 'fm-m64-dense'):
         assert np.mean(best[m][hardest]) < 2 / 64, "README: the paper's layer did not learn"
-    state = [best[m]['bytes'][hardest][0]
-             for m in ('mamba2-n64', 'fm-block-m128-k8', 'fm-block-cr-m128-k8')]
+    state = [state_bytes(m) for m in (mamba, 'fm-block-m128-k8', 'fm-block-cr-m128-k8')]
     by_m = ' / '.join(mean(m) for m in sizes)
+
+    def beyond(model):
+        return ' / '.join(mean(model, at) for at in far)
+
     data = 'docs/results/2026-11-29/recall/recall.csv'
     paragraph = [
         f"{by_m} at m = 16 / 64 / 128. At each m one seed learned "
-        f"({' / '.join(rounded(x) for x in learned)}); the other two reached at most "
-        f"{rounded(runner_up)} (chance 1/64)",
-        f"{mean(conv[0])} ({spread(conv[0])}) at m = 64, {mean(conv[1])}",
-        f"({spread(conv[1])}) at m = 128; {mean('fm-block-cr-m16-k8')} at m = 16 (one seed)",
-        f"at {round(min(state) / 1000)}-{round(max(state) / 1000)} KB a layer, Mamba-2 with "
-        f"d_state 64 {mean('mamba2-n64')} ({spread('mamba2-n64')})",
-        f"k = 8 {mean('fm-block-m128-k8')} ({spread('fm-block-m128-k8')}), dense "
-        f"{mean('fm-block-m128-dense')} ({spread('fm-block-m128-dense')}), the convolved router "
-        f"{mean(conv[1])}",
-        f"(d_state 16, {step_bytes('mamba2-n16'):,} bytes) recalls {mean('mamba2-n16')}",
-        f"({spread('mamba2-n16')}); FM with the convolved router at {step_bytes(conv[0]):,} bytes",
-        f"FM's best is {' / '.join(mean(conv[1], s) for s in far)} (the convolved router",
-        f"Mamba-2 {' / '.join(mean('mamba2-n64', s) for s in far)} (d_state 64) and "
-        f"{' / '.join(mean('mamba2-n256', s) for s in far)} (d_state 256, one seed), attention "
-        f"{' / '.join(mean('attn', s) for s in far)}",
+        f"({' / '.join(rounded(x) for x in learned)}); at 256 tokens the other two reached at "
+        f"most {rounded(runner_up)} (chance 1/64)",
+        f"{both(conv[0])} at m = 64, {both(conv[1])} at m = 128; "
+        f"{mean('fm-block-cr-m16-k8')} at m = 16 (one seed): still flat in m. Dense at m = 64 it "
+        f"reached {mean('fm-block-cr-m64-dense')} (one seed)",
+        f"At equal state bytes ({round(min(state) / 1000)}-{round(max(state) / 1000)} KB a layer) "
+        f"FM is below Mamba-2 with d_state 64, {both(mamba)}, on the mean: FM's block at m = 128, "
+        f"k = 8 {both('fm-block-m128-k8')} and dense {both(dense)}, both within the spread; the "
+        f"convolved router {both(conv[1])}, ranges apart",
+        f"dense FM at m = 128 ({step_bytes(dense):,} bytes) {mean(dense)} against Mamba-2 with "
+        f"d_state 64 ({step_bytes(mamba):,} bytes) {mean(mamba)}, within the spread",
+        f"the smallest (d_state 16, {step_bytes(small):,} bytes) recalls {both(small)}; "
+        f"FM with the convolved router at {step_bytes(conv[0]):,} bytes is above it on the mean, within the "
+        f"spread; FM's block at {step_bytes(sizes[0]):,} bytes is below",
+        f"dense FM at m = 128 {beyond(dense)} against Mamba-2 with d_state 64 {beyond(mamba)}, "
+        f"within the spread; FM at k = 8 at most {beyond(conv[1])} (the convolved router, "
+        f"m = 128); Mamba-2 with d_state 256 {beyond('mamba2-n256')} (one seed); attention {beyond('attn')} "
+        f"(one seed)",
         f"FM's block recalls {by_m} at m = 16 / 64 / 128, within the seed spread; at equal state "
-        f"bytes below Mamba-2 ({mean('fm-block-m128-k8')} against {mean('mamba2-n64')})"]
+        f"bytes below Mamba-2 on the mean ({mean('fm-block-m128-k8')} against {mean(mamba)}, "
+        f"within the spread)"]
     research = (
         f"at k = 8 {by_m} at m = 16 / 64 / 128, each with one seed that learned and two at most "
-        f"{rounded(runner_up)}; with the router on the convolution {mean(conv[0])} "
-        f"({spread(conv[0])}) at m = 64 and {mean(conv[1])} ({spread(conv[1])}) at m = 128; "
-        f"Mamba-2 {mean('mamba2-n16')} "
-        f"({spread('mamba2-n16')}) at d_state 16, {mean('mamba2-n64')} ({spread('mamba2-n64')}) at "
-        f"64; attention {mean('attn')} (one seed)")
+        f"{rounded(runner_up)}; with the router on the convolution {both(conv[0])} at m = 64 and "
+        f"{both(conv[1])} at m = 128; Mamba-2 {both(small)} at d_state 16, {both(mamba)} at 64; "
+        f"attention {mean('attn')} (one seed)")
     claims = [(phrase, [README], data) for phrase in paragraph] + [(research, [RESEARCH], data)]
     assert_printed(claims)
 
