@@ -168,7 +168,9 @@ def assert_decodes_as_it_trains(model, idx, prompt, tol=1e-12):
 def using_scan(scan):
     """Context in which the model's FM layers run `scan` (a function like fm_scan)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, 'memory_scan', lambda x, theta, phi, h0, eps, chunk: scan(x, theta, phi, h0, eps))
+        def dense(x, idx, theta, phi, h0, n_memory, eps, chunk):
+            return scan(x, *model_module.spread(idx, theta, phi, n_memory), h0, eps)
+        patch.setattr(model_module, 'memory_scan', dense)
         yield
 
 

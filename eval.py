@@ -771,8 +771,10 @@ def read_out_zeroed(mixer, row):
     """Within: the FM layer mixer reads nothing from memory row `row` (its phi zeroed in the scan it calls)."""
     scan = model_file.memory_scan
 
-    def scan_without_row(xbar, theta, phi, *args):
-        return scan(xbar, theta, phi.index_fill(-1, torch.tensor([row], device=phi.device), 0.0), *args)
+    def scan_without_row(xbar, idx, theta, phi, *args):
+        if idx is None:  # dense: phi (..., M)
+            return scan(xbar, idx, theta, phi.index_fill(-1, torch.tensor([row], device=phi.device), 0.0), *args)
+        return scan(xbar, idx, theta, phi.masked_fill(idx == row, 0.0), *args)  # phi (..., K) of the rows idx
 
     def use(function):
         return lambda *args: setattr(model_file, 'memory_scan', function)

@@ -1307,6 +1307,85 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
     return y, hT
 
 
+# -------------------------------------------------------------------- sparse scan: reference
+#
+# Sparse FM is a ragged recurrence per row: a token reads exactly the rows it writes, so with the
+# B*T*K (token, row) pairs sorted by (sequence, row), time order kept, each row is a one-row FM scan
+# over its own writers (a segment), and a token's output is the sum of its K pairs' outputs. Rows
+# nobody writes keep h0. Nothing has m tokens' width: the work follows B*T*K*D, whatever m is.
+
+
+def sparse_dispatch(idx, n_memory):
+    """idx (B, T, K) -> the pairs by (sequence, row) with time order kept: order (N,) (each sorted
+    pair's flat index b*T*K + t*K + j), seg (N,) its segment, rank (N,) its place in the segment,
+    seg_keys (S,) each segment's b*M + row."""
+    B = idx.shape[0]
+    sequence = torch.arange(B, device=idx.device)[:, None, None]
+    keys = (sequence * n_memory + idx).flatten()  # (N,)
+    sorted_keys, order = keys.sort(stable=True)
+    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    seg = starts.cumsum(0) - 1  # (N,)
+    first = starts.nonzero()[:, 0]  # (S,) the first pair of each segment
+    rank = torch.arange(len(seg), device=idx.device) - first[seg]
+    return order, seg, rank, sorted_keys[first]
+
+
+def fm_sparse_scan_torch(xbar, idx, theta, phi, n_memory, h0=None, eps=1e-6, chunk_size=64):
+    """Sparse FM scan by dispatch (above), in PyTorch; differentiable. xbar (B, T, D), idx (B, T,
+    K) distinct rows a token, theta and phi (B, T, K), h0 (B, M, D) or None -> y (B, T, D), hT
+    (B, M, D): each segment padded to the longest one and scanned as one row by fm_scan_torch."""
+    _check_sparse_args(xbar, idx, theta, phi, n_memory, h0, eps)
+    _check_rows(idx, n_memory)
+    B, T, D = xbar.shape
+    K, M = idx.shape[-1], n_memory
+    dtype = torch.promote_types(xbar.dtype, torch.float32)
+    order, seg, rank, seg_keys = sparse_dispatch(idx, M)
+    token = order // K  # (N,) b*T + t
+    S, L = len(seg_keys), int(rank.max()) + 1
+    x = xbar.reshape(B * T, D).to(dtype)[token]  # (N, D)
+    xs = x.new_zeros(S, L, D).index_put((seg, rank), x)  # (S, L, D): padding writes nothing
+    ths = x.new_zeros(S, L).index_put((seg, rank), theta.reshape(-1)[order].to(dtype))
+    phs = x.new_zeros(S, L).index_put((seg, rank), phi.reshape(-1)[order].to(dtype))
+    starts = None
+    if h0 is not None:
+        starts = h0.reshape(B * M, D).to(dtype)[seg_keys, None]  # (S, 1, D)
+    ys, ends = fm_scan_torch(xs, ths[..., None], phs[..., None], starts, eps, min(chunk_size, L))
+    y = x.new_zeros(B * T, D).index_add(0, token, ys[seg, rank])  # each token's K pairs summed
+    hT = x.new_zeros(B * M, D) if h0 is None else h0.reshape(B * M, D).to(dtype)
+    hT = hT.index_copy(0, seg_keys, ends[:, 0])  # (B*M, D)
+    return y.view(B, T, D).to(xbar.dtype), hT.view(B, M, D)
+
+
+def _check_sparse_args(xbar, idx, theta, phi, n_memory, h0, eps):
+    """One line for each bad argument of the sparse scans, naming it."""
+    B, T, D = xbar.shape
+    K = idx.shape[-1]
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it keeps rms(h) away from 0), got {eps}")
+    if not 1 <= K <= n_memory:
+        raise ValueError(f"top_k must be in 1..n_memory = {n_memory}, got {K} rows in idx")
+    if idx.shape != (B, T, K) or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx must be integer (B, T, K) with (B, T) = {(B, T)} from xbar, got "
+                         f"{idx.dtype} {tuple(idx.shape)}")
+    if theta.shape != idx.shape or phi.shape != idx.shape:
+        raise ValueError(f"theta {tuple(theta.shape)} and phi {tuple(phi.shape)} must be idx's "
+                         f"shape {tuple(idx.shape)}: the weights of the rows idx")
+    if h0 is not None and h0.shape != (B, n_memory, D):
+        raise ValueError(f"h0 must be (B, M, D) = {(B, n_memory, D)}, got {tuple(h0.shape)}")
+
+
+def _check_rows(idx, n_memory):
+    """idx's rows in 0..M-1 and distinct within a token (reads the values: a sync on a GPU)."""
+    if idx.numel() and (idx.min() < 0 or idx.max() >= n_memory):
+        raise ValueError(f"idx must hold rows 0..{n_memory - 1} (n_memory = {n_memory}), got "
+                         f"{int(idx.min())}..{int(idx.max())}")
+    ranked = idx.sort(-1).values
+    if (ranked[..., 1:] == ranked[..., :-1]).any():
+        raise ValueError("idx names a row twice for one token: a token's top_k rows must be "
+                         "distinct")
+
+
 # -------------------------------------------------------------------------- decode step: references
 
 
@@ -1686,11 +1765,14 @@ def route_step_takes_over(layer):
     x = torch.randn(5, 8, d, generator=gen, dtype=torch.float64, device=device)
     x = (x * scales[:, None, None]).flatten(0, 1)  # (40, d_model)
     try:
-        written = copy.weights(*copy.route(x))  # theta, phi (40, M)
-        idx, alpha, eta, mu = route_naive(copy.router_scores(x), layer.top_k, layer.tau)
+        idx, *routed = copy.route(x)
+        written = copy.weights(idx, *routed)  # theta, phi (40, K) of the rows idx
+        twin_idx, alpha, eta, mu = route_naive(copy.router_scores(x), layer.top_k, layer.tau)
         twin = [eta * alpha, mu * alpha]
-        if idx is not None:
-            twin = [w.new_zeros(written[0].shape).scatter_(-1, idx, w) for w in twin]
+        if idx is not None:  # the same rows in any order: compared over all M rows
+            zeros = x.new_zeros(len(x), layer.n_memory)
+            written = [zeros.scatter(-1, idx, w) for w in written]
+            twin = [zeros.scatter(-1, twin_idx, w) for w in twin]
         own = layer.router_scores(weight.new_zeros(1, d))
     except Exception:  # an edit the probe cannot run (a dtype, a shape)
         return False

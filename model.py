@@ -32,6 +32,9 @@ try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
 except ImportError:
     mamba_chunk_scan_combined = selective_state_update = None
 
+# memory rows from which sparse FM scans its k rows a token alone (memory_scan): below them the
+# dense scan of all m rows is faster (docs/kernel_log.md, the crossover measured)
+SPARSE_ROWS = {'triton': 128, 'torch': 64}
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
 
 
@@ -187,10 +190,25 @@ def real_positions(lengths, T):
 
 # ----------------------------------------------------------------------------- Factorization Memory
 
-def memory_scan(xbar, theta, phi, h0, eps, chunk_size):
-    """fm_kernel.fm_scan_naive from h0 (None: zeros) -> (y, hT): Triton on CUDA, else PyTorch."""
-    fits = theta.shape[-1] <= fm_kernel.MAX_ROWS
-    if xbar.is_cuda and xbar.dtype != torch.float64 and fits:
+def spread(idx, theta, phi, n_memory):
+    """Weights of the rows idx (..., K) -> of all m rows (..., M), zeros elsewhere (None: as given)."""
+    if idx is None:
+        return theta, phi
+    zeros = theta.new_zeros(*theta.shape[:-1], n_memory)
+    return zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi)
+
+
+def memory_scan(xbar, idx, theta, phi, h0, n_memory, eps, chunk_size):
+    """The FM scan of weights' output from h0 (None: zeros) -> (y, hT). Sparse (idx (B, T, K)):
+    fm_kernel.fm_sparse_scan, k rows a token, from SPARSE_ROWS rows up; else the dense scan, its
+    theta and phi spread over the m rows (zeros outside idx). Triton on CUDA, else PyTorch."""
+    triton_ok = xbar.is_cuda and xbar.dtype != torch.float64
+    if idx is not None and n_memory >= SPARSE_ROWS['triton' if triton_ok else 'torch']:
+        if triton_ok:
+            return fm_kernel.fm_sparse_scan(xbar, idx, theta, phi, n_memory, h0, eps)
+        return fm_kernel.fm_sparse_scan_torch(xbar, idx, theta, phi, n_memory, h0, eps, chunk_size)
+    theta, phi = spread(idx, theta, phi, n_memory)
+    if triton_ok and n_memory <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
 
@@ -250,16 +268,14 @@ class FactorizationMemory(nn.Module):
         return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)
 
     def weights(self, idx, alpha, eta, mu):
-        """route's output -> theta = eta alpha, phi = mu alpha (..., M), 0 outside the rows idx."""
-        theta, phi = eta * alpha, mu * alpha
-        if idx is None:
-            return theta, phi
-        zeros = theta.new_zeros(*theta.shape[:-1], self.n_memory)
-        return zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi)
+        """route's output -> theta = eta alpha, phi = mu alpha (..., K): the weights of the rows
+        idx (of all M rows when idx is None)."""
+        return eta * alpha, mu * alpha
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
         """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token."""
-        theta, phi = self.weights(*self.route(x))  # (B, T, M)
+        idx, *routed = self.route(x)
+        theta, phi = self.weights(idx, *routed)  # (B, T, K)
         if lengths is not None:  # padding writes nothing (theta = 0)
             theta = theta * real_positions(lengths, x.shape[1])[..., None]
         state = state or {}
@@ -271,7 +287,8 @@ class FactorizationMemory(nn.Module):
             weight, bias = self.conv.weight[:, 0], self.conv.bias
             xbar, new_state['conv'] = fm_kernel.causal_conv(
                 xbar, state.get('conv'), weight, bias, lengths)
-        y, new_state['h'] = memory_scan(xbar, theta, phi, state.get('h'), self.eps, self.chunk_size)
+        y, new_state['h'] = memory_scan(xbar, idx, theta, phi, state.get('h'), self.n_memory,
+                                        self.eps, self.chunk_size)
         if z is not None:
             y = y * F.silu(z)
         return self.out_proj(y), new_state
@@ -296,11 +313,9 @@ class FactorizationMemory(nn.Module):
         if conv is not None:
             xbar = fm_kernel.conv_step_naive(xbar, *conv)
         idx, *routed = self.route(x)
-        theta, phi = self.weights(idx, *routed)  # (B, M)
+        theta, phi = self.weights(idx, *routed)  # (B, K)
         if idx is None:  # dense: every row
             idx = torch.arange(self.n_memory, device=x.device).expand(len(x), -1)
-        else:
-            theta, phi = theta.gather(-1, idx), phi.gather(-1, idx)  # (B, K)
         step = fm_kernel.fm_step_naive
         if triton_step(h):
             step = fm_kernel.fm_step

@@ -867,11 +867,7 @@ class KernelRouterFM(FactorizationMemory):
         return fm_kernel.route_naive(self.router_scores(x), self.top_k, self.tau)
 
     def weights(self, idx, alpha, eta, mu):
-        theta, phi = eta * alpha, mu * alpha
-        if idx is None:
-            return theta, phi
-        zeros = alpha.new_zeros(*alpha.shape[:-1], self.n_memory)
-        return zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi)
+        return eta * alpha, mu * alpha
 
 
 class CastingRouterFM(FactorizationMemory):
@@ -1040,8 +1036,8 @@ IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
                       '        alpha = torch.softmax(logits / self.tau, dim=-1) + 1e-5'),
     'router_scores': ('        x = x.to(dtype)\n',  # routing on an RMS-normalised input
                       '        x = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + 1e-6)\n'),
-    'weights': ('        theta, phi = eta * alpha, mu * alpha\n',  # theta = eta alpha no more
-                '        theta, phi = 0.5 * eta * alpha, mu * alpha\n')}
+    'weights': ('        return eta * alpha, mu * alpha\n',  # theta = eta alpha no more
+                '        return 0.5 * eta * alpha, mu * alpha\n')}
 
 
 @core
