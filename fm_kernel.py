@@ -1386,6 +1386,425 @@ def _check_rows(idx, n_memory):
                          "distinct")
 
 
+# ----------------------------------------------------------------------- sparse scan: Triton
+#
+# fm_sparse_scan takes the sorted pairs (sparse_dispatch) in chunks of SPARSE_CHUNK pairs, whatever
+# their segments: a chunk may hold the end of one segment, whole short ones and the start of
+# another, so its work is C pairs however many rows there are. Inside a chunk each segment is a
+# one-row FM scan (b the chunk's cumulative log-decays, s and t pairs of one segment):
+#
+#     h_t = e_t S_t + sum_{s<=t} L[t,s] x_s,   L[t,s] = theta_s e^{b_t - b_s},
+#     e_t = e^{b_t - b_before}, the decay since the segment's first pair in the chunk,
+#
+# S_t the segment's start: the state carried in (states[c]) where the chunk's first segment began
+# in a chunk before, else its row of h0 (zeros without h0). One (C, C) @ (C, BD) product a column
+# block gives h_t itself: the row norms, y and hT (at each segment's last pair) follow. A segment
+# that runs past its chunk's end is walked chunk by chunk first (_sparse_carry_kernel: the states
+# at the chunk starts it crosses); then every chunk runs in parallel (_sparse_out_kernel). Backward,
+# with G_t the whole gradient reaching h_t:
+#
+#     g_u = q_u dy_u + c_u h_u (+ dhT's row at a segment's last pair),
+#     c_u = -(dy_u . h_u) q_u / (D r_u^2),   dphi_u = (dy_u . h_u) / r_u
+#     G_t = sum_{u>=t} e^{b_u - b_t} g_u (+ e^{b_end - b_t} dEnd where the segment runs on),
+#     dxbar_t = theta_t G_t,   dtheta_t = G_t . (x_t - h_{t-1}),   dS = a_first G_first
+#
+# _sparse_grads_kernel gives dphi, c and each chunk's gradient into its carried state (less what
+# comes from later chunks); _sparse_carry_grads_kernel adds those up backwards along each segment;
+# _sparse_dx_kernel gives dxbar, dtheta and dh0. Each pair's y and dxbar go to a (B, T, K, D) buffer
+# summed over K (no atomics: the same sums every run). Column tiles are float32; the products take
+# tf32 for 16-bit inputs and exact float32 for float32.
+
+SPARSE_CHUNK = 32  # pairs a chunk (a power of 2, at least 16 for tl.dot)
+START, END = 1, 2  # a pair's flags: first, last of its segment
+
+if triton is not None:
+
+    @triton.jit
+    def _pair_chunk(seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C: tl.constexpr):
+        """Chunk program_id(0)'s pairs: offsets, mask, segments, flags, theta, log-decays, their
+        cumulative sum b, the same-segment mask, b before each segment's first pair, and whether
+        a pair's segment runs in from the chunk before (cont) or on past this one (out)."""
+        lo = tl.program_id(0) * C
+        offs = tl.arange(0, C)
+        ok = lo + offs < N
+        seg = tl.load(seg_ptr + lo + offs, mask=ok, other=-1)
+        flags = tl.load(flag_ptr + lo + offs, mask=ok, other=0)
+        theta = tl.load(theta_ptr + lo + offs, mask=ok, other=0.0)
+        la = tl.load(la_ptr + lo + offs, mask=ok, other=0.0)
+        b = tl.cumsum(la, 0)  # (C,)
+        same = seg[:, None] == seg[None, :]  # (C, C)
+        first = tl.min(tl.where(same, offs[None, :], C), 1)  # (C,) its segment's first pair here
+        before = tl.sum(tl.where(offs[None, :] < first[:, None], la[None, :], 0.0), 1)
+        runs_in = (tl.load(flag_ptr + lo) & START) == 0
+        cont = (seg == tl.load(seg_ptr + lo)) & runs_in
+        last = tl.minimum(N - lo, C) - 1
+        has_next = lo + C < N
+        next_flags = tl.load(flag_ptr + lo + C, mask=has_next, other=START)
+        out = (seg == tl.load(seg_ptr + lo + last)) & has_next & ((next_flags & START) == 0)
+        return lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out
+
+    @triton.jit
+    def _writes(theta, b_to, b, same, C: tl.constexpr, strict: tl.constexpr):
+        """L[t, s] = theta_s e^{b_to[t] - b_s} over pairs s <= t (s < t if strict) of one segment."""
+        offs = tl.arange(0, C)
+        causal = offs[:, None] >= offs[None, :]
+        if strict:
+            causal = offs[:, None] > offs[None, :]
+        decay = tl.exp(tl.minimum(b_to[:, None] - b[None, :], 0.0))
+        return tl.where(same & causal, theta[None, :] * decay, 0.0)
+
+    @triton.jit
+    def _pair_tile(ptr, rows, ok, offs_d, D):
+        """Columns offs_d of the rows `rows` (C,) of a (rows, D) array as float32 (C, BD)."""
+        mask = ok[:, None] & (offs_d < D)[None, :]
+        tile = tl.load(ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        return tile.to(tl.float32)
+
+    @triton.jit
+    def _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C: tl.constexpr, BD: tl.constexpr,
+                HAS_H0: tl.constexpr):
+        """Each pair's segment start S (C, BD): the carried state of the chunk, else h0's row."""
+        carried = tl.load(states_ptr + tl.program_id(0) * D + offs_d,
+                          mask=offs_d < D, other=0.0)
+        if HAS_H0:
+            own = _pair_tile(h0_ptr, keys, ok & (cont == 0), offs_d, D)
+        else:
+            own = tl.zeros([C, BD], tl.float32)
+        return tl.where(cont[:, None], carried[None, :], own)
+
+    @triton.jit
+    def _sparse_carry_kernel(x_ptr, tok_ptr, theta_ptr, la_ptr, keys_ptr, chain_ptr, end_ptr, h0_ptr,
+                             states_ptr, D, C: tl.constexpr, BD: tl.constexpr,
+                             HAS_H0: tl.constexpr):
+        """The state at each chunk start that a segment begun in chunk c0 runs past."""
+        c0 = tl.program_id(0)
+        first = tl.load(chain_ptr + c0)
+        if first < 0:
+            return
+        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+        d_ok = offs_d < D
+        H = tl.zeros([BD], tl.float32)
+        if HAS_H0:
+            H = tl.load(h0_ptr + tl.load(keys_ptr + first) * D + offs_d, mask=d_ok, other=0.0)
+        offs = tl.arange(0, C)
+        for c in range(c0, tl.load(end_ptr + c0)):
+            lo = tl.maximum(first, c * C)
+            ok = lo + offs < (c + 1) * C
+            theta = tl.load(theta_ptr + lo + offs, mask=ok, other=0.0)
+            la = tl.load(la_ptr + lo + offs, mask=ok, other=0.0)
+            b = tl.cumsum(la, 0)
+            b_end = tl.sum(la, 0)
+            tok = tl.load(tok_ptr + lo + offs, mask=ok, other=0).to(tl.int64)
+            X = _pair_tile(x_ptr, tok, ok, offs_d, D)
+            H = tl.exp(b_end) * H + tl.sum((theta * tl.exp(b_end - b))[:, None] * X, 0)
+            tl.store(states_ptr + (c + 1) * D + offs_d, H, mask=d_ok)
+
+    @triton.jit
+    def _sparse_out_kernel(x_ptr, tok_ptr, pair_ptr, seg_ptr, flag_ptr, theta_ptr, phi_ptr, la_ptr,
+                           keys_ptr, h0_ptr, states_ptr, o_ptr, rms_ptr, hT_ptr, N, D, eps,
+                           C: tl.constexpr, BD: tl.constexpr, HAS_H0: tl.constexpr,
+                           PRECISION: tl.constexpr):
+        """One chunk: h_t of each pair, its row rms, y's share o_t = phi_t h_t / rms and hT's rows."""
+        lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out = _pair_chunk(
+            seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C)
+        L = _writes(theta, b, b, same, C, False)  # (C, C)
+        e = tl.exp(b - before)
+        tok = tl.load(tok_ptr + lo + offs, mask=ok, other=0).to(tl.int64)
+        keys = tl.load(keys_ptr + lo + offs, mask=ok, other=0)
+        sq = tl.zeros([C], tl.float32)
+        for d0 in range(0, D, BD):  # the squared norms
+            offs_d = d0 + tl.arange(0, BD)
+            S = _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C, BD, HAS_H0)
+            X = _pair_tile(x_ptr, tok, ok, offs_d, D)
+            h = e[:, None] * S + tl.dot(L, X, input_precision=PRECISION)
+            sq += tl.sum(h * h, 1)
+        rms = tl.sqrt(sq / D + eps)
+        tl.store(rms_ptr + lo + offs, rms, mask=ok)
+        q = tl.load(phi_ptr + lo + offs, mask=ok, other=0.0) / rms
+        pair = tl.load(pair_ptr + lo + offs, mask=ok, other=0).to(tl.int64)
+        ends = ok & ((flags & END) != 0)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            S = _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C, BD, HAS_H0)
+            X = _pair_tile(x_ptr, tok, ok, offs_d, D)
+            h = e[:, None] * S + tl.dot(L, X, input_precision=PRECISION)
+            cols = offs_d[None, :]
+            d_ok = (offs_d < D)[None, :]
+            tl.store(o_ptr + pair[:, None] * D + cols, q[:, None] * h, mask=ok[:, None] & d_ok)
+            tl.store(hT_ptr + keys[:, None] * D + cols, h, mask=ends[:, None] & d_ok)
+
+    @triton.jit
+    def _direct_grads(dy_ptr, dhT_ptr, tok, keys, ends, ok, q, c, h, offs_d, D,
+                      HAS_DHT: tl.constexpr):
+        """g = q dy + c h, and dhT's row at a segment's last pair: the gradient reaching h_t
+        itself (C, BD)."""
+        g = q[:, None] * _pair_tile(dy_ptr, tok, ok, offs_d, D) + c[:, None] * h
+        if HAS_DHT:
+            g += _pair_tile(dhT_ptr, keys, ends, offs_d, D)
+        return g
+
+    @triton.jit
+    def _sparse_grads_kernel(x_ptr, dy_ptr, dhT_ptr, tok_ptr, pair_ptr, seg_ptr, flag_ptr,
+                             theta_ptr, phi_ptr, la_ptr, keys_ptr, h0_ptr, states_ptr, rms_ptr,
+                             c_ptr, dphi_ptr, local_ptr, N, D, C: tl.constexpr, BD: tl.constexpr,
+                             HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        """One chunk: dphi, the norm's factor c, and the gradient into the chunk's carried state
+        from this chunk alone, sum_t e_t g_t over the pairs of the segment that runs in."""
+        lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out = _pair_chunk(
+            seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C)
+        L = _writes(theta, b, b, same, C, False)
+        e = tl.exp(b - before)
+        tok = tl.load(tok_ptr + lo + offs, mask=ok, other=0).to(tl.int64)
+        keys = tl.load(keys_ptr + lo + offs, mask=ok, other=0)
+        dot = tl.zeros([C], tl.float32)  # dy_t . h_t
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            S = _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C, BD, HAS_H0)
+            h = e[:, None] * S + tl.dot(L, _pair_tile(x_ptr, tok, ok, offs_d, D),
+                                        input_precision=PRECISION)
+            dot += tl.sum(_pair_tile(dy_ptr, tok, ok, offs_d, D) * h, 1)
+        rms = tl.load(rms_ptr + lo + offs, mask=ok, other=1.0)
+        q = tl.load(phi_ptr + lo + offs, mask=ok, other=0.0) / rms
+        c = -dot * q / (D * rms * rms)
+        tl.store(c_ptr + lo + offs, c, mask=ok)
+        pair = tl.load(pair_ptr + lo + offs, mask=ok, other=0)
+        tl.store(dphi_ptr + pair, dot / rms, mask=ok)
+        if (tl.load(flag_ptr + lo) & START) == 0:
+            ends = ok & ((flags & END) != 0)
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                S = _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C, BD, HAS_H0)
+                h = e[:, None] * S + tl.dot(L, _pair_tile(x_ptr, tok, ok, offs_d, D),
+                                            input_precision=PRECISION)
+                g = _direct_grads(dy_ptr, dhT_ptr, tok, keys, ends, ok, q, c, h, offs_d, D,
+                                  HAS_DHT)
+                local = tl.sum(tl.where(cont, e, 0.0)[:, None] * g, 0)
+                tl.store(local_ptr + tl.program_id(0) * D + offs_d, local,
+                         mask=offs_d < D)
+
+    @triton.jit
+    def _sparse_carry_grads_kernel(la_ptr, chain_ptr, end_ptr, local_ptr, dstates_ptr, N, D,
+                                   C: tl.constexpr, BD: tl.constexpr):
+        """The gradients of the carried states of a segment begun in chunk c0, from its last chunk
+        back: dS[c] = local[c] + e^{b_end[c]} dS[c + 1]."""
+        c0 = tl.program_id(0)
+        if tl.load(chain_ptr + c0) < 0:
+            return
+        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+        d_ok = offs_d < D
+        c_end = tl.load(end_ptr + c0)
+        dS = tl.zeros([BD], tl.float32)
+        for i in range(0, c_end - c0):
+            c = c_end - i
+            offs = c * C + tl.arange(0, C)
+            decay = tl.exp(tl.sum(tl.load(la_ptr + offs, mask=offs < N, other=0.0), 0))
+            row = c * D + offs_d
+            dS = tl.load(local_ptr + row, mask=d_ok, other=0.0) + decay * dS
+            tl.store(dstates_ptr + row, dS, mask=d_ok)
+
+    @triton.jit
+    def _sparse_dx_kernel(x_ptr, dy_ptr, dhT_ptr, tok_ptr, pair_ptr, seg_ptr, flag_ptr, theta_ptr,
+                          phi_ptr, la_ptr, keys_ptr, h0_ptr, states_ptr, rms_ptr, c_ptr,
+                          dstates_ptr, dx_ptr, dtheta_ptr, dh0_ptr, N, D, C: tl.constexpr,
+                          BD: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+                          PRECISION: tl.constexpr):
+        """One chunk: G_t, then dxbar_t = theta_t G_t, dtheta_t = G_t . (x_t - h_{t-1}) and dh0's
+        row a_first G_first at each segment's first pair."""
+        lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out = _pair_chunk(
+            seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C)
+        L = _writes(theta, b, b, same, C, False)
+        prev = _writes(theta, b - la, b, same, C, True)  # L[t - 1, s]
+        e = tl.exp(b - before)
+        e_prev = tl.exp(b - la - before)
+        causal = offs[None, :] >= offs[:, None]
+        later = tl.where(same & causal, tl.exp(tl.minimum(b[None, :] - b[:, None], 0.0)), 0.0)
+        to_end = tl.where(out, tl.exp(tl.sum(la, 0) - b), 0.0)  # (C,) onto the state carried out
+        tok = tl.load(tok_ptr + lo + offs, mask=ok, other=0).to(tl.int64)
+        keys = tl.load(keys_ptr + lo + offs, mask=ok, other=0)
+        pair = tl.load(pair_ptr + lo + offs, mask=ok, other=0).to(tl.int64)
+        rms = tl.load(rms_ptr + lo + offs, mask=ok, other=1.0)
+        q = tl.load(phi_ptr + lo + offs, mask=ok, other=0.0) / rms
+        c = tl.load(c_ptr + lo + offs, mask=ok, other=0.0)
+        ends = ok & ((flags & END) != 0)
+        firsts = ok & ((flags & START) != 0)
+        next_row = (tl.program_id(0) + 1) * D
+        end_ok = (tl.zeros([BD], tl.int32) + tl.max(out.to(tl.int32), 0)) > 0  # one runs on
+        dtheta = tl.zeros([C], tl.float32)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_ok = (offs_d < D)[None, :]
+            S = _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C, BD, HAS_H0)
+            X = _pair_tile(x_ptr, tok, ok, offs_d, D)
+            h = e[:, None] * S + tl.dot(L, X, input_precision=PRECISION)
+            g = _direct_grads(dy_ptr, dhT_ptr, tok, keys, ends, ok, q, c, h, offs_d, D, HAS_DHT)
+            d_end = tl.load(dstates_ptr + next_row + offs_d, mask=(offs_d < D) & end_ok, other=0.0)
+            G = tl.dot(later, g, input_precision=PRECISION) + to_end[:, None] * d_end[None, :]
+            tl.store(dx_ptr + pair[:, None] * D + offs_d[None, :], theta[:, None] * G,
+                     mask=ok[:, None] & d_ok)
+            h_prev = e_prev[:, None] * S + tl.dot(prev, X, input_precision=PRECISION)
+            dtheta += tl.sum(G * (X - h_prev), 1)
+            if HAS_H0:
+                tl.store(dh0_ptr + keys[:, None] * D + offs_d[None, :],
+                         (1.0 - theta)[:, None] * G, mask=firsts[:, None] & d_ok)
+        tl.store(dtheta_ptr + pair, dtheta, mask=ok)
+
+
+def _sparse_layout(idx, theta, phi, n_memory):
+    """The sorted pairs as the kernels read them (sparse_dispatch without its host syncs): each
+    pair's token, flat index, segment, flags (START, END), theta, phi, log-decay and b*M + row;
+    and per chunk, where a segment begun in it and running past it starts (-1: none) and the
+    chunk of its last pair."""
+    B, T, K = idx.shape
+    N, C = B * T * K, SPARSE_CHUNK
+    sequence = torch.arange(B, device=idx.device)[:, None, None]
+    keys, order = (sequence * n_memory + idx).flatten().sort(stable=True)  # (N,)
+    starts = torch.ones_like(keys, dtype=torch.bool)
+    starts[1:] = keys[1:] != keys[:-1]
+    ends = torch.ones_like(starts)
+    ends[:-1] = starts[1:]
+    position = torch.arange(N, device=idx.device)
+    first = torch.where(starts, position, 0).cummax(0).values  # (N,) its segment's first pair
+    last = torch.where(ends, position, N).flip(0).cummin(0).values.flip(0)  # and last
+    chunk_last = (torch.arange(1, triton.cdiv(N, C) + 1, device=idx.device) * C).clamp(max=N) - 1
+    begun_here = first[chunk_last] >= chunk_last // C * C
+    runs_past = last[chunk_last] > chunk_last
+    chain = torch.where(begun_here & runs_past, first[chunk_last], -1).int()
+    chain_end = (last[chunk_last] // C).int()
+    weights = [w.flatten()[order].float().contiguous() for w in (theta, phi)]
+    flags = (starts.to(torch.int8) * START + ends.to(torch.int8) * END)
+    return dict(tok=(order // K).int(), pair=order.int(), seg=(starts.cumsum(0) - 1).int(),
+                flags=flags, theta=weights[0], phi=weights[1],
+                la=_log_decay(weights[0]).contiguous(), keys=keys, chain=chain, chain_end=chain_end)
+
+
+def _sparse_meta(x):
+    return dict(C=SPARSE_CHUNK, BD=64, PRECISION=_precision(x), num_warps=4)
+
+
+def _pair_sum(pairs, B, T, dtype):
+    """(N, D) per (token, slot) pair -> (B, T, D): each token's K pairs added in float32."""
+    return pairs.view(B, T, -1, pairs.shape[-1]).sum(2, dtype=torch.float32).to(dtype)
+
+
+LAYOUT = ('tok', 'pair', 'seg', 'flags', 'theta', 'phi', 'la', 'keys', 'chain', 'chain_end')
+
+
+@torch.library.custom_op("fm::sparse_scan_forward", mutates_args=())
+def _sparse_forward(xbar: Tensor, idx: Tensor, theta: Tensor, phi: Tensor, h0: Optional[Tensor],
+                    n_memory: int, eps: float
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                               Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """y, hT, the carried states and each pair's rms, then the layout (LAYOUT)."""
+    B, T, D = xbar.shape
+    x = xbar.contiguous()
+    lay = _sparse_layout(idx, theta, phi, n_memory)
+    N, NC = idx.numel(), triton.cdiv(idx.numel(), SPARSE_CHUNK)
+    starts = None if h0 is None else h0.float().contiguous()
+    states = x.new_empty(NC, D, dtype=torch.float32)
+    meta = _sparse_meta(x)
+    _sparse_carry_kernel[(NC, triton.cdiv(D, 64))](
+        x, lay['tok'], lay['theta'], lay['la'], lay['keys'], lay['chain'], lay['chain_end'], starts,
+        states, D, C=SPARSE_CHUNK, BD=64, HAS_H0=h0 is not None, num_warps=4)
+    pairs = x.new_empty(N, D)
+    rms = x.new_empty(N, dtype=torch.float32)
+    hT = x.new_zeros(B, n_memory, D, dtype=torch.float32) if h0 is None else starts.clone()
+    _sparse_out_kernel[(NC,)](
+        x, lay['tok'], lay['pair'], lay['seg'], lay['flags'], lay['theta'], lay['phi'], lay['la'],
+        lay['keys'], starts, states, pairs, rms, hT, N, D, eps, HAS_H0=h0 is not None, **meta)
+    return _pair_sum(pairs, B, T, x.dtype), hT, states, rms, *(lay[k] for k in LAYOUT)
+
+
+@_sparse_forward.register_fake
+def _(xbar, idx, theta, phi, h0, n_memory, eps):
+    B, T, D = xbar.shape
+    N = idx.numel()
+    NC = -(-N // SPARSE_CHUNK)
+    f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
+    i32 = lambda *shape: idx.new_empty(shape, dtype=torch.int32)
+    layout = [i32(N), i32(N), i32(N), idx.new_empty(N, dtype=torch.int8), f32(N), f32(N), f32(N),
+              idx.new_empty(N), i32(NC), i32(NC)]
+    return xbar.new_empty(B, T, D), f32(B, n_memory, D), f32(NC, D), f32(N), *layout
+
+
+@torch.library.custom_op("fm::sparse_scan_backward", mutates_args=())
+def _sparse_backward(dy: Tensor, dhT: Optional[Tensor], xbar: Tensor, h0: Optional[Tensor],
+                     states: Tensor, rms: Tensor, tok: Tensor, pair: Tensor, seg: Tensor,
+                     flags: Tensor, theta: Tensor, phi: Tensor, la: Tensor, keys: Tensor,
+                     chain: Tensor, chain_end: Tensor, eps: float
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dxbar (B, T, D); dtheta and dphi float32 (B, T, K); dh0 (B, M, D) (zeros without h0)."""
+    B, T, D = xbar.shape
+    x, dy = xbar.contiguous(), dy.contiguous()
+    N, NC = theta.numel(), states.shape[0]
+    starts = None if h0 is None else h0.float().contiguous()
+    if dhT is not None:
+        dhT = dhT.float().contiguous()
+    lay = (tok, pair, seg, flags, theta, phi, la, keys)
+    flags_h = dict(HAS_H0=h0 is not None, HAS_DHT=dhT is not None)
+    meta = _sparse_meta(x)
+    c = torch.empty_like(rms)
+    dphi = torch.empty_like(rms)
+    local = torch.empty_like(states)
+    _sparse_grads_kernel[(NC,)](x, dy, dhT, *lay, starts, states, rms, c, dphi, local, N, D,
+                                **flags_h, **meta)
+    dstates = torch.empty_like(states)
+    _sparse_carry_grads_kernel[(NC, triton.cdiv(D, 64))](la, chain, chain_end, local, dstates, N, D,
+                                                         C=SPARSE_CHUNK, BD=64, num_warps=4)
+    pairs = x.new_empty(N, D)
+    dtheta = torch.empty_like(rms)
+    dh0 = x.new_zeros(0, dtype=torch.float32)
+    if h0 is not None:
+        dh0 = x.new_zeros(h0.shape, dtype=torch.float32) if dhT is None else dhT.clone()
+    _sparse_dx_kernel[(NC,)](x, dy, dhT, *lay, starts, states, rms, c, dstates, pairs, dtheta, dh0,
+                             N, D, **flags_h, **meta)
+    K = N // (B * T)
+    return _pair_sum(pairs, B, T, x.dtype), dtheta.view(B, T, K), dphi.view(B, T, K), dh0
+
+
+@_sparse_backward.register_fake
+def _(dy, dhT, xbar, h0, states, rms, tok, pair, seg, flags, theta, phi, la, keys, chain,
+      chain_end, eps):
+    B, T, D = xbar.shape
+    K = theta.numel() // (B * T)
+    f32 = lambda *shape: xbar.new_empty(shape, dtype=torch.float32)
+    dh0 = f32(0) if h0 is None else f32(*h0.shape)
+    return xbar.new_empty(B, T, D), f32(B, T, K), f32(B, T, K), dh0
+
+
+def _sparse_setup_context(ctx, inputs, output):
+    xbar, idx, theta, phi, h0, n_memory, eps = inputs
+    ctx.save_for_backward(xbar, h0, *output[2:])
+    ctx.eps, ctx.dtypes = eps, (theta.dtype, phi.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _sparse_grads(ctx, dy, dhT, *unused):
+    xbar, h0, *saved = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(xbar)
+    dx, dtheta, dphi, dh0 = _sparse_backward(dy, dhT, xbar, h0, *saved, ctx.eps)
+    dh0 = None if h0 is None else dh0
+    return dx, None, dtheta.to(ctx.dtypes[0]), dphi.to(ctx.dtypes[1]), dh0, None, None
+
+
+_sparse_forward.register_autograd(_sparse_grads, setup_context=_sparse_setup_context)
+
+
+def fm_sparse_scan(xbar, idx, theta, phi, n_memory, h0=None, eps=1e-6):
+    """Triton sparse FM scan (forward and backward), fm_sparse_scan_torch's arguments -> y (B, T,
+    D), hT (B, M, D) float32. Work and memory follow B*T*K*D at any n_memory; idx is trusted
+    (fm_sparse_scan_torch checks its rows)."""
+    _check_sparse_args(xbar, idx, theta, phi, n_memory, h0, eps)
+    chunks = -(-idx.numel() // SPARSE_CHUNK)
+    if idx.numel() >= 2**31 or (chunks + 1) * xbar.shape[-1] >= 2**31:
+        raise ValueError(f"fm_sparse_scan indexes with 32-bit integers: B*T*K = {idx.numel():,} "
+                         "pairs are too many for one call; split the batch into calls of fewer "
+                         "tokens")
+    y, hT, *_ = _sparse_forward(xbar, idx, theta, phi, h0, int(n_memory), float(eps))
+    return y, hT
+
+
 # -------------------------------------------------------------------------- decode step: references
 
 
