@@ -1,6 +1,7 @@
 """Speed of the FM kernels, side by side with the peers, on one GPU.
 
     python bench.py kernels      # fm_scan vs fm_scan_torch vs SDPA vs Mamba-2 SSD vs GLA; decode; accuracy
+    python bench.py sparse       # sparse FM (k = 8) against m, beside the dense scans and Mamba-2
     python bench.py stages       # time of each fm_scan kernel, to see where the time goes
     python bench.py train        # training tokens/s, MFU, peak memory: fm_1b vs transformer_1b vs mamba2_1b
     python bench.py generate     # prefill and decode after long prompts: fm_1b (k = 8, dense), mamba2_1b,
@@ -148,8 +149,7 @@ def sdpa_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def mamba_inputs(B, T):
-    heads, head_dim, d_state = 64, 64, 128
+def mamba_inputs(B, T, heads=64, d_state=128, head_dim=64):
     x = torch.randn(B, T, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     dt = F.softplus(torch.randn(B, T, heads, device="cuda") - 3).to(torch.bfloat16)
     A = -torch.rand(heads, device="cuda") - 0.5
@@ -187,6 +187,66 @@ def bench_scan(mamba, fla, ceilings):
     print(f"\nfm_scan, one layer, {TOKENS} tokens a batch, D={D}, M={M}; times in ms; bf16 x, fp32 theta/phi")
     print(f"ceilings measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s; "
           f"FM FLOPs/token: fwd {flops_fwd / 1e6:.2f} M, bwd {flops_bwd / 1e6:.2f} M")
+    print_table(rows)
+
+
+SPARSE_ROWS = (16, 64, 128, 256, 1024, 4096, 16384)  # m of the sparse table, k = K_SPARSE
+# (B, T, d_memory): fm_1b's layer at 16K tokens; the recall model's (research/recall.py)
+SPARSE_SHAPES = ((8, 2048, 2048), (64, 256, 128))
+
+
+def sparse_inputs(B, T, D, m, k, dtype=torch.bfloat16):
+    """x (B, T, D), the rows idx and their theta, phi (B, T, k) as the FM layer routes random scores."""
+    alpha, idx = torch.softmax(torch.randn(B, T, m, device="cuda") * 2, -1).topk(k, -1)
+    alpha = alpha / alpha.sum(-1, keepdim=True)
+    eta, mu = torch.rand(2, B, T, 1, device="cuda")
+    x = torch.randn(B, T, D, device="cuda", dtype=dtype)
+    return x, idx, eta * alpha, mu * alpha
+
+
+def peak_mb(fn, inputs):
+    """Peak memory of one forward + backward beyond what was allocated before it, MB."""
+    leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(*leaves)
+    torch.autograd.backward(out, [torch.randn_like(o) for o in out])
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def sparse_row(B, T, D, m, mamba):
+    """One row of bench_sparse: ms and MB of forward + backward of each scan at (B, T, D, m)."""
+    x, idx, theta, phi = sparse_inputs(B, T, D, m, K_SPARSE)
+    row = {"B T D": f"{B} {T} {D}", "m": m}
+    sparse = lambda x, theta, phi: fm_kernel.fm_sparse_scan(x, idx, theta, phi, m)
+    row["sparse ms"] = time_fwd_bwd(sparse, [x, theta, phi])
+    row["sparse MB"] = peak_mb(sparse, [x, theta, phi])
+    if m <= fm_kernel.MAX_ROWS:
+        zeros = theta.new_zeros(B, T, m)
+        dense_in = [x, zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi)]
+        row["masked ms"] = time_fwd_bwd(fm_kernel.fm_scan, dense_in)
+        row["masked MB"] = peak_mb(fm_kernel.fm_scan, dense_in)
+        full = sparse_inputs(B, T, D, m, m)
+        row["dense ms"] = time_fwd_bwd(fm_kernel.fm_scan, [full[0], full[2], full[3]])
+    if mamba is not None and m in (16, 64, 128, 256):  # d_state m: its state is D x m a layer
+        ssd = lambda x, dt, A, Bm, Cm: mamba.ssd(x, dt, A, Bm, Cm, chunk_size=256)
+        row["mamba2 ms"] = time_fwd_bwd(ssd, mamba_inputs(B, T, 2 * D // 64, m))
+    return row
+
+
+def bench_sparse(mamba):
+    """Sparse FM (fm_sparse_scan, k = 8) against m, beside the dense-masked scan (fm_scan with
+    theta, phi spread over m rows), dense FM and Mamba-2's SSD (d_state m), forward + backward."""
+    rows = []
+    for B, T, D in SPARSE_SHAPES:
+        for m in SPARSE_ROWS:
+            rows.append(sparse_row(B, T, D, m, mamba))
+            print(rows[-1], flush=True)
+    print(f"\nforward + backward of one layer, ms (CUDA-graph medians) and peak MB beyond the inputs;"
+          f" bf16 x, k = {K_SPARSE}; masked: fm_scan of the same k rows spread over all m; dense: k = m;"
+          f" mamba2: SSD with expand 2, head_dim 64, d_state m")
     print_table(rows)
 
 
@@ -684,7 +744,7 @@ def print_table(rows):
 def parse_args(argv=None):
     """The command line's settings; --sweep alone: the default prompt lengths (SWEEP)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels", "stages", "train", "generate", "gemv"])
+    parser.add_argument("what", choices=["kernels", "sparse", "stages", "train", "generate", "gemv"])
     parser.add_argument("--vocab_size", type=int, default=100288, help="cl100k_base padded to a multiple of 64")
     parser.add_argument("--block_size", type=int, default=2048)
     parser.add_argument("--batch_size", type=int, default=8)
@@ -721,8 +781,11 @@ def main():
         mamba = import_mamba()
         check_accuracy()
         ceilings = measure_ceilings()
+        bench_sparse(mamba)
         bench_decode(mamba)
         bench_scan(mamba, import_fla(), ceilings)
+    if args.what == "sparse":
+        bench_sparse(import_mamba())
     if args.what == "stages":
         bench_stages()
     if args.what in ("train", "generate"):

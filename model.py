@@ -202,7 +202,7 @@ def memory_scan(xbar, idx, theta, phi, h0, n_memory, eps, chunk_size):
     """The FM scan of weights' output from h0 (None: zeros) -> (y, hT). Sparse (idx (B, T, K)):
     fm_kernel.fm_sparse_scan, k rows a token, from SPARSE_ROWS rows up; else the dense scan, its
     theta and phi spread over the m rows (zeros outside idx). Triton on CUDA, else PyTorch."""
-    triton_ok = xbar.is_cuda and xbar.dtype != torch.float64
+    triton_ok = triton_scan(xbar)
     if idx is not None and n_memory >= SPARSE_ROWS['triton' if triton_ok else 'torch']:
         if triton_ok:
             return fm_kernel.fm_sparse_scan(xbar, idx, theta, phi, n_memory, h0, eps)
@@ -211,6 +211,11 @@ def memory_scan(xbar, idx, theta, phi, h0, n_memory, eps, chunk_size):
     if triton_ok and n_memory <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
+
+
+def triton_scan(xbar):
+    """Whether the scans of xbar (B, T, D) run in Triton."""
+    return xbar.is_cuda and xbar.dtype != torch.float64
 
 
 def triton_step(h):

@@ -539,6 +539,118 @@ def test_triton_scan_real_size_gpu(dtype, M, tol):
     assert_close_all(got, want, tol)
 
 
+# ----------------------------------------------------------------------------- sparse scan
+
+def sparse_inputs(B, T, D, M, k, uneven=False, rate=None, h0=True, dtype=torch.float64):
+    """x (B, T, D), idx (B, T, k) distinct rows, theta, phi (B, T, k), h0 (B, M, D) or None; uneven:
+    row 0 in every token's top k and the others drawn from the first k + 2 rows (most rows empty);
+    rate: every theta at that value."""
+    scores = torch.randn(B, T, M, dtype=dtype)
+    if uneven:
+        scores[..., k + 2:] -= 100
+        scores[..., 0] += 100
+    idx = scores.argsort(-1, descending=True)[..., :k]
+    theta = torch.rand(B, T, k, dtype=dtype) if rate is None else torch.full((B, T, k), rate, dtype=dtype)
+    phi = torch.rand(B, T, k, dtype=dtype)
+    x = torch.randn(B, T, D, dtype=dtype)
+    return x, idx, theta, phi, torch.randn(B, M, D, dtype=dtype) if h0 else None
+
+
+def sparse_and_grads(scan, x, idx, theta, phi, h0, M, grad_y, grad_h, **kw):
+    """y, hT and the gradients of x, theta, phi (and h0) of scan(x, idx, theta, phi, M, h0)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, theta, phi, h0) if t is not None]
+    y, hT = scan(leaves[0], idx, leaves[1], leaves[2], M, leaves[3] if h0 is not None else None, **kw)
+    loss = (y * grad_y.to(y.dtype)).sum() + (hT * grad_h.to(hT.dtype)).sum()
+    return [y, hT, *torch.autograd.grad(loss, leaves)]
+
+
+def loop_of_spread(x, idx, theta, phi, M, h0):
+    """fm_scan_naive with theta and phi spread over the M rows: the dense ground truth."""
+    zeros = theta.new_zeros(*theta.shape[:-1], M)
+    return fm_scan_naive(x, zeros.scatter(-1, idx, theta), zeros.scatter(-1, idx, phi), h0)
+
+
+@core
+@pytest.mark.parametrize("T, M, k, uneven, h0", [
+    (37, 8, 3, False, True), (37, 8, 1, False, True), (37, 8, 7, False, False),
+    (60, 16, 2, True, True), (5, 64, 4, False, True), (1, 8, 3, False, False)])
+def test_sparse_scan_torch_matches_the_loop(T, M, k, uneven, h0):
+    """The dispatch form (fm_sparse_scan_torch) is fm_scan_naive's m-row scan in float64, forward and every
+    gradient, with every input random: k = 1 and m - 1, one row in every token (most rows empty), rows nobody
+    chooses (m = 64: their hT is h0, their dh0 dhT), T = 1."""
+    torch.manual_seed(T + M + k)
+    inputs = sparse_inputs(2, T, 12, M, k, uneven, h0=h0)
+    grad_y, grad_h = torch.randn(2, T, 12, dtype=torch.float64), torch.randn(2, M, 12, dtype=torch.float64)
+    want = sparse_and_grads(loop_of_spread, *inputs, M, grad_y, grad_h)
+    got = sparse_and_grads(fm_kernel.fm_sparse_scan_torch, *inputs, M, grad_y, grad_h, chunk_size=16)
+    assert_close_all(got, want, 1e-10)
+
+
+@needs_triton
+@pytest.mark.parametrize("T, M, k, uneven, h0, rate", [
+    (37, 8, 3, False, True, None), (70, 4, 3, True, True, None), (29, 64, 2, False, False, None),
+    (40, 5, 4, False, True, 1.0), (33, 6, 1, True, False, 1 - 1e-6)])
+def test_triton_sparse_scan_matches_torch(T, M, k, uneven, h0, rate):
+    """fm_sparse_scan (Triton, here under the interpreter) is fm_sparse_scan_torch in float32: chunks of 32 pairs
+    holding many segments, segments running through several chunks (one row in every token), rows forgetting
+    (theta = 1), with and without h0 and dhT."""
+    torch.manual_seed(T * M + k)
+    x, idx, theta, phi, h = sparse_inputs(2, T, 24, M, k, uneven, rate, h0, torch.float32)
+    grad_y, grad_h = torch.randn(2, T, 24), torch.randn(2, M, 24) * h0  # h0 False: dhT = 0
+    inputs = [t.to(DEVICE) if t is not None else None for t in (x, idx, theta, phi, h)]
+    want = sparse_and_grads(fm_kernel.fm_sparse_scan_torch, *inputs, M, grad_y, grad_h)
+    got = sparse_and_grads(fm_kernel.fm_sparse_scan, *inputs, M, grad_y, grad_h)
+    if rate == 1.0:  # each written row forgets h0 at its first writer: dh0 is 0 there (e^-80 leaks 1e-35)
+        written = torch.zeros(2, M, dtype=torch.bool).scatter(1, idx.flatten(1), True)
+        assert got[5][written].abs().max() < 1e-30 and want[5][written].abs().max() < 1e-30
+        got[5], want[5] = got[5][~written], want[5][~written]
+    assert_close_all(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(idx=lambda i: i[..., :0]), "top_k must be in 1"),
+    (dict(idx=lambda i: torch.cat([i, i[..., :1] + 1], -1) % 8, M=2), "top_k must be in 1"),
+    (dict(idx=lambda i: i + 8), "rows 0..7"),
+    (dict(idx=lambda i: torch.cat([i[..., :1], i[..., :1]], -1)), "twice"),
+    (dict(theta=lambda t: t[..., :1]), "idx's shape"),
+    (dict(h0=lambda h: h[:, :3]), "h0 must be"),
+])
+def test_sparse_scan_rejects_bad_input_naming_it(change, words):
+    x, idx, theta, phi, h0 = sparse_inputs(1, 6, 4, 8, 2)
+    idx = change.get('idx', lambda i: i)(idx)
+    theta = change.get('theta', lambda t: t)(theta[..., :idx.shape[-1]])
+    h0 = change.get('h0', lambda h: h)(h0)
+    with pytest.raises(ValueError, match=words):
+        fm_kernel.fm_sparse_scan_torch(x, idx, theta, phi[..., :idx.shape[-1]], change.get('M', 8), h0)
+
+
+@core
+@pytest.mark.parametrize("triton", [False, True])
+def test_sparse_fm_trains_and_decodes_through_the_sparse_scan(triton):
+    """A sparse FM block (every parameter random, float32, padded rows) takes the sparse scan at every m when
+    SPARSE_ROWS says so: Triton (under the interpreter) or PyTorch, equal to the dense scan of the same model, and
+    its decoding matches its forward pass."""
+    torch.manual_seed(0)
+    model = randomized(Model(tiny_config(n_memory=40, top_k=3, fm_conv=4, fm_gate=True))).to(DEVICE).eval()
+    idx = torch.randint(0, 64, (2, 37), device=DEVICE)
+    lengths = torch.tensor([37, 20], device=DEVICE)
+    scans = []
+    with using_scan(fm_scan_torch):
+        dense = model.hidden(idx, lengths=lengths)[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(model_module.SPARSE_ROWS, 'torch', 1)
+        patch.setitem(model_module.SPARSE_ROWS, 'triton', 1)
+        patch.setattr(model_module, 'triton_scan', lambda x: triton)
+        for name in ('fm_sparse_scan', 'fm_sparse_scan_torch'):
+            scan = getattr(fm_kernel, name)
+            patch.setattr(fm_kernel, name, lambda *a, scan=scan, **kw: scans.append(scan) or scan(*a, **kw))
+        sparse = model.hidden(idx, lengths=lengths)[0]
+        assert_decodes_as_it_trains(model, idx, 9, tol=1e-5)
+    want = fm_kernel.fm_sparse_scan if triton else fm_kernel.fm_sparse_scan_torch
+    assert set(scans) == {want}, f"the sparse model ran {scans}"
+    assert rel_err(sparse[0], dense[0]) < 1e-5 and rel_err(sparse[1, :20], dense[1, :20]) < 1e-5
+
+
 # ============================================================================= model.py
 
 MIXER_CASES = {  # name -> config overrides (the fm cases use m = 8): the one place to add a mixer, with its hand
