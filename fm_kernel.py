@@ -5,13 +5,17 @@ For each sequence, m memory rows of width D, per token t and row i:
     h_t[i] = (1 - theta_t[i]) * h_{t-1}[i] + theta_t[i] * xbar_t
     y_t    = sum_i phi_t[i] * h_t[i] / rms(h_t[i]),      rms(v) = sqrt(mean(v^2) + eps)
 
-theta and phi are zero outside a token's top-k rows, so one code path serves dense and sparse.
+theta and phi are zero outside a token's top-k rows, so one code path serves dense and sparse; the
+sparse scans take the k rows' weights alone (idx, theta, phi (B,T,K)) and never touch the others.
 
 | function       | what it is                                                               |
 | -------------- | ------------------------------------------------------------------------ |
 | fm_scan_naive  | loop over t; the ground truth                                            |
 | fm_scan_torch  | chunked parallel algorithm in plain PyTorch (autograd); the CPU path     |
 | fm_scan        | the same algorithm in Triton, forward and backward                       |
+| fm_sparse_scan_torch | sparse FM (k rows a token) by dispatch: each row a one-row scan of the |
+|                | tokens that chose it (sparse_dispatch sorts them); the CPU path          |
+| fm_sparse_scan | the sparse scan in Triton, forward and backward: work in B*T*k*D, any m  |
 | fm_step_naive  | one decode step touching only the selected rows                          |
 | route_naive    | the router's rows and weights from its scores (softmax, top-k, rates)    |
 | conv_step_naive | a causal depthwise convolution + SiLU for one token (FM's block)        |
@@ -60,6 +64,17 @@ fm_scan, backward (fm::scan_backward)
                    _rate_grads_kernel      (chunk, batch)          dtheta and dphi
     _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where
                                                                    theta = 1
+fm_sparse_scan_torch (sparse_dispatch; fm_scan_torch over each row's writers)
+fm_sparse_scan, forward (fm::sparse_scan_forward; chunks of SPARSE_CHUNK sorted pairs)
+    _sparse_layout             (PyTorch)               the pairs sorted by (sequence, row), their
+                                                       flags, the segments that run past a chunk
+    _sparse_carry_kernel       (chunk, columns)        the states those carry into later chunks
+    _sparse_out_kernel         (chunk)                 h_t, its rms, phi_t h_t / rms, hT's rows
+fm_sparse_scan, backward (fm::sparse_scan_backward)
+    _sparse_grads_kernel       (chunk)                 dphi, the norm's factor c, each chunk's
+                                                       gradient into its carried state
+    _sparse_carry_grads_kernel (chunk, columns)        those added back along each segment
+    _sparse_dx_kernel          (chunk)                 dxbar, dtheta, dh0
 fm_step_naive; fm_route_step_naive (conv_step_naive, route_naive, fm_step_naive)
 fm_step (fm::step), fm_route_step (fm::route_step)
     _step          _step_kernel            (batch)                 the top-k of the scores
@@ -102,7 +117,7 @@ except ImportError:  # the PyTorch references work without Triton
 LOG_DECAY_FLOOR = -80.0
 # tokens per chunk in the Triton scan: a power of 2 (tl.arange's ranges), at least 16 (tl.dot's)
 CHUNK = 64
-MAX_ROWS = 128  # memory rows fm_scan takes: at m = 256 some kernels' tiles overflow shared memory
+MAX_ROWS = 128  # rows fm_scan (dense) takes: at m = 256 some tiles overflow shared memory
 # elements of h a one-pass decode step holds: K = 8 rows of D = 2048, 64 a thread at 8 warps
 STEP_TILE = 16384
 
@@ -1445,7 +1460,7 @@ if triton is not None:
 
     @triton.jit
     def _writes(theta, b_to, b, same, C: tl.constexpr, strict: tl.constexpr):
-        """L[t, s] = theta_s e^{b_to[t] - b_s} over pairs s <= t (s < t if strict) of one segment."""
+        """L[t, s] = theta_s e^{b_to[t] - b_s} over pairs s <= t (s < t if strict) of a segment."""
         offs = tl.arange(0, C)
         causal = offs[:, None] >= offs[None, :]
         if strict:
@@ -1473,8 +1488,8 @@ if triton is not None:
         return tl.where(cont[:, None], carried[None, :], own)
 
     @triton.jit
-    def _sparse_carry_kernel(x_ptr, tok_ptr, theta_ptr, la_ptr, keys_ptr, chain_ptr, end_ptr, h0_ptr,
-                             states_ptr, D, C: tl.constexpr, BD: tl.constexpr,
+    def _sparse_carry_kernel(x_ptr, tok_ptr, theta_ptr, la_ptr, keys_ptr, chain_ptr, end_ptr,
+                             h0_ptr, states_ptr, D, C: tl.constexpr, BD: tl.constexpr,
                              HAS_H0: tl.constexpr):
         """The state at each chunk start that a segment begun in chunk c0 runs past."""
         c0 = tl.program_id(0)
@@ -1504,7 +1519,7 @@ if triton is not None:
                            keys_ptr, h0_ptr, states_ptr, o_ptr, rms_ptr, hT_ptr, N, D, eps,
                            C: tl.constexpr, BD: tl.constexpr, HAS_H0: tl.constexpr,
                            PRECISION: tl.constexpr):
-        """One chunk: h_t of each pair, its row rms, y's share o_t = phi_t h_t / rms and hT's rows."""
+        """One chunk: each pair's h_t, its rms, y's share o_t = phi_t h_t / rms, hT's rows."""
         lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out = _pair_chunk(
             seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C)
         L = _writes(theta, b, b, same, C, False)  # (C, C)

@@ -191,7 +191,8 @@ def real_positions(lengths, T):
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def spread(idx, theta, phi, n_memory):
-    """Weights of the rows idx (..., K) -> of all m rows (..., M), zeros elsewhere (None: as given)."""
+    """Weights of the rows idx (..., K) -> of all m rows (..., M), zeros elsewhere (idx None: as
+    given)."""
     if idx is None:
         return theta, phi
     zeros = theta.new_zeros(*theta.shape[:-1], n_memory)
