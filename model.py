@@ -334,9 +334,11 @@ class FactorizationMemory(nn.Module):
         return 2 * (rows + window)
 
     def init_state(self, batch_size, max_len, device):
-        """Empty buffers; and whether step routes fused (fm_kernel.route_step_takes_over)."""
+        """Empty buffers; and whether step routes fused (fm_kernel.route_step_takes_over), or
+        fm_kernel.DecodingError where a router reads other tokens and the step is not its own."""
         if torch.device(device).type != 'meta':  # a meta state only counts bytes
-            self.fused_router = fm_kernel.route_step_takes_over(self)
+            own_step = type(self).step is not FactorizationMemory.step
+            self.fused_router = fm_kernel.route_step_takes_over(self, tokens_alone=not own_step)
         dtype = self.in_proj.weight.dtype
         shape = (batch_size, self.n_memory, self.d_memory)
         state = {'h': torch.zeros(shape, dtype=compute_dtype(dtype), device=device)}

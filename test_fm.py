@@ -414,6 +414,19 @@ def test_route_step_breaks_ties_by_row_and_keeps_nan_in_its_sequence():
 
 
 @needs_triton
+def test_route_step_takes_a_learned_temperature_without_a_host_sync(monkeypatch):
+    """tau a tensor (LearnedTauFM's parameter): the logits divided by it on the device, never float(tau) (a host sync,
+    which a CUDA graph cannot capture); y and the rows as with tau a number."""
+    torch.manual_seed(2)
+    h, x, *_ = step_inputs(3, 3, 10, 40)
+    scores, h_number = 3 * torch.randn(3, 12, device=DEVICE), h.clone()
+    want = fm_kernel.fm_route_step(h_number, x, scores, 3, 0.7)
+    monkeypatch.setattr(torch.Tensor, '__float__', lambda t: pytest.fail('float(tau): a host sync'))
+    got = fm_kernel.fm_route_step(h, x, scores, 3, torch.tensor(0.7, device=DEVICE))
+    assert rel_err(got, want) < 1e-6 and torch.allclose(h, h_number, rtol=1e-6, atol=1e-6)
+
+
+@needs_triton
 def test_route_step_refuses_bad_scores_and_block():
     h, x, *_ = step_inputs(2, 3, 10, 40)
     with pytest.raises(ValueError, match=r"scores must be float32 \(B, M \+ 2\)"):
@@ -909,9 +922,42 @@ class RowScoresFM(FactorizationMemory):
         return torch.cat([scores[..., :-2] * scale + bias, scores[..., -2:]], -1)
 
 
+class LearnedTauFM(FactorizationMemory):
+    """Issue 62's one-line fork: the temperature learned (tau a parameter, which route and the fused kernel read)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tau = torch.nn.Parameter(torch.tensor(config.tau))
+
+
+class PreviousTokenFM(FactorizationMemory):
+    """Issue 62's fork: router_scores of each token plus the one before it (zeros before the start). It trains right;
+    a decoding step's x (B, d_model) has no token before it, so the shift would run along the batch."""
+
+    def router_scores(self, x):
+        return super().router_scores(x + F.pad(x, (0, 0, 1, 0))[..., :-1, :])
+
+
+class OwnStepFM(PreviousTokenFM):
+    """PreviousTokenFM with a step of its own, which says how it decodes (here: as FactorizationMemory's)."""
+
+    def step(self, x, state):
+        return super().step(x, state)
+
+
+class ShapedRouterFM(FactorizationMemory):
+    """A router that reads each token alone but routes a sequence's tokens (B, T, d_model) otherwise than a step's
+    (B, d_model): the logits doubled in sequences."""
+
+    def router_scores(self, x):
+        scores = super().router_scores(x)
+        return torch.cat([scores[..., :-2] * (2.0 if x.dim() == 3 else 1.0), scores[..., -2:]], -1)
+
+
 ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
            'kernel': KernelRouterFM, 'casting': CastingRouterFM,
-           'floored': FlooredFM, 'row_scores': RowScoresFM, 'float32': Float32RouteFM}
+           'floored': FlooredFM, 'row_scores': RowScoresFM, 'float32': Float32RouteFM, 'learned_tau': LearnedTauFM,
+           'previous_token': PreviousTokenFM, 'own_step': OwnStepFM, 'shaped': ShapedRouterFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -1037,16 +1083,38 @@ IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
     'router_scores': ('        x = x.to(dtype)\n',  # routing on an RMS-normalised input
                       '        x = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + 1e-6)\n'),
     'weights': ('        return eta * alpha, mu * alpha\n',  # theta = eta alpha no more
-                '        return 0.5 * eta * alpha, mu * alpha\n')}
+                '        return 0.5 * eta * alpha, mu * alpha\n'),
+    'router_scores previous token': ('        x = x.to(dtype)\n',  # issue 62: the token before read too
+                                     '        x = x.to(dtype) + F.pad(x.to(dtype), (0, 0, 1, 0))[..., :-1, :]\n')}
 
 
 @core
-@pytest.mark.parametrize('edit', IN_PLACE_EDITS)
+@pytest.mark.parametrize('edit', [edit for edit in IN_PLACE_EDITS if 'previous' not in edit])
 def test_a_router_edited_in_place_decodes_as_it_trains(edit, tmp_path, monkeypatch):
     """A forker edits route, router_scores or weights in model.py itself: decoding follows the edit, float64, every
     parameter random, 4 layers; an edit of route or weights refuses the fused kernel in every layer (with the fused
     kernel taken regardless, the gap of rows moved on by one was 1.04), one of router_scores keeps it (the kernel
     takes router_scores as written)."""
+    edited = edited_model(edit, tmp_path, monkeypatch)
+    torch.manual_seed(0)
+    model = randomized(edited.Model(tiny_config(n_layer=4, top_k=3, fm_conv=4, fm_gate=True))).double().eval()
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    assert fused(model) == [edit == 'router_scores'] * 4, f"the fused kernel was chosen in layers {fused(model)}"
+
+
+@core
+@pytest.mark.parametrize('top_k', [3, None])
+def test_a_learned_temperature_keeps_the_fused_kernel(top_k):
+    """LearnedTauFM (tau a parameter, random): the probe compares the copy's route with its twin at the copy's tau,
+    and takes the fused kernel; decoding is training's, float64."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('learned_tau', top_k=top_k, fm_conv=4, fm_gate=True)).double().eval()
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    assert fused(model) == [True, True], "the probe refused a learned tau: the twin must take the copy's tau"
+
+
+def edited_model(edit, tmp_path, monkeypatch):
+    """model.py with IN_PLACE_EDITS[edit] made, imported as the module edited_model."""
     source = (Path(REPO) / 'model.py').read_text()
     line, replacement = IN_PLACE_EDITS[edit]
     assert source.count(line) == 1, f"the line of this test's edit is no longer in model.py once: {line!r}"
@@ -1055,10 +1123,37 @@ def test_a_router_edited_in_place_decodes_as_it_trains(edit, tmp_path, monkeypat
     edited = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, 'edited_model', edited)
     spec.loader.exec_module(edited)
+    return edited
+
+
+@core
+@pytest.mark.parametrize('fork, why', [
+    ('previous_token', 'its routing at a token moves when only other tokens change, and a decoding step sees one'),
+    ('in place', 'its routing at a token moves when only other tokens change'),
+    ('shaped', r"it routes a step's tokens \(B, d_model\) otherwise than the forward pass's \(B, T, d_model\)")])
+def test_a_router_that_reads_other_tokens_refuses_to_decode(fork, why, tmp_path, monkeypatch):
+    """Issue 62: a router reading the token before (through --mixer=test_fm:PreviousTokenFM, or edited in model.py)
+    trains right and would decode wrong: init_state refuses in one line naming the mixer and why, and so does
+    generation, before any token; so does a router that routes a step's tokens otherwise. Every parameter random."""
     torch.manual_seed(0)
-    model = randomized(edited.Model(tiny_config(n_layer=4, top_k=3, fm_conv=4, fm_gate=True))).double().eval()
-    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
-    assert fused(model) == [edit == 'router_scores'] * 4, f"the fused kernel was chosen in layers {fused(model)}"
+    if fork == 'in place':
+        edited = edited_model('router_scores previous token', tmp_path, monkeypatch)
+        model, name = edited.Model(tiny_config(top_k=3)), 'edited_model:FactorizationMemory'
+    else:
+        model, name = fm_model(fork, top_k=3, fm_conv=4, fm_gate=True), f'test_fm:{ROUTERS[fork].__name__}'
+    model = randomized(model).eval()
+    for decode in (lambda: model.init_state(2, 20), lambda: Generator(model).generate([[1, 2]], 4)):
+        with pytest.raises(fm_kernel.DecodingError, match=f'^{name} does not decode: {why}') as e:
+            decode()
+        assert '\n' not in str(e.value)
+
+
+def test_a_router_with_a_step_of_its_own_is_not_refused():
+    """A class whose step is its own says how it decodes: the probe does not refuse its router (the parity tests
+    check its step)."""
+    model = randomized(fm_model('own_step', top_k=3))
+    model.init_state(2, 20)
+    assert fused(model) == [True, True]
 
 
 @needs_triton

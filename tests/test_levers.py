@@ -13,6 +13,7 @@ import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import (assert_decodes_as_it_trains, build, randomized, rel_err, reproduce_sh, save_model_checkpoint,
                       tiny, tiny_config)
+from fm_kernel import DecodingError
 from model import FactorizationMemory, Model, ModelConfig
 from research import levers
 
@@ -212,17 +213,19 @@ def test_the_conv_router_routes_on_the_last_four_inputs(top_k):
 
 def test_the_conv_router_counts_its_window_and_refuses_to_decode():
     """Its bytes count the router's window (d_model x 3 inputs, kept, and read and written by a
-    step), and what it cannot do it refuses, naming itself: a decoding step (the probe keeps it
-    off the fused kernel), a pass after a state, padded rows."""
+    step), and what it cannot do it refuses, naming itself: a decoding state (init_state's probe:
+    its routing reads the tokens before), a pass after a state, padded rows."""
     layer = conv_router(4)
     window = 32 * 3 * 8  # float64
     standard = FactorizationMemory.step_state_bytes(layer, 10)
     assert layer.step_state_bytes(10) == standard + 2 * window
-    state = layer.init_state(1, 10, 'cpu')
-    assert state['router_window'].shape == (1, 32, 3) and not layer.fused_router
-    refusal = 'ConvRouterFM routes on the tokens before: no decoding step'
-    with pytest.raises(NotImplementedError, match=refusal):
-        layer.step(torch.randn(1, 32, dtype=torch.float64), state)
+    state = layer.init_state(1, 10, 'meta')
+    assert state['router_window'].shape == (1, 32, 3)
+    refusal = ('^research.levers:ConvRouterFM does not decode: its routing at a token moves when '
+               'only other tokens change')
+    with pytest.raises(DecodingError, match=refusal):
+        layer.init_state(1, 10, 'cpu')
+    state = {k: torch.zeros_like(v, device='cpu') for k, v in state.items()}
     x = torch.randn(1, 5, 32, dtype=torch.float64)
     for kwargs in (dict(state=state), dict(lengths=torch.tensor([3]))):
         with pytest.raises(NotImplementedError, match='a pass from the start of unpadded rows'):
