@@ -653,6 +653,14 @@ class Model(nn.Module):
             device = self.embed.weight.device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
+    def decoding_refusal(self):
+        """None where the model decodes, else the one line of init_state's fm_kernel.DecodingError."""
+        try:
+            self.init_state(1, 1)
+        except fm_kernel.DecodingError as e:
+            return str(e)
+        return None
+
     def step(self, tokens, state):
         """Decode one token: tokens (B,) -> logits (B, V), the state updated in place."""
         x = self.embed(tokens)  # (B, d_model)

@@ -126,16 +126,27 @@ def test_a_checkpoint_round_trip_rebuilds_the_lever(lever, tmp_path):
     assert torch.equal(loaded(idx)[0], model(idx)[0])
 
 
-def test_train_py_trains_a_lever(data_dir, tmp_path):
-    """python train.py --mixer=research.levers:RowRatesFM, 2 steps on the CPU: finite losses, and the checkpoint holds
-    the lever (its row_rate trained)."""
+def test_train_py_trains_a_lever(data_dir, tmp_path, capsys):
+    """python train.py --mixer=research.levers:RowRatesFM, 2 steps on the CPU: finite losses, the checkpoint holds
+    the lever (its row_rate trained), and the closing line names sample.py."""
     history = train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--lr_decay_iters=2', '--eval_interval=2',
                               '--mixer=research.levers:RowRatesFM', '--device=cpu'))
     assert all(math.isfinite(loss) for _, loss in history['train'] + history['val'])
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(f'; sample it with: python sample.py --out_dir={tmp_path}'), last
     ckpt = load_checkpoint(tmp_path / 'ckpt.pt')
     assert ckpt['model_config']['mixer'] == 'research.levers:RowRatesFM' and ckpt['iter_num'] == 2
     start = torch.logit(torch.logspace(math.log10(1e-3), math.log10(0.5), 8))
     assert not torch.allclose(ckpt['model']['blocks.0.mixer.row_rate'], start)
+
+
+def test_train_py_says_the_conv_router_does_not_decode(data_dir, tmp_path, capsys):
+    """A run of ConvRouterFM ends naming why it does not decode, not sample.py (which would refuse it; issue 62)."""
+    train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--lr_decay_iters=2', '--eval_interval=2',
+                    '--mixer=research.levers:ConvRouterFM', '--device=cpu'))
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f'saved {tmp_path / "ckpt.pt"} (step 2)') and 'sample.py' not in last, last
+    assert '; research.levers:ConvRouterFM does not decode: its routing at a token moves' in last, last
 
 
 def test_the_levers_subset_trains_the_block_and_each_lever_matched():
