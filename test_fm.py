@@ -601,6 +601,19 @@ def test_every_mixer_has_a_case():
 
 
 @core
+def test_every_mixer_is_registered_with_its_settings():
+    """model.MIXER_CLASSES and ModelConfig.MIXER_SETTINGS name the same mixers: a mixer without settings would get
+    none of its fields tagged in --help and train.py's warning that they are ignored."""
+    classes, settings = set(model_module.MIXER_CLASSES), set(ModelConfig.MIXER_SETTINGS)
+    for family in classes - settings:
+        pytest.fail(f"mixer {family!r} has no settings: add {family!r}: (the ModelConfig fields it reads) to "
+                    f"ModelConfig.MIXER_SETTINGS (model.py)")
+    for family in settings - classes:
+        pytest.fail(f"ModelConfig.MIXER_SETTINGS names {family!r}, no mixer: register its class in MIXER_CLASSES "
+                    f"(model.py), or drop the entry")
+
+
+@core
 @pytest.mark.parametrize('name', list(MIXER_CASES))
 def test_training_flops_match_a_hand_count(name, tmp_path):
     """Model.flops_per_token is 3x (forward + backward) the hand count, and analysis.py's training FLOPs of a run are
