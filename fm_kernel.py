@@ -1745,7 +1745,7 @@ class DecodingError(NotImplementedError):
 
 
 def _all_rows(idx, weights, n_memory):
-    """theta, phi of the rows idx (..., K) -> of all M rows, zeros elsewhere (idx None: as given)."""
+    """theta, phi of the rows idx (..., K) -> of all M rows, zeros elsewhere (idx None: as is)."""
     if idx is None:
         return list(weights)
     zeros = weights[0].new_zeros(*idx.shape[:-1], n_memory)
@@ -1753,7 +1753,7 @@ def _all_rows(idx, weights, n_memory):
 
 
 def _written(layer, x):
-    """An FM layer's theta, phi of x (..., d_model) as written (weights(*route(x))), of all M rows."""
+    """An FM layer's theta, phi of x (..., d_model), weights(*route(x)), of all its M rows."""
     idx, *routed = layer.route(x)
     return _all_rows(idx, layer.weights(idx, *routed), layer.n_memory)
 
@@ -1779,7 +1779,8 @@ def route_step_takes_over(layer, tokens_alone=True):
     kernel's). A layer that fails to run on the probe is refused too. tokens_alone (a layer whose
     step is FactorizationMemory's): DecodingError where the weights at a token read other tokens
     (the inputs as 5 sequences of 8, a random half of them changed: the others' weights move), or
-    where a step's tokens (B, d_model) get other weights than the same in sequences (B, T, d_model)."""
+    where a step's tokens (B, d_model) get other weights than the same in sequences (B, T, d_model).
+    """
     weight = layer.in_proj.weight
     device = weight.device
     if device.type == "mps":  # no float64
@@ -1823,6 +1824,7 @@ def route_step_takes_over(layer, tokens_alone=True):
         return False
     if tokens_alone and not _same(written, [w.flatten(0, 1) for w in in_sequences]):
         raise _refusal(layer, "it routes a step's tokens (B, d_model) otherwise than the forward "
-                              "pass's (B, T, d_model); route both alike, or give it a step of its own")
+                              "pass's (B, T, d_model); route both alike, or give it a step of its "
+                              "own")
     want = torch.promote_types(weight.dtype, torch.float32)
     return _same(written, twin) and own.dtype == want and own.shape == (1, layer.n_memory + 2)

@@ -122,8 +122,9 @@ class ModelConfig:
         except Exception as e:  # an import of module:Class fails in any way
             check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)} or "
                                   f"module:Class extending one ({type(e).__name__}: {e}); a new "
-                                  f"one: register it in MIXER_CLASSES and ModelConfig.MIXER_SETTINGS "
-                                  f"(model.py; README, Changing the model)")
+                                  f"one: register it in MIXER_CLASSES and "
+                                  f"ModelConfig.MIXER_SETTINGS (model.py; README, Changing the "
+                                  f"model)")
         positive('chunk_size')  # any mixer's (one of one's own may chunk)
         check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2')
         if family == 'fm':
@@ -656,7 +657,7 @@ class Model(nn.Module):
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def decoding_refusal(self):
-        """None where the model decodes, else the one line of init_state's fm_kernel.DecodingError."""
+        """None where the model decodes, else the line of init_state's fm_kernel.DecodingError."""
         try:
             self.init_state(1, 1)
         except fm_kernel.DecodingError as e:

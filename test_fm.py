@@ -328,6 +328,11 @@ def test_triton_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     assert torch.equal(h[untouched], h_naive[untouched])
 
 
+# what a failure of fm_route_step against fm_route_step_naive means
+TWIN = ("expected after an edit of fm_kernel.route_naive, the kernel's twin, which the model does not route by (edit "
+        "FactorizationMemory.route for that), else a bug of the kernel")
+
+
 def block_step_inputs(B, D, taps, dtype=torch.float32):
     """FM's block in a decoding step: xbar and z (B, D) as the halves of one product's rows (strided), the
     convolution's (window (B, D, taps - 1), weight (D, taps), bias (D,))."""
@@ -361,14 +366,14 @@ def test_triton_route_step_matches_naive(K, M, D, one_pass, taps, gate, poisoned
     h_naive, conv_naive = h.clone(), conv and (conv[0].clone(), *conv[1:])
     y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 0.7, z=z, conv=conv_naive)
     y = fm_kernel.fm_route_step(h, x, scores, K, 0.7, z=z, conv=conv)
-    assert rel_err(y, y_naive) < 1e-6
-    assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6)
+    assert rel_err(y, y_naive) < 1e-6, f"y is {rel_err(y, y_naive):.1e} from fm_route_step_naive's: {TWIN}"
+    assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6), f"h is {rel_err(h, h_naive):.1e} from the twin's: {TWIN}"
     if taps:
-        assert torch.equal(conv[0], conv_naive[0])
+        assert torch.equal(conv[0], conv_naive[0]), "the convolution's window moved otherwise than the twin's: a bug"
     idx, *_ = fm_kernel.route_naive(scores, K, 0.7)
     if idx is not None:
         untouched = torch.ones(B, M, dtype=torch.bool, device=DEVICE).scatter(1, idx, False)
-        assert torch.equal(h[untouched], h_naive[untouched])
+        assert torch.equal(h[untouched], h_naive[untouched]), f"a row the twin leaves alone was written: {TWIN}"
 
 
 @needs_triton
@@ -384,8 +389,10 @@ def test_triton_route_step_with_the_block_in_bfloat16(poisoned_outputs):
     h_naive, conv_naive = h.clone(), (conv[0].clone(), *conv[1:])
     y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 1.0, z=z, conv=conv_naive)
     y = fm_kernel.fm_route_step(h, x, scores, K, 1.0, z=z, conv=conv)
-    assert y.dtype == torch.bfloat16 and (y != y_naive).sum() <= 1 and rel_err(y, y_naive) < 2e-3
-    assert torch.allclose(h, h_naive, rtol=1e-5, atol=1e-5) and torch.equal(conv[0], conv_naive[0])
+    differ = f"{(y != y_naive).sum()} elements of y differ from the twin's, by {rel_err(y, y_naive):.1e}: {TWIN}"
+    assert y.dtype == torch.bfloat16 and (y != y_naive).sum() <= 1 and rel_err(y, y_naive) < 2e-3, differ
+    same = torch.allclose(h, h_naive, rtol=1e-5, atol=1e-5) and torch.equal(conv[0], conv_naive[0])
+    assert same, f"h is {rel_err(h, h_naive):.1e} from the twin's, or the window moved otherwise: {TWIN}"
 
 
 @core
@@ -620,9 +627,14 @@ def test_training_flops_match_a_hand_count(name, tmp_path):
     the forward count x the tokens it trained."""
     params, forward = hand_forward_flops(name, 48)
     model = Model(tiny_config(**MIXER_CASES[name]))
-    assert model.num_params() == params
-    assert model.flops_per_token(48) == 3 * forward
-    assert hand_forward_flops(name, 4096)[1] == model.flops_per_token(4096) / 3
+    assert model.num_params() == params, (
+        f"{name}: {model.num_params():,} parameters, {params:,} by hand: expected after an edit that adds or drops a "
+        f"parameter (count it in hand_forward_flops, and its work in Model.flops_per_token), else a bug")
+    for seq_len in (48, 4096):
+        counted, hand = model.flops_per_token(seq_len), 3 * hand_forward_flops(name, seq_len)[1]
+        assert counted == hand, (
+            f"{name}: Model.flops_per_token({seq_len}) = {counted:,.0f}, 3 x {hand / 3:,.0f} by hand: expected after "
+            f"an edit of the layer's work or of flops_per_token (count it in hand_forward_flops too), else a bug")
     tokens = 10 * 4 * 48  # 10 steps of 4 x 48
     save_model_checkpoint(model, tmp_path / 'run', best_val_loss=2.5, iter_num=10, data_state={'tokens_seen': tokens},
                           train_config={'max_iters': 10, 'learning_rate': 1e-3, 'min_lr': 1e-4, 'seed': 1})
@@ -984,6 +996,11 @@ def fused(model):
     return [block.mixer.fused_router for block in model.blocks]
 
 
+# why the probe may refuse the fused kernel to a fork of this file that keeps model.py's route and weights
+INHERITED = ("expected after an edit of FactorizationMemory.route or .weights in model.py (this test's fork inherits "
+             "it, and the fused kernel computes the paper's) or of fm_kernel.route_naive (its twin), else a bug")
+
+
 @core
 @pytest.mark.parametrize('top_k', [3, None])
 def test_fused_and_unfused_decoding_agree(top_k):
@@ -1050,7 +1067,7 @@ def test_router_scores_trained_after_the_state_was_made_reach_decoding(compiled,
         monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
     stepped = torch.stack([model.step(idx[:, t], state) for t in range(9, 20)], 1)
     assert rel_err(stepped, logits[:, 9:]) < 1e-12, f"{DECODING}: {apart(stepped, logits[:, 9:], 9)}"
-    assert fused(model) == [True, True], "the probe refused an edit of router_scores alone"
+    assert fused(model) == [True, True], f"the probe refused an edit of router_scores alone: {INHERITED}"
 
 
 def test_a_down_proj_of_ones_own_is_called():
@@ -1073,7 +1090,7 @@ def test_router_scores_in_the_weights_dtype_decode_as_written():
     torch.manual_seed(0)
     model = randomized(fm_model('casting', top_k=3, fm_conv=4, fm_gate=True)).eval()
     assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9, tol=1e-5)
-    assert fused(model) == [True, True], "the probe refused float32 scores"
+    assert fused(model) == [True, True], f"the probe refused float32 scores: {INHERITED}"
     model.to(torch.bfloat16).init_state(1, 1)
     assert fused(model) == [False, False], "the probe took bfloat16 scores for the fused kernel"
 
@@ -1112,7 +1129,8 @@ def test_a_router_edited_in_place_decodes_as_it_trains(edit, tmp_path, monkeypat
     torch.manual_seed(0)
     model = randomized(edited.Model(tiny_config(n_layer=4, top_k=3, fm_conv=4, fm_gate=True))).double().eval()
     assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
-    assert fused(model) == [edit == 'router_scores'] * 4, f"the fused kernel was chosen in layers {fused(model)}"
+    why = INHERITED if edit == 'router_scores' else 'a bug'
+    assert fused(model) == [edit == 'router_scores'] * 4, f"the fused kernel chosen in layers {fused(model)}: {why}"
 
 
 @core
@@ -1123,14 +1141,15 @@ def test_a_learned_temperature_keeps_the_fused_kernel(top_k):
     torch.manual_seed(0)
     model = randomized(fm_model('learned_tau', top_k=top_k, fm_conv=4, fm_gate=True)).double().eval()
     assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
-    assert fused(model) == [True, True], "the probe refused a learned tau: the twin must take the copy's tau"
+    assert fused(model) == [True, True], f"the probe refused a learned tau (the twin takes the copy's): {INHERITED}"
 
 
 def edited_model(edit, tmp_path, monkeypatch):
     """model.py with IN_PLACE_EDITS[edit] made, imported as the module edited_model."""
     source = (Path(REPO) / 'model.py').read_text()
     line, replacement = IN_PLACE_EDITS[edit]
-    assert source.count(line) == 1, f"the line of this test's edit is no longer in model.py once: {line!r}"
+    assert source.count(line) == 1, (f"the line of this test's edit is no longer in model.py once: {line!r}: expected "
+                                     f"after an edit of that line; make the edit on its new form (IN_PLACE_EDITS)")
     (tmp_path / 'model.py').write_text(source.replace(line, replacement))
     spec = importlib.util.spec_from_file_location('edited_model', tmp_path / 'model.py')
     edited = importlib.util.module_from_spec(spec)
@@ -1166,7 +1185,7 @@ def test_a_router_with_a_step_of_its_own_is_not_refused():
     check its step)."""
     model = randomized(fm_model('own_step', top_k=3))
     model.init_state(2, 20)
-    assert fused(model) == [True, True]
+    assert fused(model) == [True, True], f"the probe refused PreviousTokenFM's fused kernel: {INHERITED}"
 
 
 @needs_triton
