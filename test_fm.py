@@ -768,11 +768,10 @@ def test_router_scores_of_a_compiled_step_are_the_product(monkeypatch):
 
 # ----------------------------------------------------------------------------- every mixer
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_step_and_prefill_match_forward(name):
+def check_step_and_prefill(case):
+    """Decoding from the start, and after a prefill, gives the forward pass's logits."""
     torch.manual_seed(0)
-    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **case))).double().eval()
     idx = torch.randint(0, 64, (2, 37))
     logits, _ = model(idx)  # (B, T, V)
 
@@ -786,13 +785,11 @@ def test_step_and_prefill_match_forward(name):
     assert rel_err(continued, logits[:, 20:]) < 1e-12, f"{DECODING} after a prefill: {gap}"
 
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_ragged_prefill_gives_each_row_its_own_state(name):
+def check_ragged_prefill(case):
     """Prompts of different lengths, right-padded in one pass: each row's logits and decoding state are what the
     row alone gives (no padding token enters a recurrent state or the KV cache that is read)."""
     torch.manual_seed(1)
-    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **case))).double().eval()
     idx = torch.randint(0, 64, (3, 37))
     lengths = torch.tensor([37, 5, 20])
     logits, state = prefill(model, idx, lengths, max_len=45)
@@ -804,14 +801,12 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
         assert rel_err(stepped[row], alone[0, n - 1:]) < 1e-12, f"{DECODING} for row {row} of {n} tokens: {gap}"
 
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_chunked_pass_carries_the_state(name):
+def check_chunked_pass(case):
     """A mixer whose state does not grow runs a long text in chunks, each continuing from the last one's state: the
     same hidden states and final state as one pass (eval.py relies on this for bounded memory at any length).
     Attention refuses (test_attention_refuses_a_parallel_pass_from_a_state)."""
     torch.manual_seed(2)
-    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **case))).double().eval()
     idx = torch.randint(0, 64, (2, 50))
     whole, whole_state = model.hidden(idx)
     if model.config.family == 'attn':
@@ -855,14 +850,12 @@ def test_static_kv_cache_ignores_capacity_and_stale_entries():
     assert rel_err(runs[0], want) < 1e-12, f"{DECODING}: {apart(runs[0], want, 9)}"
 
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_greedy_generation_is_argmax_of_the_forward(name):
+def check_greedy_generation(case):
     """Batched prompts of different lengths, greedy: each row's tokens are the argmax of the full forward pass
     over its own prompt and tokens so far, token by token; also when the prefill runs a row at a time and a
     recurrent model takes its prompt in pieces of 5 tokens."""
     torch.manual_seed(4)
-    model = randomized(Model(tiny_config(init_std=0.3, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.3, **case))).double().eval()
     prompts = [torch.randint(0, 64, (n,)).tolist() for n in (9, 2, 17)]
     generated = Generator(model, Sampling(temperature=0)).generate(prompts, max_new_tokens=8)
     assert Generator(model, Sampling(temperature=0), prefill_tokens=5).generate(prompts, 8) == generated
@@ -872,6 +865,38 @@ def test_greedy_generation_is_argmax_of_the_forward(name):
         for _ in range(8):
             tokens.append(model(torch.tensor([tokens]))[0][0, -1].argmax().item())
         assert new == tokens[len(prompt):]
+
+
+PARITY_CHECKS = (check_step_and_prefill, check_ragged_prefill, check_chunked_pass, check_greedy_generation)
+
+
+@core
+@pytest.mark.parametrize('check', PARITY_CHECKS, ids=lambda check: check.__name__)
+@pytest.mark.parametrize('name', MIXER_CASES)
+def test_every_mixer_decodes_as_it_trains(name, check):
+    """The parity checks (decoding = training) on every case of MIXER_CASES, float64, every parameter random."""
+    check(MIXER_CASES[name])
+
+
+def check_mixer(mixer, **settings):
+    """The parity checks on a mixer of one's own, a key of MIXER_CLASSES or 'module:Class' (--mixer's), in
+    tiny_config's model with settings; an AssertionError saying where decoding differs, or fm_kernel.DecodingError
+    where the mixer refuses to decode. In a test file of one's own:
+        from test_fm import check_mixer
+        def test_my_router(): check_mixer('my_module:MyFM', top_k=3, fm_conv=4, fm_gate=True)"""
+    for check in PARITY_CHECKS:
+        check(dict(mixer=mixer, **settings))
+
+
+def test_a_fork_through_mixer_passes_the_parity_checks():
+    """check_mixer as a forker calls it, on research/levers.py's RowRatesFM (a route and a parameter of its own)."""
+    check_mixer('research.levers:RowRatesFM', top_k=4, fm_conv=4, fm_gate=True)
+
+
+def test_a_fork_whose_router_reads_other_tokens_fails_the_parity_checks_loudly():
+    """Issue 62: the fork that trains right and decodes wrong fails check_mixer in its first check, saying why."""
+    with pytest.raises(fm_kernel.DecodingError, match="^test_fm:PreviousTokenFM does not decode: its routing at a"):
+        check_mixer('test_fm:PreviousTokenFM', top_k=4)
 
 
 class ContrarianFM(FactorizationMemory):
