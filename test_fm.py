@@ -6,7 +6,8 @@ a minute on a GPU (most of it Triton's compiles); `-m gpu`: the tests that need 
 This file is what a forker runs after changing the model or a kernel. Kernels: the float64 loop `fm_scan_naive`
 checks `fm_scan_torch`, and both check the Triton kernels, which run on the CPU under TRITON_INTERPRET=1 when no GPU
 is present (as in CI). Then the model: its equations, forward = prefill + step and greedy = argmax for every mixer of
-MIXER_CASES (a new mixer goes there), its config and accounting. The rest lives in tests/: test_generate.py
+MIXER_CASES (a new mixer goes there; check_mixer runs these on a class of one's own, as --mixer=module:Class names it),
+its config and accounting. The rest lives in tests/: test_generate.py
 (sampling, generation, sample.py), test_train.py (training, checkpoints, configs, DDP), test_config.py (the
 command line and config files), test_data.py (tokenizers, prepare_data.py), test_eval.py (eval.py, research/),
 test_readme.py (the README's commands in order, its numbers against docs/results). Shared fixtures and helpers, and
