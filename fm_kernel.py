@@ -1809,6 +1809,8 @@ def route_step_takes_over(layer, tokens_alone=True):
         others_changed = _written(copy, torch.where(changed, inputs(), x))
     except Exception:  # an edit the probe cannot run (a dtype, a shape)
         return False
+    if not all(w.isfinite().all() for w in in_sequences + others_changed):
+        return False  # at these random parameters (a log of one of them, say): not probed
     kept = [[w.masked_fill(changed, 0) for w in ws] for ws in (others_changed, in_sequences)]
     if tokens_alone and not _same(*kept):
         raise _refusal(layer, "its routing at a token moves when only other tokens change, and a "

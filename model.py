@@ -121,10 +121,9 @@ class ModelConfig:
             family = self.family
         except Exception as e:  # an import of module:Class fails in any way
             check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)} or "
-                                  f"module:Class extending one ({type(e).__name__}: {e}); a new "
-                                  f"one: register it in MIXER_CLASSES and "
-                                  f"ModelConfig.MIXER_SETTINGS (model.py; README, Changing the "
-                                  f"model)")
+                                  f"module:Class extending one ({type(e).__name__}: {e}); "
+                                  f"register a new one in MIXER_CLASSES and "
+                                  f"ModelConfig.MIXER_SETTINGS (model.py)")
         positive('chunk_size')  # any mixer's (one of one's own may chunk)
         check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2')
         if family == 'fm':

@@ -1005,10 +1005,22 @@ class ShapedRouterFM(FactorizationMemory):
         return torch.cat([scores[..., :-2] * (2.0 if x.dim() == 3 else 1.0), scores[..., -2:]], -1)
 
 
+class LogScaleFM(FactorizationMemory):
+    """A router whose logits are scaled by log(s - 1), s a parameter: NaN at the probe's draws (s in [-1, 1])."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.s = torch.nn.Parameter(torch.full((), 3.0))
+
+    def router_scores(self, x):
+        scores = super().router_scores(x)
+        return torch.cat([scores[..., :-2] * (self.s - 1).log(), scores[..., -2:]], -1)
+
+
 ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
            'kernel': KernelRouterFM, 'casting': CastingRouterFM,
            'floored': FlooredFM, 'row_scores': RowScoresFM, 'float32': Float32RouteFM, 'learned_tau': LearnedTauFM,
-           'previous_token': PreviousTokenFM, 'own_step': OwnStepFM, 'shaped': ShapedRouterFM}
+           'previous_token': PreviousTokenFM, 'own_step': OwnStepFM, 'shaped': ShapedRouterFM, 'log': LogScaleFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -1204,6 +1216,18 @@ def test_a_router_that_reads_other_tokens_refuses_to_decode(fork, why, tmp_path,
         with pytest.raises(fm_kernel.DecodingError, match=f'^{name} does not decode: {why}') as e:
             decode()
         assert '\n' not in str(e.value)
+
+
+def test_a_router_the_probe_draws_to_nan_decodes_as_written():
+    """A router that reads its token alone, NaN at the probe's random parameters: not refused for that, and decoded
+    through route as written (float64, s = 3)."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('log', top_k=3)).double().eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mixer.s.fill_(3.0)
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    assert fused(model) == [False, False], "the probe took the fused kernel for NaN weights"
 
 
 def test_a_router_with_a_step_of_its_own_is_not_refused():
