@@ -2157,7 +2157,7 @@ def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
     """Triton decode step with its router (fm_route_step_naive in one kernel): selects the top_k
     rows from scores (B, M + 2) float32, then updates them as fm_step does; returns y (B, D). FM's
     block: conv (window (B, D, W - 1) contiguous, weight (D, W), bias (D,)) convolves xbar first, z
-    (B, D) gates y. A custom op (fm::route_step)."""
+    (B, D) gates y; tau a number or a tensor (one's own, learned). A custom op (fm::route_step)."""
     _check_step_state(h)
     if scores.dtype != torch.float32 or scores.shape != (h.shape[0], h.shape[1] + 2):
         raise ValueError(f"scores must be float32 (B, M + 2) = {(h.shape[0], h.shape[1] + 2)}, "
@@ -2165,20 +2165,56 @@ def fm_route_step(h, xbar, scores, top_k, tau=1.0, eps=1e-6, z=None, conv=None):
     if not 1 <= top_k <= h.shape[1]:
         raise ValueError(f"top_k must be in [1, M = {h.shape[1]}], got {top_k}")
     _check_block(h, xbar, z, conv)
+    if isinstance(tau, Tensor):  # a learned temperature: the logits divided here, no host sync
+        scores, tau = torch.cat([scores[:, :-2] / tau, scores[:, -2:]], -1), 1.0
     window = weight = bias = None
     if conv is not None:
         window, weight, bias = conv
     return _route_step(h, xbar, scores, int(top_k), float(tau), float(eps), z, window, weight, bias)
 
 
+class DecodingError(NotImplementedError):
+    """A layer whose decoding step would not compute what its forward pass does: one line naming its
+    class, why, and what to do."""
+
+
+def _all_rows(idx, weights, n_memory):
+    """theta, phi of the rows idx (..., K) -> of all M rows, zeros elsewhere (idx None: as is)."""
+    if idx is None:
+        return list(weights)
+    zeros = weights[0].new_zeros(*idx.shape[:-1], n_memory)
+    return [zeros.scatter(-1, idx, w) for w in weights]
+
+
+def _written(layer, x):
+    """An FM layer's theta, phi of x (..., d_model), weights(*route(x)), of all its M rows."""
+    idx, *routed = layer.route(x)
+    return _all_rows(idx, layer.weights(idx, *routed), layer.n_memory)
+
+
+def _same(got, want):
+    """Whether the weights got are want's to 1e-9 at each token (float64 rounding, many times)."""
+    return all(a.shape == b.shape and ((a - b).norm(dim=-1) <= 1e-9 * b.norm(dim=-1)).all()
+               for a, b in zip(got, want))
+
+
+def _refusal(layer, why):
+    name = f"{type(layer).__module__}:{type(layer).__qualname__}"
+    return DecodingError(f"{name} does not decode: {why}")
+
+
 @torch.no_grad()
-def route_step_takes_over(layer):
+def route_step_takes_over(layer, tokens_alone=True):
     """Whether fm_route_step may stand in for an FM layer's route and weights (as written) after its
     router_scores, for any values of its parameters: on a float64 copy of the layer with every
     parameter and floating buffer random (uniform in [-1, 1]), at 40 probe inputs of scales 0.01 to
     100, weights(*route(x)) are the theta and phi of route_naive(router_scores(x)) to 1e-9 a token;
     and at the layer's own dtype router_scores gives (1, M + 2) scores in float32 at least (the
-    kernel's). A layer that fails to run on the probe is refused too."""
+    kernel's). A layer that fails to run on the probe is refused too. tokens_alone (a layer whose
+    step is FactorizationMemory's): DecodingError where the weights at a token read other tokens
+    (the inputs as 5 sequences of 8, a random half of them changed: the others' weights move), or
+    where a step's tokens (B, d_model) get other weights than the same in sequences (B, T, d_model).
+    """
     weight = layer.in_proj.weight
     device = weight.device
     if device.type == "mps":  # no float64
@@ -2192,26 +2228,39 @@ def route_step_takes_over(layer):
             return torch.nn.Parameter(values, t.requires_grad)
         return values
 
+    def inputs():  # (5, 8, d_model): sequence i at scale 10^(i - 2) / sqrt(d_model)
+        x = torch.randn(5, 8, d, generator=gen, dtype=torch.float64, device=device)
+        return x * scales[:, None, None]
+
     tensors = [*layer.parameters(), *layer.buffers()]
     copy = deepcopy(layer, {id(t): random(t) for t in tensors if t.is_floating_point()})
     d = layer.router.in_features
     scales = torch.logspace(-2, 2, 5, dtype=torch.float64, device=device) / d**0.5
-    x = torch.randn(5, 8, d, generator=gen, dtype=torch.float64, device=device)
-    x = (x * scales[:, None, None]).flatten(0, 1)  # (40, d_model)
+    x = inputs()
+    changed = torch.rand(5, 8, 1, generator=gen, device=device) < 0.5
     try:
-        idx, *routed = copy.route(x)
-        written = copy.weights(idx, *routed)  # theta, phi (40, K) of the rows idx
-        twin_idx, alpha, eta, mu = route_naive(copy.router_scores(x), layer.top_k, layer.tau)
-        twin = [eta * alpha, mu * alpha]
-        if idx is not None:  # the same rows in any order: compared over all M rows
-            zeros = x.new_zeros(len(x), layer.n_memory)
-            written = [zeros.scatter(-1, idx, w) for w in written]
-            twin = [zeros.scatter(-1, twin_idx, w) for w in twin]
-        own = layer.router_scores(weight.new_zeros(1, d))
+        in_sequences = _written(copy, x)  # as the forward pass routes them
+        others_changed = _written(copy, torch.where(changed, inputs(), x))
     except Exception:  # an edit the probe cannot run (a dtype, a shape)
         return False
-    for a, b in zip(written, twin):
-        if a.shape != b.shape or not ((a - b).norm(dim=-1) <= 1e-9 * b.norm(dim=-1)).all():
-            return False
+    if not all(w.isfinite().all() for w in in_sequences + others_changed):
+        return False  # at these random parameters (a log of one of them, say): not probed
+    kept = [[w.masked_fill(changed, 0) for w in ws] for ws in (others_changed, in_sequences)]
+    if tokens_alone and not _same(*kept):
+        raise _refusal(layer, "its routing at a token moves when only other tokens change, and a "
+                              "decoding step sees one token; give it a step of its own that keeps "
+                              "what its router reads")
+    x = x.flatten(0, 1)  # (40, d_model): as steps route them
+    try:
+        written = _written(copy, x)
+        twin_idx, alpha, eta, mu = route_naive(copy.router_scores(x), copy.top_k, copy.tau)
+        twin = _all_rows(twin_idx, [eta * alpha, mu * alpha], layer.n_memory)  # rows in any order
+        own = layer.router_scores(weight.new_zeros(1, d))
+    except Exception:
+        return False
+    if tokens_alone and not _same(written, [w.flatten(0, 1) for w in in_sequences]):
+        raise _refusal(layer, "it routes a step's tokens (B, d_model) otherwise than the forward "
+                              "pass's (B, T, d_model); route both alike, or give it a step of its "
+                              "own")
     want = torch.promote_types(weight.dtype, torch.float32)
-    return own.dtype == want and own.shape == (1, layer.n_memory + 2)
+    return _same(written, twin) and own.dtype == want and own.shape == (1, layer.n_memory + 2)

@@ -121,7 +121,9 @@ class ModelConfig:
             family = self.family
         except Exception as e:  # an import of module:Class fails in any way
             check(False, 'mixer', f"unknown mixer; use one of {', '.join(MIXER_CLASSES)} or "
-                                  f"module:Class extending one ({type(e).__name__}: {e})")
+                                  f"module:Class extending one ({type(e).__name__}: {e}); "
+                                  f"register a new one in MIXER_CLASSES and "
+                                  f"ModelConfig.MIXER_SETTINGS (model.py)")
         positive('chunk_size')  # any mixer's (one of one's own may chunk)
         check(self.chunk_size & (self.chunk_size - 1) == 0, 'chunk_size', 'must be a power of 2')
         if family == 'fm':
@@ -340,9 +342,11 @@ class FactorizationMemory(nn.Module):
         return 2 * (rows + window)
 
     def init_state(self, batch_size, max_len, device):
-        """Empty buffers; and whether step routes fused (fm_kernel.route_step_takes_over)."""
+        """Empty buffers; and whether step routes fused (fm_kernel.route_step_takes_over), or
+        fm_kernel.DecodingError where a router reads other tokens and the step is not its own."""
         if torch.device(device).type != 'meta':  # a meta state only counts bytes
-            self.fused_router = fm_kernel.route_step_takes_over(self)
+            own_step = type(self).step is not FactorizationMemory.step
+            self.fused_router = fm_kernel.route_step_takes_over(self, tokens_alone=not own_step)
         dtype = self.in_proj.weight.dtype
         shape = (batch_size, self.n_memory, self.d_memory)
         state = {'h': torch.zeros(shape, dtype=compute_dtype(dtype), device=device)}
@@ -656,6 +660,14 @@ class Model(nn.Module):
         if device is None:
             device = self.embed.weight.device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
+
+    def decoding_refusal(self):
+        """None where the model decodes, else the line of init_state's fm_kernel.DecodingError."""
+        try:
+            self.init_state(1, 1)
+        except fm_kernel.DecodingError as e:
+            return str(e)
+        return None
 
     def step(self, tokens, state):
         """Decode one token: tokens (B,) -> logits (B, V), the state updated in place."""

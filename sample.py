@@ -18,6 +18,7 @@ import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
 from devices import DTYPES, check_device, check_generation_fits, resolve_dtype
+from fm_kernel import DecodingError
 from generate import Generator, Sampling
 from prepare_data import read_utf8
 
@@ -144,4 +145,4 @@ class Stream:
 
 if __name__ == '__main__':
     quit_on_sigterm()
-    run_main(main, CheckpointError)
+    run_main(main, CheckpointError, DecodingError)

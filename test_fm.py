@@ -6,7 +6,8 @@ a minute on a GPU (most of it Triton's compiles); `-m gpu`: the tests that need 
 This file is what a forker runs after changing the model or a kernel. Kernels: the float64 loop `fm_scan_naive`
 checks `fm_scan_torch`, and both check the Triton kernels, which run on the CPU under TRITON_INTERPRET=1 when no GPU
 is present (as in CI). Then the model: its equations, forward = prefill + step and greedy = argmax for every mixer of
-MIXER_CASES (a new mixer goes there), its config and accounting. The rest lives in tests/: test_generate.py
+MIXER_CASES (a new mixer goes there; check_mixer runs these on a class of one's own, as --mixer=module:Class names it),
+its config and accounting. The rest lives in tests/: test_generate.py
 (sampling, generation, sample.py), test_train.py (training, checkpoints, configs, DDP), test_config.py (the
 command line and config files), test_data.py (tokenizers, prepare_data.py), test_eval.py (eval.py, research/),
 test_readme.py (the README's commands in order, its numbers against docs/results). Shared fixtures and helpers, and
@@ -328,6 +329,11 @@ def test_triton_step_matches_naive(K, M, D, one_pass, poisoned_outputs):
     assert torch.equal(h[untouched], h_naive[untouched])
 
 
+# what a failure of fm_route_step against fm_route_step_naive means
+TWIN = ("expected after an edit of fm_kernel.route_naive, the kernel's twin, which the model does not route by (edit "
+        "FactorizationMemory.route for that), else a bug of the kernel")
+
+
 def block_step_inputs(B, D, taps, dtype=torch.float32):
     """FM's block in a decoding step: xbar and z (B, D) as the halves of one product's rows (strided), the
     convolution's (window (B, D, taps - 1), weight (D, taps), bias (D,))."""
@@ -361,14 +367,14 @@ def test_triton_route_step_matches_naive(K, M, D, one_pass, taps, gate, poisoned
     h_naive, conv_naive = h.clone(), conv and (conv[0].clone(), *conv[1:])
     y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 0.7, z=z, conv=conv_naive)
     y = fm_kernel.fm_route_step(h, x, scores, K, 0.7, z=z, conv=conv)
-    assert rel_err(y, y_naive) < 1e-6
-    assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6)
+    assert rel_err(y, y_naive) < 1e-6, f"y is {rel_err(y, y_naive):.1e} from fm_route_step_naive's: {TWIN}"
+    assert torch.allclose(h, h_naive, rtol=1e-6, atol=1e-6), f"h is {rel_err(h, h_naive):.1e} from the twin's: {TWIN}"
     if taps:
-        assert torch.equal(conv[0], conv_naive[0])
+        assert torch.equal(conv[0], conv_naive[0]), "the convolution's window moved otherwise than the twin's: a bug"
     idx, *_ = fm_kernel.route_naive(scores, K, 0.7)
     if idx is not None:
         untouched = torch.ones(B, M, dtype=torch.bool, device=DEVICE).scatter(1, idx, False)
-        assert torch.equal(h[untouched], h_naive[untouched])
+        assert torch.equal(h[untouched], h_naive[untouched]), f"a row the twin leaves alone was written: {TWIN}"
 
 
 @needs_triton
@@ -384,8 +390,10 @@ def test_triton_route_step_with_the_block_in_bfloat16(poisoned_outputs):
     h_naive, conv_naive = h.clone(), (conv[0].clone(), *conv[1:])
     y_naive = fm_kernel.fm_route_step_naive(h_naive, x, scores, K, 1.0, z=z, conv=conv_naive)
     y = fm_kernel.fm_route_step(h, x, scores, K, 1.0, z=z, conv=conv)
-    assert y.dtype == torch.bfloat16 and (y != y_naive).sum() <= 1 and rel_err(y, y_naive) < 2e-3
-    assert torch.allclose(h, h_naive, rtol=1e-5, atol=1e-5) and torch.equal(conv[0], conv_naive[0])
+    differ = f"{(y != y_naive).sum()} elements of y differ from the twin's, by {rel_err(y, y_naive):.1e}: {TWIN}"
+    assert y.dtype == torch.bfloat16 and (y != y_naive).sum() <= 1 and rel_err(y, y_naive) < 2e-3, differ
+    same = torch.allclose(h, h_naive, rtol=1e-5, atol=1e-5) and torch.equal(conv[0], conv_naive[0])
+    assert same, f"h is {rel_err(h, h_naive):.1e} from the twin's, or the window moved otherwise: {TWIN}"
 
 
 @core
@@ -411,6 +419,19 @@ def test_route_step_breaks_ties_by_row_and_keeps_nan_in_its_sequence():
     assert torch.isnan(y_poisoned[1]).all()
     for b in (0, 2):
         assert torch.equal(h_poisoned[b], h_clean[b]) and torch.equal(y_poisoned[b], y_clean[b])
+
+
+@needs_triton
+def test_route_step_takes_a_learned_temperature_without_a_host_sync(monkeypatch):
+    """tau a tensor (LearnedTauFM's parameter): the logits divided by it on the device, never float(tau) (a host sync,
+    which a CUDA graph cannot capture); y and the rows as with tau a number."""
+    torch.manual_seed(2)
+    h, x, *_ = step_inputs(3, 3, 10, 40)
+    scores, h_number = 3 * torch.randn(3, 12, device=DEVICE), h.clone()
+    want = fm_kernel.fm_route_step(h_number, x, scores, 3, 0.7)
+    monkeypatch.setattr(torch.Tensor, '__float__', lambda t: pytest.fail('float(tau): a host sync'))
+    got = fm_kernel.fm_route_step(h, x, scores, 3, torch.tensor(0.7, device=DEVICE))
+    assert rel_err(got, want) < 1e-6 and torch.allclose(h, h_number, rtol=1e-6, atol=1e-6)
 
 
 @needs_triton
@@ -700,15 +721,33 @@ def test_every_mixer_has_a_case():
 
 
 @core
+def test_every_mixer_is_registered_with_its_settings():
+    """model.MIXER_CLASSES and ModelConfig.MIXER_SETTINGS name the same mixers: a mixer without settings would get
+    none of its fields tagged in --help and train.py's warning that they are ignored."""
+    classes, settings = set(model_module.MIXER_CLASSES), set(ModelConfig.MIXER_SETTINGS)
+    for family in classes - settings:
+        pytest.fail(f"mixer {family!r} has no settings: add {family!r}: (the ModelConfig fields it reads) to "
+                    f"ModelConfig.MIXER_SETTINGS (model.py)")
+    for family in settings - classes:
+        pytest.fail(f"ModelConfig.MIXER_SETTINGS names {family!r}, no mixer: register its class in MIXER_CLASSES "
+                    f"(model.py), or drop the entry")
+
+
+@core
 @pytest.mark.parametrize('name', list(MIXER_CASES))
 def test_training_flops_match_a_hand_count(name, tmp_path):
     """Model.flops_per_token is 3x (forward + backward) the hand count, and analysis.py's training FLOPs of a run are
     the forward count x the tokens it trained."""
     params, forward = hand_forward_flops(name, 48)
     model = Model(tiny_config(**MIXER_CASES[name]))
-    assert model.num_params() == params
-    assert model.flops_per_token(48) == 3 * forward
-    assert hand_forward_flops(name, 4096)[1] == model.flops_per_token(4096) / 3
+    assert model.num_params() == params, (
+        f"{name}: {model.num_params():,} parameters, {params:,} by hand: expected after an edit that adds or drops a "
+        f"parameter (count it in hand_forward_flops, and its work in Model.flops_per_token), else a bug")
+    for seq_len in (48, 4096):
+        counted, hand = model.flops_per_token(seq_len), 3 * hand_forward_flops(name, seq_len)[1]
+        assert counted == hand, (
+            f"{name}: Model.flops_per_token({seq_len}) = {counted:,.0f}, 3 x {hand / 3:,.0f} by hand: expected after "
+            f"an edit of the layer's work or of flops_per_token (count it in hand_forward_flops too), else a bug")
     tokens = 10 * 4 * 48  # 10 steps of 4 x 48
     save_model_checkpoint(model, tmp_path / 'run', best_val_loss=2.5, iter_num=10, data_state={'tokens_seen': tokens},
                           train_config={'max_iters': 10, 'learning_rate': 1e-3, 'min_lr': 1e-4, 'seed': 1})
@@ -842,11 +881,10 @@ def test_router_scores_of_a_compiled_step_are_the_product(monkeypatch):
 
 # ----------------------------------------------------------------------------- every mixer
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_step_and_prefill_match_forward(name):
+def check_step_and_prefill(case):
+    """Decoding from the start, and after a prefill, gives the forward pass's logits."""
     torch.manual_seed(0)
-    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **case))).double().eval()
     idx = torch.randint(0, 64, (2, 37))
     logits, _ = model(idx)  # (B, T, V)
 
@@ -860,13 +898,11 @@ def test_step_and_prefill_match_forward(name):
     assert rel_err(continued, logits[:, 20:]) < 1e-12, f"{DECODING} after a prefill: {gap}"
 
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_ragged_prefill_gives_each_row_its_own_state(name):
+def check_ragged_prefill(case):
     """Prompts of different lengths, right-padded in one pass: each row's logits and decoding state are what the
     row alone gives (no padding token enters a recurrent state or the KV cache that is read)."""
     torch.manual_seed(1)
-    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **case))).double().eval()
     idx = torch.randint(0, 64, (3, 37))
     lengths = torch.tensor([37, 5, 20])
     logits, state = prefill(model, idx, lengths, max_len=45)
@@ -878,14 +914,12 @@ def test_ragged_prefill_gives_each_row_its_own_state(name):
         assert rel_err(stepped[row], alone[0, n - 1:]) < 1e-12, f"{DECODING} for row {row} of {n} tokens: {gap}"
 
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_chunked_pass_carries_the_state(name):
+def check_chunked_pass(case):
     """A mixer whose state does not grow runs a long text in chunks, each continuing from the last one's state: the
     same hidden states and final state as one pass (eval.py relies on this for bounded memory at any length).
     Attention refuses (test_attention_refuses_a_parallel_pass_from_a_state)."""
     torch.manual_seed(2)
-    model = randomized(Model(tiny_config(init_std=0.1, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.1, **case))).double().eval()
     idx = torch.randint(0, 64, (2, 50))
     whole, whole_state = model.hidden(idx)
     if model.config.family == 'attn':
@@ -929,14 +963,12 @@ def test_static_kv_cache_ignores_capacity_and_stale_entries():
     assert rel_err(runs[0], want) < 1e-12, f"{DECODING}: {apart(runs[0], want, 9)}"
 
 
-@core
-@pytest.mark.parametrize('name', MIXER_CASES)
-def test_greedy_generation_is_argmax_of_the_forward(name):
+def check_greedy_generation(case):
     """Batched prompts of different lengths, greedy: each row's tokens are the argmax of the full forward pass
     over its own prompt and tokens so far, token by token; also when the prefill runs a row at a time and a
     recurrent model takes its prompt in pieces of 5 tokens."""
     torch.manual_seed(4)
-    model = randomized(Model(tiny_config(init_std=0.3, **MIXER_CASES[name]))).double().eval()
+    model = randomized(Model(tiny_config(init_std=0.3, **case))).double().eval()
     prompts = [torch.randint(0, 64, (n,)).tolist() for n in (9, 2, 17)]
     generated = Generator(model, Sampling(temperature=0)).generate(prompts, max_new_tokens=8)
     assert Generator(model, Sampling(temperature=0), prefill_tokens=5).generate(prompts, 8) == generated
@@ -946,6 +978,38 @@ def test_greedy_generation_is_argmax_of_the_forward(name):
         for _ in range(8):
             tokens.append(model(torch.tensor([tokens]))[0][0, -1].argmax().item())
         assert new == tokens[len(prompt):]
+
+
+PARITY_CHECKS = (check_step_and_prefill, check_ragged_prefill, check_chunked_pass, check_greedy_generation)
+
+
+@core
+@pytest.mark.parametrize('check', PARITY_CHECKS, ids=lambda check: check.__name__)
+@pytest.mark.parametrize('name', MIXER_CASES)
+def test_every_mixer_decodes_as_it_trains(name, check):
+    """The parity checks (decoding = training) on every case of MIXER_CASES, float64, every parameter random."""
+    check(MIXER_CASES[name])
+
+
+def check_mixer(mixer, **settings):
+    """The parity checks on a mixer of one's own, a key of MIXER_CLASSES or 'module:Class' (--mixer's), in
+    tiny_config's model with settings; an AssertionError saying where decoding differs, or fm_kernel.DecodingError
+    where the mixer refuses to decode. In a test file of one's own:
+        from test_fm import check_mixer
+        def test_my_router(): check_mixer('my_module:MyFM', top_k=3, fm_conv=4, fm_gate=True)"""
+    for check in PARITY_CHECKS:
+        check(dict(mixer=mixer, **settings))
+
+
+def test_a_fork_through_mixer_passes_the_parity_checks():
+    """check_mixer as a forker calls it, on research/levers.py's RowRatesFM (a route and a parameter of its own)."""
+    check_mixer('research.levers:RowRatesFM', top_k=4, fm_conv=4, fm_gate=True)
+
+
+def test_a_fork_whose_router_reads_other_tokens_fails_the_parity_checks_loudly():
+    """Issue 62: the fork that trains right and decodes wrong fails check_mixer in its first check, saying why."""
+    with pytest.raises(fm_kernel.DecodingError, match="^test_fm:PreviousTokenFM does not decode: its routing at a"):
+        check_mixer('test_fm:PreviousTokenFM', top_k=4)
 
 
 class ContrarianFM(FactorizationMemory):
@@ -1021,9 +1085,54 @@ class RowScoresFM(FactorizationMemory):
         return torch.cat([scores[..., :-2] * scale + bias, scores[..., -2:]], -1)
 
 
+class LearnedTauFM(FactorizationMemory):
+    """Issue 62's one-line fork: the temperature learned (tau a parameter, which route and the fused kernel read)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tau = torch.nn.Parameter(torch.tensor(config.tau))
+
+
+class PreviousTokenFM(FactorizationMemory):
+    """Issue 62's fork: router_scores of each token plus the one before it (zeros before the start). It trains right;
+    a decoding step's x (B, d_model) has no token before it, so the shift would run along the batch."""
+
+    def router_scores(self, x):
+        return super().router_scores(x + F.pad(x, (0, 0, 1, 0))[..., :-1, :])
+
+
+class OwnStepFM(PreviousTokenFM):
+    """PreviousTokenFM with a step of its own, which says how it decodes (here: as FactorizationMemory's)."""
+
+    def step(self, x, state):
+        return super().step(x, state)
+
+
+class ShapedRouterFM(FactorizationMemory):
+    """A router that reads each token alone but routes a sequence's tokens (B, T, d_model) otherwise than a step's
+    (B, d_model): the logits doubled in sequences."""
+
+    def router_scores(self, x):
+        scores = super().router_scores(x)
+        return torch.cat([scores[..., :-2] * (2.0 if x.dim() == 3 else 1.0), scores[..., -2:]], -1)
+
+
+class LogScaleFM(FactorizationMemory):
+    """A router whose logits are scaled by log(s - 1), s a parameter: NaN at the probe's draws (s in [-1, 1])."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.s = torch.nn.Parameter(torch.full((), 3.0))
+
+    def router_scores(self, x):
+        scores = super().router_scores(x)
+        return torch.cat([scores[..., :-2] * (self.s - 1).log(), scores[..., -2:]], -1)
+
+
 ROUTERS = {'standard': FactorizationMemory, 'override': ContrarianFM, 'temperature': TemperatureFM,
            'kernel': KernelRouterFM, 'casting': CastingRouterFM,
-           'floored': FlooredFM, 'row_scores': RowScoresFM, 'float32': Float32RouteFM}
+           'floored': FlooredFM, 'row_scores': RowScoresFM, 'float32': Float32RouteFM, 'learned_tau': LearnedTauFM,
+           'previous_token': PreviousTokenFM, 'own_step': OwnStepFM, 'shaped': ShapedRouterFM, 'log': LogScaleFM}
 
 
 def fm_model(router='standard', **overrides):
@@ -1035,6 +1144,11 @@ def fm_model(router='standard', **overrides):
 def fused(model):
     """Whether model's FM layers decode through the fused kernel (as the probe of its last init_state found)."""
     return [block.mixer.fused_router for block in model.blocks]
+
+
+# why the probe may refuse the fused kernel to a fork of this file that keeps model.py's route and weights
+INHERITED = ("expected after an edit of FactorizationMemory.route or .weights in model.py (this test's fork inherits "
+             "it, and the fused kernel computes the paper's) or of fm_kernel.route_naive (its twin), else a bug")
 
 
 @core
@@ -1103,7 +1217,7 @@ def test_router_scores_trained_after_the_state_was_made_reach_decoding(compiled,
         monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
     stepped = torch.stack([model.step(idx[:, t], state) for t in range(9, 20)], 1)
     assert rel_err(stepped, logits[:, 9:]) < 1e-12, f"{DECODING}: {apart(stepped, logits[:, 9:], 9)}"
-    assert fused(model) == [True, True], "the probe refused an edit of router_scores alone"
+    assert fused(model) == [True, True], f"the probe refused an edit of router_scores alone: {INHERITED}"
 
 
 def test_a_down_proj_of_ones_own_is_called():
@@ -1126,7 +1240,7 @@ def test_router_scores_in_the_weights_dtype_decode_as_written():
     torch.manual_seed(0)
     model = randomized(fm_model('casting', top_k=3, fm_conv=4, fm_gate=True)).eval()
     assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9, tol=1e-5)
-    assert fused(model) == [True, True], "the probe refused float32 scores"
+    assert fused(model) == [True, True], f"the probe refused float32 scores: {INHERITED}"
     model.to(torch.bfloat16).init_state(1, 1)
     assert fused(model) == [False, False], "the probe took bfloat16 scores for the fused kernel"
 
@@ -1149,28 +1263,91 @@ IN_PLACE_EDITS = {  # a forker's edit of model.py: (the line, its replacement)
     'router_scores': ('        x = x.to(dtype)\n',  # routing on an RMS-normalised input
                       '        x = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + 1e-6)\n'),
     'weights': ('        return eta * alpha, mu * alpha\n',  # theta = eta alpha no more
-                '        return 0.5 * eta * alpha, mu * alpha\n')}
+                '        return 0.5 * eta * alpha, mu * alpha\n'),
+    'router_scores previous token': ('        x = x.to(dtype)\n',  # issue 62: the token before read too
+                                     '        x = x.to(dtype) + F.pad(x.to(dtype), (0, 0, 1, 0))[..., :-1, :]\n')}
 
 
 @core
-@pytest.mark.parametrize('edit', IN_PLACE_EDITS)
+@pytest.mark.parametrize('edit', [edit for edit in IN_PLACE_EDITS if 'previous' not in edit])
 def test_a_router_edited_in_place_decodes_as_it_trains(edit, tmp_path, monkeypatch):
     """A forker edits route, router_scores or weights in model.py itself: decoding follows the edit, float64, every
     parameter random, 4 layers; an edit of route or weights refuses the fused kernel in every layer (with the fused
     kernel taken regardless, the gap of rows moved on by one was 1.04), one of router_scores keeps it (the kernel
     takes router_scores as written)."""
+    edited = edited_model(edit, tmp_path, monkeypatch)
+    torch.manual_seed(0)
+    model = randomized(edited.Model(tiny_config(n_layer=4, top_k=3, fm_conv=4, fm_gate=True))).double().eval()
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    why = INHERITED if edit == 'router_scores' else 'a bug'
+    assert fused(model) == [edit == 'router_scores'] * 4, f"the fused kernel chosen in layers {fused(model)}: {why}"
+
+
+@core
+@pytest.mark.parametrize('top_k', [3, None])
+def test_a_learned_temperature_keeps_the_fused_kernel(top_k):
+    """LearnedTauFM (tau a parameter, random): the probe compares the copy's route with its twin at the copy's tau,
+    and takes the fused kernel; decoding is training's, float64."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('learned_tau', top_k=top_k, fm_conv=4, fm_gate=True)).double().eval()
+    assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
+    assert fused(model) == [True, True], f"the probe refused a learned tau (the twin takes the copy's): {INHERITED}"
+
+
+def edited_model(edit, tmp_path, monkeypatch):
+    """model.py with IN_PLACE_EDITS[edit] made, imported as the module edited_model."""
     source = (Path(REPO) / 'model.py').read_text()
     line, replacement = IN_PLACE_EDITS[edit]
-    assert source.count(line) == 1, f"the line of this test's edit is no longer in model.py once: {line!r}"
+    assert source.count(line) == 1, (f"the line of this test's edit is no longer in model.py once: {line!r}: expected "
+                                     f"after an edit of that line; make the edit on its new form (IN_PLACE_EDITS)")
     (tmp_path / 'model.py').write_text(source.replace(line, replacement))
     spec = importlib.util.spec_from_file_location('edited_model', tmp_path / 'model.py')
     edited = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, 'edited_model', edited)
     spec.loader.exec_module(edited)
+    return edited
+
+
+@core
+@pytest.mark.parametrize('fork, why', [
+    ('previous_token', 'its routing at a token moves when only other tokens change, and a decoding step sees one'),
+    ('in place', 'its routing at a token moves when only other tokens change'),
+    ('shaped', r"it routes a step's tokens \(B, d_model\) otherwise than the forward pass's \(B, T, d_model\)")])
+def test_a_router_that_reads_other_tokens_refuses_to_decode(fork, why, tmp_path, monkeypatch):
+    """Issue 62: a router reading the token before (through --mixer=test_fm:PreviousTokenFM, or edited in model.py)
+    trains right and would decode wrong: init_state refuses in one line naming the mixer and why, and so does
+    generation, before any token; so does a router that routes a step's tokens otherwise. Every parameter random."""
     torch.manual_seed(0)
-    model = randomized(edited.Model(tiny_config(n_layer=4, top_k=3, fm_conv=4, fm_gate=True))).double().eval()
+    if fork == 'in place':
+        edited = edited_model('router_scores previous token', tmp_path, monkeypatch)
+        model, name = edited.Model(tiny_config(top_k=3)), 'edited_model:FactorizationMemory'
+    else:
+        model, name = fm_model(fork, top_k=3, fm_conv=4, fm_gate=True), f'test_fm:{ROUTERS[fork].__name__}'
+    model = randomized(model).eval()
+    for decode in (lambda: model.init_state(2, 20), lambda: Generator(model).generate([[1, 2]], 4)):
+        with pytest.raises(fm_kernel.DecodingError, match=f'^{name} does not decode: {why}') as e:
+            decode()
+        assert '\n' not in str(e.value)
+
+
+def test_a_router_the_probe_draws_to_nan_decodes_as_written():
+    """A router that reads its token alone, NaN at the probe's random parameters: not refused for that, and decoded
+    through route as written (float64, s = 3)."""
+    torch.manual_seed(0)
+    model = randomized(fm_model('log', top_k=3)).double().eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mixer.s.fill_(3.0)
     assert_decodes_as_it_trains(model, torch.randint(0, 64, (2, 20)), 9)
-    assert fused(model) == [edit == 'router_scores'] * 4, f"the fused kernel was chosen in layers {fused(model)}"
+    assert fused(model) == [False, False], "the probe took the fused kernel for NaN weights"
+
+
+def test_a_router_with_a_step_of_its_own_is_not_refused():
+    """A class whose step is its own says how it decodes: the probe does not refuse its router (the parity tests
+    check its step)."""
+    model = randomized(fm_model('own_step', top_k=3))
+    model.init_state(2, 20)
+    assert fused(model) == [True, True], f"the probe refused PreviousTokenFM's fused kernel: {INHERITED}"
 
 
 @needs_triton

@@ -700,8 +700,9 @@ def train(cfg, run):
         best = ''
         if (run.folder / 'best.pt').exists():
             best = f' and best.pt (val loss {run.best_val_loss:.4f})'
-        print(f'saved {run.folder / "ckpt.pt"} (step {run.iter_num}){best}; sample it with: '
-              f'python sample.py --out_dir={cfg.out_dir}')
+        sample = f'sample it with: python sample.py --out_dir={cfg.out_dir}'
+        print(f'saved {run.folder / "ckpt.pt"} (step {run.iter_num}){best}; '
+              f'{run.raw_model.decoding_refusal() or sample}')
     if run.wandb:
         run.wandb.finish()
     run.stop = 0  # finished: a signal now changes nothing

@@ -113,17 +113,14 @@ class ConvRouterFM(FactorizationMemory):
                                       'a pass from the start of unpadded rows only')
         return super().forward(x)
 
-    def route(self, x):  # x (B, T, d_model)
-        if x.dim() != 3:
-            name = type(self).__name__
-            raise NotImplementedError(f'{name} routes on the tokens before: no decoding step')
+    def route(self, x):  # x (B, T, d_model); init_state refuses to decode (fm_kernel.DecodingError)
         weight, bias = self.router_conv.weight[:, 0], self.router_conv.bias
         mixed = fm_kernel.causal_conv(x, None, weight, bias)[0]  # (B, T, d_model)
         return super().route(mixed)
 
     def init_state(self, batch_size, max_len, device):
-        """FactorizationMemory's buffers and the router's window a step would keep: counted (in
-        research/recall.py's bytes), never used, for there is no step."""
+        """FactorizationMemory's buffers and the router's window a step would keep: counted (on
+        'meta', research/recall.py's bytes); on a device its probe refuses, for there is no step."""
         state = super().init_state(batch_size, max_len, device)
         shape = (batch_size, self.router_conv.in_channels, self.TAPS - 1)
         dtype = self.in_proj.weight.dtype

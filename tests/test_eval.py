@@ -27,7 +27,7 @@ from conftest import REPO, build, defaults, reproduce_sh, save_model_checkpoint,
 from model import FactorizationMemory, Model, ModelConfig
 from prepare_data import get_tokenizer
 from research import analysis
-from test_fm import MIXER_CASES, PAPERS, ContrarianFM
+from test_fm import MIXER_CASES, PAPERS, ROUTER, ContrarianFM
 
 
 # ----------------------------------------------------------------------------- eval.py
@@ -632,7 +632,8 @@ def test_busiest_row_ablation_zeroes_that_rows_read_out_only():
     y, _ = fm_kernel.fm_scan_naive(mixer.in_proj(h), eta * alpha, phi, eps=mixer.eps)
     x = block.add_mlp(x + mixer.out_proj(y))
     ablated = F.cross_entropy(model.head(x)[0], tokens[1:]).item()
-    assert layers[1]['busiest_row_ablation'] == pytest.approx(ablated - base, abs=1e-9)
+    got = layers[1]['busiest_row_ablation']
+    assert got == pytest.approx(ablated - base, abs=1e-9), f'{got} against {ablated - base} by hand: {ROUTER}'
     assert abs(ablated - base) > 1e-4
     assert model(tokens[None, :-1], tokens[None, 1:])[1].item() == base
 

@@ -166,6 +166,19 @@ def test_sample(trained, tmp_path):
     assert 'tokens/s' in run.stderr
 
 
+def test_sample_of_a_model_that_does_not_decode_is_one_line(tmp_path):
+    """A fork through --mixer whose router reads the token before (test_fm.PreviousTokenFM) trains but would decode
+    another model: sample.py prints no text, and one line naming the mixer and why (issue 62)."""
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=256, mixer='test_fm:PreviousTokenFM', top_k=3)
+    out_dir = save_model_checkpoint(Model(config), tmp_path)
+    run = subprocess.run([sys.executable, 'sample.py', f'--out_dir={out_dir}', '--max_new_tokens=5'], cwd=REPO,
+                         capture_output=True, text=True)
+    assert (run.returncode, run.stdout) == (1, ''), run.stderr
+    assert run.stderr.startswith('error: test_fm:PreviousTokenFM does not decode: its routing at a token moves when '
+                                 'only other tokens change') and run.stderr.count('\n') == 1, run.stderr
+
+
 @pytest.mark.parametrize('arg, message', [('--top_k=-2', 'top_k=-2: must be >= 1'), ('--top_p=1.5', 'top_p=1.5'),
                                           ('--temperature=-1', 'temperature=-1'), ('--num_samples=0', 'num_samples'),
                                           ('--device=nope', 'nope'),

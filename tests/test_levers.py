@@ -13,6 +13,7 @@ import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import (assert_decodes_as_it_trains, build, randomized, rel_err, reproduce_sh, save_model_checkpoint,
                       tiny, tiny_config)
+from fm_kernel import DecodingError
 from model import FactorizationMemory, Model, ModelConfig
 from research import levers
 
@@ -125,16 +126,27 @@ def test_a_checkpoint_round_trip_rebuilds_the_lever(lever, tmp_path):
     assert torch.equal(loaded(idx)[0], model(idx)[0])
 
 
-def test_train_py_trains_a_lever(data_dir, tmp_path):
-    """python train.py --mixer=research.levers:RowRatesFM, 2 steps on the CPU: finite losses, and the checkpoint holds
-    the lever (its row_rate trained)."""
+def test_train_py_trains_a_lever(data_dir, tmp_path, capsys):
+    """python train.py --mixer=research.levers:RowRatesFM, 2 steps on the CPU: finite losses, the checkpoint holds
+    the lever (its row_rate trained), and the closing line names sample.py."""
     history = train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--lr_decay_iters=2', '--eval_interval=2',
                               '--mixer=research.levers:RowRatesFM', '--device=cpu'))
     assert all(math.isfinite(loss) for _, loss in history['train'] + history['val'])
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(f'; sample it with: python sample.py --out_dir={tmp_path}'), last
     ckpt = load_checkpoint(tmp_path / 'ckpt.pt')
     assert ckpt['model_config']['mixer'] == 'research.levers:RowRatesFM' and ckpt['iter_num'] == 2
     start = torch.logit(torch.logspace(math.log10(1e-3), math.log10(0.5), 8))
     assert not torch.allclose(ckpt['model']['blocks.0.mixer.row_rate'], start)
+
+
+def test_train_py_says_the_conv_router_does_not_decode(data_dir, tmp_path, capsys):
+    """A run of ConvRouterFM ends naming why it does not decode, not sample.py (which would refuse it; issue 62)."""
+    train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--lr_decay_iters=2', '--eval_interval=2',
+                    '--mixer=research.levers:ConvRouterFM', '--device=cpu'))
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f'saved {tmp_path / "ckpt.pt"} (step 2)') and 'sample.py' not in last, last
+    assert '; research.levers:ConvRouterFM does not decode: its routing at a token moves' in last, last
 
 
 def test_the_levers_subset_trains_the_block_and_each_lever_matched():
@@ -212,17 +224,19 @@ def test_the_conv_router_routes_on_the_last_four_inputs(top_k):
 
 def test_the_conv_router_counts_its_window_and_refuses_to_decode():
     """Its bytes count the router's window (d_model x 3 inputs, kept, and read and written by a
-    step), and what it cannot do it refuses, naming itself: a decoding step (the probe keeps it
-    off the fused kernel), a pass after a state, padded rows."""
+    step), and what it cannot do it refuses, naming itself: a decoding state (init_state's probe:
+    its routing reads the tokens before), a pass after a state, padded rows."""
     layer = conv_router(4)
     window = 32 * 3 * 8  # float64
     standard = FactorizationMemory.step_state_bytes(layer, 10)
     assert layer.step_state_bytes(10) == standard + 2 * window
-    state = layer.init_state(1, 10, 'cpu')
-    assert state['router_window'].shape == (1, 32, 3) and not layer.fused_router
-    refusal = 'ConvRouterFM routes on the tokens before: no decoding step'
-    with pytest.raises(NotImplementedError, match=refusal):
-        layer.step(torch.randn(1, 32, dtype=torch.float64), state)
+    state = layer.init_state(1, 10, 'meta')
+    assert state['router_window'].shape == (1, 32, 3)
+    refusal = ('^research.levers:ConvRouterFM does not decode: its routing at a token moves when '
+               'only other tokens change')
+    with pytest.raises(DecodingError, match=refusal):
+        layer.init_state(1, 10, 'cpu')
+    state = {k: torch.zeros_like(v, device='cpu') for k, v in state.items()}
     x = torch.randn(1, 5, 32, dtype=torch.float64)
     for kwargs in (dict(state=state), dict(lengths=torch.tensor([3]))):
         with pytest.raises(NotImplementedError, match='a pass from the start of unpadded rows'):
