@@ -1433,6 +1433,7 @@ SPARSE_CHUNK = 32  # pairs a chunk (a power of 2, at least 16 for tl.dot)
 START, END = 1, 2  # a pair's flags: first, last of its segment
 
 if triton is not None:
+    _START, _END = tl.constexpr(START), tl.constexpr(END)  # what the kernels read of them
 
     @triton.jit
     def _pair_chunk(seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C: tl.constexpr):
@@ -1450,12 +1451,12 @@ if triton is not None:
         same = seg[:, None] == seg[None, :]  # (C, C)
         first = tl.min(tl.where(same, offs[None, :], C), 1)  # (C,) its segment's first pair here
         before = tl.sum(tl.where(offs[None, :] < first[:, None], la[None, :], 0.0), 1)
-        runs_in = (tl.load(flag_ptr + lo) & START) == 0
+        runs_in = (tl.load(flag_ptr + lo) & _START) == 0
         cont = (seg == tl.load(seg_ptr + lo)) & runs_in
         last = tl.minimum(N - lo, C) - 1
         has_next = lo + C < N
-        next_flags = tl.load(flag_ptr + lo + C, mask=has_next, other=START)
-        out = (seg == tl.load(seg_ptr + lo + last)) & has_next & ((next_flags & START) == 0)
+        next_flags = tl.load(flag_ptr + lo + C, mask=has_next, other=_START)
+        out = (seg == tl.load(seg_ptr + lo + last)) & has_next & ((next_flags & _START) == 0)
         return lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out
 
     @triton.jit
@@ -1537,7 +1538,7 @@ if triton is not None:
         tl.store(rms_ptr + lo + offs, rms, mask=ok)
         q = tl.load(phi_ptr + lo + offs, mask=ok, other=0.0) / rms
         pair = tl.load(pair_ptr + lo + offs, mask=ok, other=0).to(tl.int64)
-        ends = ok & ((flags & END) != 0)
+        ends = ok & ((flags & _END) != 0)
         for d0 in range(0, D, BD):
             offs_d = d0 + tl.arange(0, BD)
             S = _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C, BD, HAS_H0)
@@ -1585,8 +1586,8 @@ if triton is not None:
         tl.store(c_ptr + lo + offs, c, mask=ok)
         pair = tl.load(pair_ptr + lo + offs, mask=ok, other=0)
         tl.store(dphi_ptr + pair, dot / rms, mask=ok)
-        if (tl.load(flag_ptr + lo) & START) == 0:
-            ends = ok & ((flags & END) != 0)
+        if (tl.load(flag_ptr + lo) & _START) == 0:
+            ends = ok & ((flags & _END) != 0)
             for d0 in range(0, D, BD):
                 offs_d = d0 + tl.arange(0, BD)
                 S = _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C, BD, HAS_H0)
@@ -1641,8 +1642,8 @@ if triton is not None:
         rms = tl.load(rms_ptr + lo + offs, mask=ok, other=1.0)
         q = tl.load(phi_ptr + lo + offs, mask=ok, other=0.0) / rms
         c = tl.load(c_ptr + lo + offs, mask=ok, other=0.0)
-        ends = ok & ((flags & END) != 0)
-        firsts = ok & ((flags & START) != 0)
+        ends = ok & ((flags & _END) != 0)
+        firsts = ok & ((flags & _START) != 0)
         next_row = (tl.program_id(0) + 1) * D
         end_ok = (tl.zeros([BD], tl.int32) + tl.max(out.to(tl.int32), 0)) > 0  # one runs on
         dtheta = tl.zeros([C], tl.float32)
