@@ -431,7 +431,7 @@ def test_readme_scaling_sentences_are_their_data():
     three = {cell: paired(taus[0.25], taus[1.0]) for cell, taus in cells.items() if len(taus[0.25]) == 3}
     beyond = {cell: 0.25 if max(low) < min(one) else 1.0 for cell, (low, one) in three.items()
               if apart(low, one) == 'ranges apart'}
-    assert beyond == {(64, 64): 0.25, (64, 16): 1.0}, ('research/README: tau beyond the spread', beyond)
+    assert set(beyond) == {(64, 64), (64, 16)}, ('research/README: the cells where tau is beyond the spread', beyond)
     seeds_256 = sorted({len(paired(taus[0.25], taus[1.0])[0]) for (m, _), taus in cells.items() if m == 256})
     apart_64, apart_256 = (apart(quarter[m]['losses'], dense[m]['losses']) for m in (64, 256))
     with open(RESULTS / '2026-11-24' / 'scaling-paper-layer.csv', newline='') as f:
@@ -455,6 +455,8 @@ def test_readme_scaling_sentences_are_their_data():
         (f"tau = 0.25 wins {wins[16][0]} of {wins[16][1]} cells at m = 16, {wins[64][0]} of {wins[64][1]} at m = 64 "
          f"and {wins[256][0]} of {wins[256][1]} at m = 256 ({'-'.join(map(str, seeds_256))} seeds there: the rest "
          f"did not finish); tau = 1 wins {won_by_one} of {len(cells)} cells in all", [RESEARCH], data),
+        (f"With 3 seeds beyond the spread: tau = {beyond[64, 64]:g} for dense at m = 64, tau = {beyond[64, 16]:g} "
+         f"for k = m/4 there", [RESEARCH], data),
         (f"{len(rows) - len(unfinished)} of its {len(rows)} runs finished, the {len(unfinished)} others at m = 256, "
          f"tau 0.25", [RESEARCH], data),
         (f"k = m/4 above dense at m = {' and '.join(map(str, above))}", [RESEARCH],
