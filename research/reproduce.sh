@@ -56,7 +56,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
+export PYTHON=${PYTHON:-python3}  # exported: train_one and recall_one run in child shells (xargs)
 if ! command -v "$PYTHON" > /dev/null; then
     echo "PYTHON=$PYTHON: no such command (set PYTHON to the Python that has the requirements)" >&2
     exit 2

@@ -1360,7 +1360,7 @@ def test_reproduce_sh_runs_python3_or_the_python_set(tmp_path):
     bare = [line for line in script.read_text().splitlines()
             if not line.lstrip().startswith('#') and re.search(r'(^|[\s;&|(])python\s', line)]
     assert not bare, f'bare python in reproduce.sh: {bare}'
-    assert 'PYTHON=${PYTHON:-python3}' in script.read_text()
+    assert 'export PYTHON=${PYTHON:-python3}' in script.read_text()  # train_one runs in a child shell
     run = subprocess.run(['bash', str(script), 'quality'], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, 'PYTHON': str(tmp_path / 'no-such-python'),
                               'RUNS': str(tmp_path / 'runs'), 'RESULTS': str(tmp_path / 'results')})
