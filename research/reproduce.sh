@@ -29,6 +29,7 @@
 #   frontier.txt, .csv (every run), .png;  routing.txt, .csv, .png;  scaling.txt, scaling-block.csv, .png;
 #   levers.txt, levers_lr.csv, levers_ctx2048_lr.csv, levers.csv, .json, .png, levers_table.csv, levers_gap.png
 # Settings (environment):
+#   PYTHON=python3          the Python that runs train.py, eval.py and the rest (e.g. a virtual environment's)
 #   RUNS=out-repro          run folders (out-* is ignored by git); RUNS/<subset>/<run>/finished marks a finished run
 #   RESULTS=$OUT or results where the results go
 #   JOBS=12                 trainings at once
@@ -55,6 +56,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+export PYTHON=${PYTHON:-python3}  # exported: train_one and recall_one run in child shells (xargs)
+if ! command -v "$PYTHON" > /dev/null; then
+    echo "PYTHON=$PYTHON: no such command (set PYTHON to the Python that has the requirements)" >&2
+    exit 2
+fi
 export RUNS=${RUNS:-out-repro} TRAIN_SECONDS=${TRAIN_SECONDS:-420} TRAIN_ARGS=${TRAIN_ARGS:-} GPUS=${GPUS:-}
 RESULTS=${RESULTS:-${OUT:-results}}
 JOBS=${JOBS:-12}
@@ -102,7 +108,7 @@ train_one() {  # train_one SUBSET/RUN train.py-arguments...: train, resume or sk
     (( ${#gpus[@]} )) && gpu=(env CUDA_VISIBLE_DEVICES="${gpus[$(( $(cksum <<< "$name" | cut -d' ' -f1) \
                                                                  % ${#gpus[@]} ))]}")
     # shellcheck disable=SC2086  # TRAIN_ARGS: several arguments
-    OMP_NUM_THREADS=1 "${gpu[@]}" "${limit[@]}" python train.py "$@" $TRAIN_ARGS --out_dir="$dir" "${resume[@]}" \
+    OMP_NUM_THREADS=1 "${gpu[@]}" "${limit[@]}" "$PYTHON" train.py "$@" $TRAIN_ARGS --out_dir="$dir" "${resume[@]}" \
         >> "$dir/train.log" 2>&1 || status=$?
     case $status in
         0) touch "$dir/finished"
@@ -260,7 +266,7 @@ positions_of_best() {  # positions_of_best OUT BEST.txt...: eval.py's loss by po
     (( ${#runs[@]} )) || { echo "the best-rate runs are all an earlier machine's: their loss by position from \
 PREVIOUS"; return 0; }
     # shellcheck disable=SC2086  # EVAL_ARGS: several arguments
-    python eval.py "${runs[@]}" --max_len=32768 $EVAL_ARGS --out="$RESULTS/$out"
+    "$PYTHON" eval.py "${runs[@]}" --max_len=32768 $EVAL_ARGS --out="$RESULTS/$out"
 }
 
 positions_runs() {  # positions_runs POSITIONS SWEEP...: --runs= for the loss by position of the sweeps' best-rate runs:
@@ -280,8 +286,8 @@ table() {  # table NAME POSITIONS SWEEP...: the README's table of the sweeps (SW
     for sweep; do csvs+=("--runs=$sweep.csv"); done
     mapfile -t runs < <(positions_runs "$positions" "$@")
     (( ${#runs[@]} )) || { echo "no loss by position to tabulate yet"; return 0; }
-    python research/analysis.py table "${csvs[@]}" "${runs[@]}" --out="$RESULTS/$name"
-    python research/analysis.py positions "${runs[@]}" --out="$positions"
+    "$PYTHON" research/analysis.py table "${csvs[@]}" "${runs[@]}" --out="$RESULTS/$name"
+    "$PYTHON" research/analysis.py positions "${runs[@]}" --out="$positions"
 }
 
 extrapolation() {  # the README's quality table (quality: the same)
@@ -290,7 +296,7 @@ extrapolation() {  # the README's quality table (quality: the same)
     local runs=()
     mapfile -t runs < <(extrapolation_runs | finished; extrapolation_runs | previous "$RESULTS/previous_extrapolation")
     (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet"; return 0; }
-    python research/analysis.py sweep "${runs[@]}" --out="$RESULTS/extrapolation_lr"
+    "$PYTHON" research/analysis.py sweep "${runs[@]}" --out="$RESULTS/extrapolation_lr"
     positions_of_best extrapolation "$RESULTS/extrapolation_lr_best.txt"  # the best-rate runs trained here
     table quality "$RESULTS/extrapolation" "$RESULTS/extrapolation_lr"
 }
@@ -350,7 +356,7 @@ frontier() {
     mapfile -t runs < <(frontier_runs | previous "$RESULTS/previous_frontier"; frontier_runs | finished)
     (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet"; return 0; }
     # shellcheck disable=SC2086  # EVAL_ARGS: several arguments
-    python research/analysis.py frontier "${runs[@]}" $EVAL_ARGS --out="$RESULTS/frontier"
+    "$PYTHON" research/analysis.py frontier "${runs[@]}" $EVAL_ARGS --out="$RESULTS/frontier"
 }
 
 routing() {  # the quality table's FM runs at their best rates (run quality first)
@@ -362,7 +368,7 @@ routing() {  # the quality table's FM runs at their best rates (run quality firs
              "python research/analysis.py routing)"
         return 1
     fi
-    python eval.py routing "${runs[@]}" --out="$RESULTS/routing"
+    "$PYTHON" eval.py routing "${runs[@]}" --out="$RESULTS/routing"
 }
 
 scaling() {
@@ -393,7 +399,7 @@ scaling() {
     done | train_all
     echo "training done at $(( $(date +%s) - BEGIN )) s"
     mkdir -p "$RUNS/$subset"
-    python research/analysis.py scaling "${previous[@]}" --runs="$RUNS/$subset" --out="$RESULTS/$subset"
+    "$PYTHON" research/analysis.py scaling "${previous[@]}" --runs="$RUNS/$subset" --out="$RESULTS/$subset"
 }
 
 # ----------------------------------------------------------------------------- levers (issue 39)
@@ -453,11 +459,11 @@ levers() {
     at_2048=$(levers_runs | grep '^levers/ctx2048' || true)
     mapfile -t runs < <(previous "$RESULTS/previous_levers" <<< "$at_512"; finished <<< "$at_512")
     (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet"; return 0; }
-    python research/analysis.py sweep "${runs[@]}" --out="$RESULTS/levers_lr"
+    "$PYTHON" research/analysis.py sweep "${runs[@]}" --out="$RESULTS/levers_lr"
     if [[ -n $at_2048 ]]; then
         mapfile -t runs < <(previous "$RESULTS/previous_levers_ctx2048" <<< "$at_2048"; finished <<< "$at_2048")
         if (( ${#runs[@]} )); then
-            python research/analysis.py sweep "${runs[@]}" --out="$RESULTS/levers_ctx2048_lr"
+            "$PYTHON" research/analysis.py sweep "${runs[@]}" --out="$RESULTS/levers_ctx2048_lr"
             sweeps+=("$RESULTS/levers_ctx2048_lr")
         fi
     fi
@@ -465,7 +471,7 @@ levers() {
     table levers_table "$RESULTS/levers" "${sweeps[@]}"
     if selected mamba2; then
         mapfile -t runs < <(positions_runs "$RESULTS/levers" "${sweeps[@]}")
-        python research/analysis.py gap "${runs[@]}" --reference=mamba2 --out="$RESULTS/levers_gap"
+        "$PYTHON" research/analysis.py gap "${runs[@]}" --reference=mamba2 --out="$RESULTS/levers_gap"
     fi
 }
 
@@ -639,7 +645,7 @@ recall_one() {  # recall_one NAME research/recall.py-arguments...: train and tes
     mkdir -p "$RUNS/recall"
     start=$(date +%s)
     # shellcheck disable=SC2086  # RECALL_ARGS: several arguments
-    OMP_NUM_THREADS=1 "${gpu[@]}" "${limit[@]}" python research/recall.py "$@" $RECALL_ARGS \
+    OMP_NUM_THREADS=1 "${gpu[@]}" "${limit[@]}" "$PYTHON" research/recall.py "$@" $RECALL_ARGS \
         --name="$name" --out="$RESULTS/recall.csv" > "$RUNS/recall/$name.log" 2>&1 || status=$?
     case $status in
         0) echo "finished $name in $(( $(date +%s) - start )) s:" \
@@ -661,7 +667,7 @@ recall_analysis() {  # the table, recall_best.txt and the plots from RESULTS's r
         [[ -f $folder/recall.csv ]] && runs+=("--runs=$folder/recall.csv")
     done
     (( ${#runs[@]} )) || { echo "no finished runs to evaluate yet: run again to go on"; return 0; }
-    python research/analysis.py recall "${runs[@]}" --out="$RESULTS/recall"
+    "$PYTHON" research/analysis.py recall "${runs[@]}" --out="$RESULTS/recall"
 }
 
 recall() {
@@ -712,7 +718,7 @@ BEGIN=$(date +%s)
     echo "$subset: $(command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
         || echo 'no GPU'), JOBS=$JOBS, TRAIN_SECONDS=$TRAIN_SECONDS, RUNS=$RUNS, \
 git $(git rev-parse --short HEAD 2> /dev/null)"
-    python prepare_data.py  # the default corpus, once, before the trainings start
+    "$PYTHON" prepare_data.py  # the default corpus, once, before the trainings start
     $subset
     echo "$subset: $(( $(date +%s) - BEGIN )) s in all"
     report

@@ -46,13 +46,13 @@ def test_reproduce_refuses_a_bad_setting_before_it_trains(call, env, message, tm
 
 @pytest.fixture
 def fake_train(tmp_path):
-    """A `python` first on PATH whose train.py exits with $TRAIN_STATUS_CODE, saying so; other scripts run as they
+    """A `python3` first on PATH whose train.py exits with $TRAIN_STATUS_CODE, saying so; other scripts run as they
     are (prepare_data.py)."""
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
-    (bin_dir / 'python').write_text(f'#!/bin/bash\nif [[ $1 == train.py ]]; then echo "fake train.py"; '
-                                    f'exit $TRAIN_STATUS_CODE; fi\nexec {sys.executable} "$@"\n')
-    (bin_dir / 'python').chmod(0o755)
+    (bin_dir / 'python3').write_text(f'#!/bin/bash\nif [[ $1 == train.py ]]; then echo "fake train.py"; '
+                                     f'exit $TRAIN_STATUS_CODE; fi\nexec {sys.executable} "$@"\n')
+    (bin_dir / 'python3').chmod(0o755)  # reproduce.sh's Python: $PYTHON, python3 unless set
     return f"{bin_dir}:{os.environ['PATH']}"
 
 
