@@ -249,7 +249,7 @@ def claim(cfg, run):
     print(holder, file=run.lock, flush=True)
     if (run.folder / 'replacing').exists():  # the new files are whole: finish the swap
         swap_in(run.folder, (run.folder / 'replacing').read_text().split())
-    for name in ('ckpt.pt', 'best.pt', 'replacing'):  # half-written by a killed run
+    for name in ('ckpt.pt', 'best.pt', 'replacing'):  # written by a run killed before its journal
         (run.folder / f'{name}.tmp').unlink(missing_ok=True)
     earlier = [name for name in RUN_FILES if (run.folder / name).exists()]
     if cfg.init_from == 'resume':
@@ -287,9 +287,8 @@ def save(cfg, run, names):
             for name in names:
                 (run.folder / f'{name}.tmp').unlink(missing_ok=True)
             raise
-        if run.earlier:
-            (run.folder / 'replacing.tmp').write_text('\n'.join(gone))
-            os.replace(run.folder / 'replacing.tmp', run.folder / 'replacing')
+        (run.folder / 'replacing.tmp').write_text('\n'.join(gone))  # the journal: all whole
+        os.replace(run.folder / 'replacing.tmp', run.folder / 'replacing')
         swap_in(run.folder, gone)
     on_rank_0(write, run.group)
     if run.earlier and run.master:

@@ -1310,6 +1310,28 @@ def test_a_kill_during_the_swap_is_finished_by_the_next_run(data_dir, tmp_path, 
     assert {torch.load(path, weights_only=True)['iter_num'] for path in tmp_path.glob('*.pt')} == {2}
 
 
+def test_a_kill_between_the_renames_of_one_save_keeps_its_best(data_dir, tmp_path, monkeypatch):
+    """A kill after a save renamed ckpt.pt in, before best.pt: the next run (even one it refuses) renames the whole
+    best.pt.tmp in, so ckpt.pt and best.pt are of the same step, as the killed run logged."""
+    replace = os.replace
+
+    def killed_at_best(src, dst):
+        if str(dst).endswith('best.pt'):
+            raise Killed()
+        return replace(src, dst)
+    train.main(tiny(data_dir, tmp_path, '--max_iters=4'))
+    monkeypatch.setattr(os, 'replace', killed_at_best)
+    with pytest.raises(Killed):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
+    monkeypatch.undo()
+    assert (tmp_path / 'best.pt.tmp').exists()  # whole: ckpt.pt of step 8 is in
+    with pytest.raises(train.TrainError, match='is at step 8, which --max_iters=8 does not pass'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
+    assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+    steps = [torch.load(tmp_path / name, weights_only=True)['iter_num'] for name in ('ckpt.pt', 'best.pt')]
+    assert steps == [8, 8]
+
+
 def test_a_failed_first_save_of_an_overwrite_leaves_the_earlier_run(data_dir, tmp_path, trained, monkeypatch):
     """A disk that fills up during an --overwrite run's first save: the earlier run is untouched, and the message says
     to start the new run again (a resume would continue the earlier one)."""
