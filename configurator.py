@@ -12,6 +12,7 @@ import sys
 import traceback
 import typing
 
+STOPS = {signal.SIGINT: 'interrupted', signal.SIGTERM: 'terminated', signal.SIGHUP: 'hung up'}
 NOTE = re.compile(r'''\s*(\w+)\s*(?::[^=]*)?=\s*((?:'[^']*'|"[^"]*"|[^'"#])+?),?\s+#\s*(.*)''')
 
 
@@ -26,14 +27,16 @@ def leave(line, code, exit=sys.exit):
 
 
 def quit_on_ctrl_c():
-    """A script's first step: a Ctrl-C or SIGTERM while torch loads exits 130 or 143."""
-    signal.signal(signal.SIGINT, lambda *_: leave('interrupted', 130, os._exit))
-    signal.signal(signal.SIGTERM, lambda *_: leave('terminated', 143, os._exit))
+    """A script's first step: Ctrl-C, SIGTERM or SIGHUP while torch loads: a line, 128 + signal."""
+    for sig, line in STOPS.items():  # SIGHUP last: once it is caught, all are
+        signal.signal(sig, lambda signum, _, line=line: leave(line, 128 + signum, os._exit))
 
 
 def quit_on_sigterm():
-    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): 143."""
-    signal.signal(signal.SIGTERM, lambda *_: leave('terminated', 143))
+    """SIGTERM or SIGHUP (a closed terminal) stops the script as Ctrl-C does, through its
+    cleanups (with, finally): 143 or 129."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: leave(STOPS[signum], 128 + signum))
 
 
 def run_main(main, *errors):

@@ -26,6 +26,11 @@ and .png of all of them.
 The small-scale reproduction's analyses (learning-rate sweep, loss frontier, memory scaling): research/analysis.py.
 Each mode's settings: python eval.py --help, python eval.py harness --help, python eval.py routing --help.
 """
+from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm, run_main
+
+if __name__ == '__main__':  # first: a signal while the imports load is one line
+    quit_on_ctrl_c()
+
 import copy
 import csv
 import difflib
@@ -40,11 +45,6 @@ import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-
-from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm, run_main
-
-if __name__ == '__main__':
-    quit_on_ctrl_c()
 
 import numpy as np
 import torch

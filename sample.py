@@ -4,15 +4,15 @@ as one batch:
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
 """
-import sys
-import time
-from pathlib import Path
-
 from configurator import (ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm,
                           run_main)
 
-if __name__ == '__main__':
+if __name__ == '__main__':  # first: a signal while the imports load is one line
     quit_on_ctrl_c()
+
+import sys
+import time
+from pathlib import Path
 
 import torch
 

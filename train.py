@@ -5,10 +5,16 @@ Train a language model of model.py: Factorization Memory, or another mixer (--he
     python train.py config/fm_small.py --max_iters=2000 --batch_size=32
     torchrun --standalone --nproc_per_node=8 train.py config/fm_1b.py  # DDP (gloo on CPU)
 Continue from out_dir/ckpt.pt with --init_from=resume. Nothing is lost: out_dir holds one run;
-saves are whole; a value not finite or a blow-up stops the run unsaved; Ctrl-C or SIGTERM saves
-the step and exits 130 or 143 (resume goes on bit for bit); --overwrite=True replaces the
+saves are whole; a value not finite or a blow-up stops the run unsaved; Ctrl-C, SIGTERM or SIGHUP
+saves the step and exits 130, 143 or 129 (resume goes on bit for bit); --overwrite=True replaces the
 earlier run once a checkpoint is whole.
 """
+from configurator import (ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c,
+                          quit_on_sigterm, run_main)
+
+if __name__ == '__main__':  # first: a signal while the imports load is one line
+    quit_on_ctrl_c()
+
 import fcntl
 import importlib.util
 import json
@@ -23,12 +29,6 @@ from contextlib import nullcontext
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
-
-from configurator import (ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c,
-                          quit_on_sigterm, run_main)
-
-if __name__ == '__main__':
-    quit_on_ctrl_c()
 
 import numpy as np
 import torch
@@ -597,9 +597,9 @@ def diverged(run, what):
 
 
 def catch_signals(cfg, run):
-    """Ctrl-C or SIGTERM now stops the run after its step, saved (run.stop: the signal); a second
-    Ctrl-C quits at once, as does the first before a compiled model's first step (its compiles
-    can outlast torchrun's 30 s grace) -> the handlers it replaced."""
+    """Ctrl-C, SIGTERM or SIGHUP now stops the run after its step, saved (run.stop: the signal);
+    a second Ctrl-C quits at once, as does the first before a compiled model's first step (its
+    compiles can outlast torchrun's 30 s grace) -> the handlers it replaced."""
     start = run.iter_num
 
     def request_stop(signum, frame):
@@ -614,7 +614,7 @@ def catch_signals(cfg, run):
             print(f'\n{name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
     handlers = {}
     if threading.current_thread() is threading.main_thread():  # the one that takes signals
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, request_stop)
     return handlers
 

@@ -1,6 +1,7 @@
 """train.py and what keeps a run from losing work: training (also through the Triton scan and under bf16 autocast),
 resume, checkpoints, refusals, divergence, --overwrite, DDP; the configurator, --help and config/."""
 
+import ast
 import glob
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -432,18 +434,37 @@ def test_command_line_errors_are_clear():
     assert 'Traceback' not in run.stderr
 
 
-@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py'])
-@pytest.mark.parametrize('name, code, line', [('SIGINT', 130, 'interrupted'), ('SIGTERM', 143, 'terminated')])
+def caught(pid, sig):
+    """Whether process pid has a handler of sig installed (Linux's /proc/PID/status, SigCgt)."""
+    status = Path(f'/proc/{pid}/status').read_text()
+    return bool(int(re.search(r'SigCgt:\s*(\w+)', status)[1], 16) >> (sig - 1) & 1)
+
+
+SCRIPTS = ['train.py', 'sample.py', 'eval.py', 'prepare_data.py']
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+@pytest.mark.parametrize('name, code, line', [('SIGINT', 130, 'interrupted'), ('SIGTERM', 143, 'terminated'),
+                                              ('SIGHUP', 129, 'hung up')])
 def test_ctrl_c_while_starting_is_one_line(script, name, code, line, tmp_path):
-    """Ctrl-C or SIGTERM before a script's own handling (here while torch loads): one line on stderr, exit code 130
-    or 143."""
-    import time
-    proc = subprocess.Popen([sys.executable, script, f'--out_dir={tmp_path}', f'--data_dir={tmp_path}'][:3 if script ==
-                            'train.py' else 2], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    """Ctrl-C, SIGTERM or SIGHUP before a script's own handling (here while torch loads): one line on stderr, exit
+    code 130, 143 or 129. The signal goes once the script's first handlers are in (SIGHUP's, the last): no timing."""
+    proc = subprocess.Popen([sys.executable, script, f'--data_dir={tmp_path}'], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None and not caught(proc.pid, signal.SIGHUP):
+        time.sleep(0.01)
     proc.send_signal(getattr(signal, name))
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == code and err == f'{line}\n', (proc.returncode, err)
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_the_signal_handlers_come_before_any_other_import(script):
+    """A script's first statement after its docstring imports configurator, its next installs the handlers: a
+    signal during the other imports is one line too."""
+    body = ast.parse(Path(REPO, script).read_text()).body[1:3]
+    assert isinstance(body[0], ast.ImportFrom) and body[0].module == 'configurator'
+    assert 'quit_on_ctrl_c()' in ast.unparse(body[1])
 
 
 def test_the_memory_check_counts_the_weights_and_adamw(data_dir, tmp_path, monkeypatch):
@@ -820,18 +841,22 @@ def test_changed_token_file_is_refused(tmp_path):
     train.main(args + ['--verify_data=False'])  # the user's call
 
 
-def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
+@pytest.mark.parametrize('name, code', [('SIGINT', 130), ('SIGHUP', 129)])
+def test_ctrl_c_saves_the_last_step(name, code, data_dir, tmp_path):
+    """Ctrl-C, or SIGHUP (a terminal closed on the run), mid-run: the step saved, the lock released, exit 130 or
+    129; the resume goes on from that step."""
     cmd = [sys.executable, 'train.py', *tiny(data_dir, tmp_path, '--max_iters=100000', '--eval_interval=100000')]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
             if line.startswith('iter 3/'):
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(getattr(signal, name))
                 break
         output = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
-    assert proc.returncode == 130, output  # stopped, not finished: a script can tell (SIGTERM: 143)
+    assert proc.returncode == code, output  # stopped, not finished: a script can tell (SIGTERM: 143)
+    assert not (tmp_path / 'train.lock').exists()
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] >= 3 and f'saved {tmp_path / "ckpt.pt"} at step {ckpt["iter_num"]}' in output
     history = train.main(tiny(data_dir, tmp_path, f'--max_iters={ckpt["iter_num"] + 2}', '--init_from=resume'))
