@@ -13,6 +13,7 @@ import traceback
 import typing
 
 STOPS = {signal.SIGINT: 'interrupted', signal.SIGTERM: 'terminated', signal.SIGHUP: 'hung up'}
+SEEDS = 2 ** 32  # numpy's seeds: 0 to 2^32 - 1
 NOTE = re.compile(r'''\s*(\w+)\s*(?::[^=]*)?=\s*((?:'[^']*'|"[^"]*"|[^'"#])+?),?\s+#\s*(.*)''')
 
 
@@ -48,6 +49,23 @@ def run_main(main, *errors):
         leave('interrupted', 130)
     except (ConfigError, *errors) as e:
         leave(f'error: {e}', 1)
+
+
+def check_training(cfg, at_least):
+    """ConfigError naming the first setting of cfg (a dict) out of range, and its fix: at_least's
+    bounds, and those train.py and research/recall.py share (the optimizer's, the seed)."""
+    for key, low in (at_least | dict(weight_decay=0, grad_clip=0, seed=0)).items():
+        if not cfg[key] >= low:
+            raise ConfigError(f'--{key}={cfg[key]} is out of range: set it to at least {low}')
+    for key in ('beta1', 'beta2'):
+        if not 0 <= cfg[key] < 1:
+            raise ConfigError(f'--{key}={cfg[key]} is out of range: set it to at least 0 and '
+                              f'below 1')
+    if not 0 < cfg['learning_rate'] <= 1e6:  # far above, AdamW's step overflows float32
+        raise ConfigError(f"--learning_rate={cfg['learning_rate']} is out of range: set it above 0 "
+                          f'and at most 1e6 (typical: 1e-4 to 1e-2)')
+    if cfg['seed'] >= SEEDS:
+        raise ConfigError(f"--seed={cfg['seed']} is out of range: set it to at most {SEEDS - 1}")
 
 
 def load_config(config, argv, types=None, config_files=True, program=None):
@@ -159,7 +177,7 @@ def not_a_setting(arg, after, config, config_files, program):
     if config_files:
         return f'config file not found: {arg} (see config/, e.g. config/fm_small.py)'
     run = None
-    if arg.endswith('.py') and os.path.isfile(arg):
+    if arg.endswith('.py') and os.path.isfile(arg) and 'out_dir' in config:
         run = re.search("^out_dir = '(.*)'", open(arg).read(), re.M)
     if run:
         return f"{arg} is a training config; {program} reads the model from a checkpoint: pass " \

@@ -3,10 +3,12 @@ decoding buffers."""
 import contextlib
 import os
 import resource
+from dataclasses import replace
 
 import torch
 
 from configurator import ConfigError
+from model import Model
 
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # --dtype's choices
 
@@ -60,16 +62,32 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def count_params(config):
+    """The parameters of ModelConfig config, from 1- and 2-layer models on 'meta': a huge n_layer
+    is refused by the memory check, not built; a mixer's own checks run."""
+    with torch.device('meta'):
+        one, two = (Model(replace(config, n_layer=n)).num_params(False) for n in (1, 2))
+    return one + (config.n_layer - 1) * (two - one)
+
+
+def check_model_fits(config, device):
+    """The parameters of config; ConfigError if the model, its gradients and AdamW's 2 moments
+    (16 bytes a parameter) cannot fit on device."""
+    n_params = count_params(config)
+    need, have = 16 * n_params / 1e9, memory(device) / 1e9  # GB
+    if need > have:
+        raise ConfigError(f"the model's {n_params:,} parameters need {need:,.1f} GB (weights, "
+                          f"gradients, AdamW's moments); {device} has {have:,.1f} GB: lower "
+                          f"--n_layer or --d_model, or the mixer's --n_memory or --d_state")
+    return n_params
+
+
 def check_batch_fits(batch_size, block_size, config, n_params, device):
-    """ConfigError if the model (weights, gradients, AdamW's 2 moments: 16 bytes a parameter) and
-    a micro-batch (tokens, float32 logits and gradient, an activation a layer) cannot fit."""
+    """ConfigError if a micro-batch (tokens, float32 logits and gradient, an activation a layer)
+    cannot fit beside the model (check_model_fits)."""
     model, have = 16 * n_params / 1e9, memory(device) / 1e9  # GB
     token = 16 + 8 * config.vocab_size + 4 * config.n_layer * config.d_model  # bytes
     need = batch_size * block_size * token / 1e9
-    if model > have:
-        raise ConfigError(f"the model's {n_params:,} parameters need {model:,.1f} GB (weights, "
-                          f"gradients, AdamW's moments); {device} has {have:,.1f} GB: lower "
-                          f"--n_layer or --d_model")
     if model + need > have:
         raise ConfigError(f'--batch_size={batch_size} x --block_size={block_size} tokens a '
                           f'micro-batch need more than {need:,.1f} GB beside the model; {device} '

@@ -9,8 +9,8 @@ saves are whole; a value not finite or a blow-up stops the run unsaved; Ctrl-C, 
 saves the step and exits 130, 143 or 129 (resume goes on bit for bit); --overwrite=True replaces the
 earlier run once a checkpoint is whole.
 """
-from configurator import (ConfigError, help_text, load_config, optional_types, quit_on_ctrl_c,
-                          quit_on_sigterm, run_main)
+from configurator import (ConfigError, check_training, help_text, load_config, optional_types,
+                          quit_on_ctrl_c, quit_on_sigterm, run_main)
 
 if __name__ == '__main__':  # first: a signal while the imports load is one line
     quit_on_ctrl_c()
@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,7 +38,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import model as model_file
 from checkpoint import (CheckpointError, load_checkpoint, model_from_checkpoint, nonfinite,
                         save_checkpoint)
-from devices import DTYPES, check_batch_fits, check_device, peak_memory, resolve_dtype
+from devices import (DTYPES, check_batch_fits, check_device, check_model_fits, peak_memory,
+                     resolve_dtype)
 from model import Model, ModelConfig
 from prepare_data import dataset_dir, get_tokenizer, load_tokens, prepare
 
@@ -93,8 +94,8 @@ seed = 1337  # seed of the initial weights and of the batches
 _TRAIN_KEYS = [k for k, v in globals().items() if k[0] != '_' and isinstance(v, (int, float, str))]
 AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_iters=1,
                 warmup_iters=0, eval_interval=1, eval_iters=1, log_interval=1, lr_decay_iters=0,
-                min_lr=0, weight_decay=0, grad_clip=0, vocab_multiple=1, seed=0)
-SEEDS = 2 ** 32  # numpy's seeds: 0 to 2^32 - 1
+                min_lr=0, vocab_multiple=1)
+MAX_ACCUMULATION = 2 ** 14  # micro-batches a step: beyond, a larger --batch_size
 BLOW_UP = 0.5  # nats above the untrained model's val loss: a blow-up (early noise moves ~0.1)
 EVAL_SEED = 2024  # of the validation windows alone: runs of other seeds compare
 RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # eval.py writes routing
@@ -135,10 +136,11 @@ def settings(argv):
         return print(f"mixers: {', '.join(mixers)}")
     cfg = SimpleNamespace(**load_config(defaults, argv, optional_types(ModelConfig)))
     check_settings(cfg)
+    check_device(cfg.device)
     try:
         vocab_size = get_tokenizer(cfg.tokenizer).vocab_size
         config = ModelConfig(**model_args(cfg), vocab_size=vocab_size)
-        n_params = count_params(config)
+        n_params = check_model_fits(config, torch.device(cfg.device))
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
     ignored = ignored_settings(cfg, config.family, defaults)
@@ -156,7 +158,6 @@ def settings(argv):
         print(f'warning: --weight_decay={cfg.weight_decay} x --learning_rate={cfg.learning_rate} '
               f"is at least 1: AdamW's decay step flips the weights' sign, and the run will "
               f'diverge; set weight_decay below 1 / learning_rate (typical: 0.1)')
-    check_device(cfg.device)
     check_batch_fits(cfg.batch_size, cfg.block_size, config, n_params, torch.device(cfg.device))
     if cfg.dtype == 'float16' and torch.device(cfg.device).type == 'cpu':
         print('warning: --dtype=float16 on the CPU is slow (10 times float32\'s step): use '
@@ -166,24 +167,15 @@ def settings(argv):
 
 def check_settings(cfg):
     """ConfigError naming the first setting out of range, and its fix."""
-    for key, low in AT_LEAST.items():
-        value = getattr(cfg, key)
-        if not value >= low:
-            raise ConfigError(f'--{key}={value} is out of range: set it to at least {low}')
-    for key in ('beta1', 'beta2'):
-        if not 0 <= getattr(cfg, key) < 1:
-            raise ConfigError(f'--{key}={getattr(cfg, key)} is out of range: set it to at least 0 '
-                              f'and below 1')
-    lr, decay = cfg.learning_rate, cfg.lr_decay_iters
-    if not 0 < lr <= 1e6:  # far above, AdamW's step overflows float32
-        raise ConfigError(f'--learning_rate={lr} is out of range: set it above 0 and at most 1e6 '
-                          f'(typical: 1e-4 to 1e-2)')
+    check_training(vars(cfg), AT_LEAST)
+    lr, decay, accum = cfg.learning_rate, cfg.lr_decay_iters, cfg.gradient_accumulation_steps
     world_size = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's
     refusals = {
         f"--init_from={cfg.init_from!r}: use 'scratch' or 'resume'":
             cfg.init_from not in ('scratch', 'resume'),
         f"--dtype={cfg.dtype!r}: use one of {', '.join(DTYPES)}": cfg.dtype not in DTYPES,
-        f'--seed={cfg.seed} is out of range: set it to at most {SEEDS - 1}': cfg.seed >= SEEDS,
+        f'--gradient_accumulation_steps={accum} is out of range: set it to at most '
+        f'{MAX_ACCUMULATION} (a larger step: raise --batch_size)': accum > MAX_ACCUMULATION,
         '--out_dir is empty: name the folder the checkpoints go to': not cfg.out_dir,
         f'--gradient_accumulation_steps counts micro-batches over all {world_size} processes: '
         f'make it a multiple of {world_size}': cfg.gradient_accumulation_steps % world_size,
@@ -203,14 +195,6 @@ def check_settings(cfg):
     for message, refused in refusals.items():
         if refused:
             raise ConfigError(message)
-
-
-def count_params(config):
-    """The parameters, from 1- and 2-layer models on 'meta': a huge n_layer is refused by the
-    memory check, not built; a mixer's own checks run."""
-    with torch.device('meta'):
-        one, two = (Model(replace(config, n_layer=n)).num_params(False) for n in (1, 2))
-    return one + (config.n_layer - 1) * (two - one)
 
 
 def ignored_settings(cfg, family, defaults):

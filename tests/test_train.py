@@ -360,6 +360,8 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
 @pytest.mark.parametrize('arg, message', [
     ('--batch_size=0', '--batch_size=0 is out of range: set it to at least 1'),
     ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps=0 is out of range: set it to at least 1'),
+    ('--gradient_accumulation_steps=1000000000', '--gradient_accumulation_steps=1000000000 is out of range: set it to '
+                                                 'at most 16384'),
     ('--max_iters=-5', '--max_iters=-5 is out of range: set it to at least 1'),
     ('--device=cuda:99', '--device=cuda:99, but '),  # no CUDA here, or fewer GPUs
     ('--device=gpu', "--device=gpu is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
