@@ -113,8 +113,8 @@ class Generator:
         vocab = self.model.config.vocab_size
         beyond = [t for p in prompts for t in p if not 0 <= t < vocab]
         if beyond:
-            raise ValueError(f'prompt token {beyond[0]} is not an id of the model (0 to {vocab - 1}): '
-                             f"encode the prompts with the model's tokenizer")
+            raise ValueError(f'prompt token {beyond[0]} is not an id of the model (0 to '
+                             f"{vocab - 1}): encode the prompts with the model's tokenizer")
         shape = (len(prompts), max(lengths) + max_new_tokens)
         if shape != self.shape:
             self._allocate(*shape)

@@ -6,9 +6,9 @@ bfloat16 autocast on CUDA, no torch.compile. Each step is a batch of the next tr
 (seq_len, n_pairs) of mqar.TRAIN, batch_tokens / seq_len examples; the loss is the cross-entropy at
 the answers only (Model.forward's with targets -1 elsewhere; the head runs at the answers alone).
 Then the accuracy at the answers of the held-out examples of each test slice (mqar.TEST), appended
-to --out (checked before training) as a row a slice as it ends, with the bytes of a layer's state (the first layer's init_state buffers
-for one sequence of the slice's length) and the bytes a decoding step reads and writes there
-(step_state_bytes):
+to --out (checked before training) as a row a slice as it ends, with the bytes of a layer's state
+(the first layer's init_state buffers for one sequence of the slice's length) and the bytes a
+decoding step reads and writes there (step_state_bytes):
     python research/recall.py --mixer=fm --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
 Any mixer of model.py (MIXER_CLASSES, or module:Class such as research.levers:RowRatesFM) and any
 ModelConfig field. `bash research/reproduce.sh recall` runs the sweep.

@@ -223,12 +223,12 @@ def refusal(main, argv):
     return str(error.value)
 
 
-@pytest.mark.parametrize('arg', ['--learning_rate=0', '--learning_rate=1e308', '--learning_rate=-1',
-                                 '--weight_decay=-1', '--grad_clip=-1', '--beta1=1.5', '--beta2=-0.1',
-                                 f'--seed={2 ** 64}', '--seed=-1'])
+@pytest.mark.parametrize('arg', ['--learning_rate=0', '--learning_rate=1e308',
+                                 '--learning_rate=-1', '--weight_decay=-1', '--grad_clip=-1',
+                                 '--beta1=1.5', '--beta2=-0.1', f'--seed={2 ** 64}', '--seed=-1'])
 def test_settings_train_py_refuses_are_refused_with_its_message(arg, tmp_path, monkeypatch):
-    """A setting recall.py shares with train.py, out of range: refused before training, in train.py's
-    words."""
+    """A setting recall.py shares with train.py, out of range: refused before training, in
+    train.py's words."""
     monkeypatch.setattr(recall, 'train', None)  # no training
     out = tmp_path / 'recall.csv'
     assert refusal(recall.main, [*ARGS, f'--out={out}', arg]) == refusal(train.settings, [arg])
