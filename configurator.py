@@ -176,8 +176,8 @@ def not_a_setting(arg, after, config, config_files, program):
         return f"{arg} is not a config file: did you mean --{arg.lstrip('-')}?"
     if config_files:
         return f'config file not found: {arg} (see config/, e.g. config/fm_small.py)'
-    run = None
-    if arg.endswith('.py') and os.path.isfile(arg) and 'out_dir' in config:
+    run, reads_checkpoints = None, 'out_dir' in config or 'ckpt' in config
+    if arg.endswith('.py') and os.path.isfile(arg) and reads_checkpoints:
         run = re.search("^out_dir = '(.*)'", open(arg).read(), re.M)
     if run:
         return f"{arg} is a training config; {program} reads the model from a checkpoint: pass " \

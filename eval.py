@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
-import devices
+import run
 from generate import Generator, Sampling
 from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8, replacing
 
@@ -189,14 +189,14 @@ def build_model(ckpt, path, device):
 def check_device(device, dtype):
     """ConfigError unless device is one this machine has (as train.py and sample.py check it) and dtype is one eval.py
     takes."""
-    if dtype not in devices.DTYPES:
+    if dtype not in run.DTYPES:
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}")
-    devices.check_device(device)
+    run.check_device(device)
 
 
 def autocast(device, dtype):
     """The autocast context of the model's passes: 'auto' is bfloat16 on CUDA and none elsewhere."""
-    dtype = devices.resolve_dtype(dtype, device)
+    dtype = run.resolve_dtype(dtype, device)
     return nullcontext() if dtype == 'float32' else torch.autocast(torch.device(device).type, getattr(torch, dtype))
 
 

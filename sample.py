@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
-from devices import DTYPES, check_device, check_generation_fits, resolve_dtype
+from run import DTYPES, check_device, memory, resolve_dtype
 from generate import Generator, Sampling
 from prepare_data import read_utf8
 
@@ -91,6 +91,21 @@ def read_prompt(start):
                           f'text, or FILE:path to read the prompt from a UTF-8 file') from None
     except ValueError as e:  # read_utf8's: names the file, the byte, the fix
         raise ConfigError(f'--start={start}: {e}') from None
+
+
+def check_generation_fits(model, batch, prompt_len, max_new_tokens):
+    """ConfigError if batch rows' decoding buffers (states, tokens, logits) exceed free memory."""
+    device = model.embed.weight.device
+    state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
+    need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
+    need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
+    free = memory(device, free=True)
+    if need > free:
+        tokens = prompt_len + max_new_tokens
+        raise ConfigError(f'--num_samples={batch} x {tokens:,} tokens (prompt and '
+                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers; '
+                          f'{device} has {free / 1e9:,.1f} GB free: lower --num_samples or '
+                          f'--max_new_tokens')
 
 
 def main(argv=()):

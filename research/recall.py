@@ -32,7 +32,7 @@ from configurator import (ConfigError, check_training, help_text, load_config, o
 import torch
 import torch.nn.functional as F
 
-from devices import check_device, check_model_fits
+from run import check_device, check_model_fits
 from model import Model, ModelConfig
 from research.mqar import TEST, TRAIN, VOCAB, held_out, mqar
 

@@ -23,6 +23,7 @@ import pytest
 
 import checkpoint
 import eval as evaluation
+import run
 import sample
 import train
 from configurator import ConfigError, help_text, load_config
@@ -472,14 +473,13 @@ def test_the_signal_handlers_come_before_any_other_import(script):
 def test_the_memory_check_counts_the_weights_and_adamw(data_dir, tmp_path, monkeypatch):
     """A model whose weights, gradients and AdamW's two moments (16 bytes a parameter) exceed the memory is refused
     naming n_layer and d_model, even where its micro-batch is small; a batch that does not fit still names the batch."""
-    import devices
     n_params = 37_732  # tiny's model
-    monkeypatch.setattr(devices, 'memory', lambda device, free=False: 10 * n_params)
+    monkeypatch.setattr(run, 'memory', lambda device, free=False: 10 * n_params)
     with pytest.raises(ConfigError) as error:
         train.main(tiny(data_dir, tmp_path / 'new', '--batch_size=1', '--block_size=8'))
     message = str(error.value)
     assert '\n' not in message and 'lower --n_layer or --d_model' in message and '37,732 parameters' in message
-    monkeypatch.setattr(devices, 'memory', lambda device, free=False: 10 ** 9)
+    monkeypatch.setattr(run, 'memory', lambda device, free=False: 10 ** 9)
     with pytest.raises(ConfigError, match='tokens a micro-batch need more than .*: lower --batch_size'):
         train.main(tiny(data_dir, tmp_path / 'new', '--batch_size=100000'))
     assert not (tmp_path / 'new').exists()
@@ -742,7 +742,7 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
     def no_locks(file, operation):  # e.g. Lustre mounted without flock
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(train.fcntl, 'flock', no_locks)
+    monkeypatch.setattr(run.fcntl, 'flock', no_locks)
     train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 2}', '--init_from=resume'))
     assert 'warning: cannot lock' in capsys.readouterr().out
 
@@ -1010,11 +1010,11 @@ def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
 def stop_in_evaluation(monkeypatch, at_step):
     """A SIGTERM after the first batch of the evaluation at step at_step -> the steps of each evaluation batch run."""
     real, batches, steps = train.get_batch, [], []
-    evaluate = train.estimate_loss
+    evaluate = train.evaluate_and_save
 
-    def note_step(cfg, run):
-        steps.append(run.iter_num)
-        return evaluate(cfg, run)
+    def note_step(cfg, guard, data, learner, progress, *args):
+        steps.append(progress['iter_num'])
+        return evaluate(cfg, guard, data, learner, progress, *args)
 
     def batch(tokens, *args):
         if len(tokens) < 1_000_000:  # the validation split
@@ -1023,7 +1023,7 @@ def stop_in_evaluation(monkeypatch, at_step):
                 os.kill(os.getpid(), signal.SIGTERM)
         return real(tokens, *args)
     monkeypatch.setattr(train, 'get_batch', batch)
-    monkeypatch.setattr(train, 'estimate_loss', note_step)
+    monkeypatch.setattr(train, 'evaluate_and_save', note_step)
     return batches
 
 
@@ -1305,7 +1305,7 @@ def test_a_kill_during_an_overwrite_leaves_the_earlier_run_to_every_reader(data_
     copy_run(trained, tmp_path)
     (tmp_path / 'routing.json').write_text('{}')
     before = run_bytes(tmp_path)
-    monkeypatch.setattr(train, 'save_checkpoint', dies_on_call(2, checkpoint.save_checkpoint))
+    monkeypatch.setattr(run, 'save_checkpoint', dies_on_call(2, checkpoint.save_checkpoint))
     with pytest.raises(Killed):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
     monkeypatch.undo()
@@ -1524,21 +1524,21 @@ def test_a_stop_inside_a_long_step_saves_the_step_before(data_dir, tmp_path, mon
     """A signal between the micro-batches of a step stops it there (with 10^9 of them it would never end): the last
     whole step is saved, and a resume from it goes on as a straight run does."""
     straight = train.main(tiny(data_dir, tmp_path / 'a', '--max_iters=3', '--gradient_accumulation_steps=2'))
-    real, calls = train.next_batch, []
+    real, calls = train.Batches.next, []
 
-    def signal_in_step_2(cfg, run):  # with 2 micro-batches a step, the 4th batch is step 2's second
-        calls.append(cfg.gradient_accumulation_steps)
+    def signal_in_step_2(batches):  # with 2 micro-batches a step, the 4th batch is step 2's second
+        calls.append(1)
         if len(calls) == 4:
             os.kill(os.getpid(), signal.SIGTERM)
         assert len(calls) < 50, 'the step did not stop: a bug'
-        return real(cfg, run)
-    monkeypatch.setattr(train, 'next_batch', signal_in_step_2)
-    for accum, out in ((2, 'b'), (10 ** 9, 'c')):
+        return real(batches)
+    monkeypatch.setattr(train.Batches, 'next', signal_in_step_2)
+    for accum, out in ((2, 'b'), (2 ** 14, 'c')):
         calls.clear()
         train.main(tiny(data_dir, tmp_path / out, '--max_iters=3', f'--gradient_accumulation_steps={accum}'))
     out = capsys.readouterr().out
     assert f'saved {tmp_path / "b" / "ckpt.pt"} at step 1' in out and 'stopped at step 0: nothing saved' in out, out
-    monkeypatch.setattr(train, 'next_batch', real)
+    monkeypatch.setattr(train.Batches, 'next', real)
     assert train.main(tiny(data_dir, tmp_path / 'b', '--max_iters=3', '--gradient_accumulation_steps=2',
                            '--init_from=resume'))['train'] == straight['train'][1:]
 
