@@ -253,8 +253,11 @@ def build(cfg, data, device, dtype, ckpt, folder):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the same weights on every rank
+    vocab_size = data.tok.vocab_size
+    if vocab_size > 256:  # padded to a multiple of vocab_multiple
+        vocab_size = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
     if ckpt is None:
-        model = Model(ModelConfig(**model_args(cfg), vocab_size=vocab_size(cfg, data)))
+        model = Model(ModelConfig(**model_args(cfg), vocab_size=vocab_size))
     else:
         model = model_from_checkpoint(ckpt, folder / 'ckpt.pt')
     model.config.block_size = cfg.block_size  # a resume trains at this run's context
@@ -264,14 +267,6 @@ def build(cfg, data, device, dtype, ckpt, folder):
                                            device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == 'float16')
     return model, optimizer, scaler
-
-
-def vocab_size(cfg, data):
-    """The tokenizer's vocabulary, padded to a multiple of vocab_multiple above 256 tokens."""
-    size = data.tok.vocab_size
-    if size > 256:
-        size = -(-size // cfg.vocab_multiple) * cfg.vocab_multiple
-    return size
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -285,22 +280,23 @@ def loop(cfg, guard, data, learner, progress):
     while True:
         if evaluate_and_save(cfg, guard, data, learner, progress, history, start):
             t0 = time.time()  # evaluation out of the timings
-        if progress['iter_num'] >= cfg.max_iters and not progress['eval_cut']:  # evaluated: done
+        it = progress['iter_num']
+        if it >= cfg.max_iters and not progress['eval_cut']:  # its evaluation ran whole: done
             break
         if guard.stopped():
             return stop(cfg, guard, data, learner, progress, start, history)
 
-        lr = get_lr(progress['iter_num'], cfg)
+        lr = get_lr(it, cfg)
         for param_group in learner.optimizer.param_groups:
             param_group['lr'] = lr
-        loss = train_step(cfg, guard, learner, progress['iter_num'])
+        loss = train_step(cfg, guard, learner, it)
         if loss is None:  # a signal came between micro-batches
             return stop(cfg, guard, data, learner, progress, start, history)
         guard.stepped, steps, loss_sum = True, steps + 1, loss_sum + loss
-        progress['iter_num'] += 1
+        progress['iter_num'] = it = it + 1
 
-        if progress['iter_num'] % cfg.log_interval == 0 or progress['iter_num'] == cfg.max_iters:
-            log(cfg, guard, learner, history, progress['iter_num'], lr, loss_sum / steps, steps, t0)
+        if it % cfg.log_interval == 0 or it == cfg.max_iters:
+            log(cfg, guard, learner, history, it, lr, loss_sum / steps, steps, t0)
             t0, steps, loss_sum = time.time(), 0, torch.zeros((), device=learner.device)
     if guard.master:
         best = ''
@@ -383,9 +379,8 @@ def evaluate_and_save(cfg, guard, data, learner, progress, history, start):
     evaluated. Not again at the step a run resumes from, unless a stop cut it short."""
     it = progress['iter_num']
     fresh = it > start or progress['eval_cut']
-    if not it % cfg.eval_interval == 0 and it < cfg.max_iters:
-        return False
-    if not fresh and cfg.init_from == 'resume':  # evaluated before the run stopped
+    due = it % cfg.eval_interval == 0 or it >= cfg.max_iters
+    if not due or not fresh and cfg.init_from == 'resume':  # resumed: evaluated before the stop
         return False
     guard.check_finite(learner.bad, lambda step: get_lr(step, cfg))
     val_loss = estimate_loss(cfg, guard, data, learner)
@@ -400,15 +395,19 @@ def evaluate_and_save(cfg, guard, data, learner, progress, history, start):
     if new_best:
         progress['best_val_loss'] = val_loss
     if guard.master:
-        bits = ''
+        line = f'step {it}: val loss {val_loss:.4f}'
         if cfg.tokenizer == 'bytes':
-            bits = f', {val_loss / math.log(2):.4f} bits per byte'
-        print(f"step {it}: val loss {val_loss:.4f}{bits}{' (best)' if new_best else ''}",
-              flush=True)
+            line += f', {val_loss / math.log(2):.4f} bits per byte'
+        if new_best:
+            line += ' (best)'
+        print(line, flush=True)
     if learner.wandb:
         learner.wandb.log({'iter': it, 'val/loss': val_loss, 'lr': get_lr(it, cfg)})
-    names = ['ckpt.pt'] * (fresh and (cfg.always_save_checkpoint or it >= cfg.max_iters))
-    names += ['best.pt'] * new_best
+    names = []
+    if fresh and (cfg.always_save_checkpoint or it >= cfg.max_iters):
+        names.append('ckpt.pt')
+    if new_best:
+        names.append('best.pt')
     if names:
         guard.save(guard.checkpoint(cfg, learner, data, progress), names)
     return True
