@@ -1,6 +1,7 @@
 """nanoGPT's settings, `python train.py config/fm_small.py --batch_size=32`: a config file is
 Python setting known keys; --key=value sets one, of its default's type (types[key] where the
-default is None)."""
+default is None). And how a script's command line ends: a signal or a refusal is one line and
+an exit code. Every script imports this module first, before torch: its handlers come first."""
 import ast
 import contextlib
 import dataclasses
