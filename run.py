@@ -246,10 +246,10 @@ def check_batch_fits(batch_size, block_size, config, n_params, device):
 class Run:
     """A run's hold on out_dir, its last saves and its stop (the signal, agreed by all ranks)."""
 
-    def __init__(self, out_dir, rank=0, world_size=1, group=None):
+    def __init__(self, out_dir):
         self.folder, self.created = Path(out_dir), not os.path.exists(out_dir)
-        self.rank, self.world_size, self.group = rank, world_size, group
-        self.master, self.lock, self.handlers = rank == 0, None, {}
+        self.rank, self.world_size, self.group = 0, 1, None  # torchrun's: train.py sets them
+        self.master, self.lock, self.handlers = True, None, {}
         self.saved, self.earlier, self.stop = {}, [], 0  # {name: step}, files replaced, signal
         self.stepped = False  # whether this process has trained a step (train.py's loop)
 

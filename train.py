@@ -65,7 +65,6 @@ n_memory = 32  # m, memory rows
 top_k = 8  # k rows read and written per token; None: dense
 fm_conv = 4  # FM's block, not the paper's: 4-tap convolution on xbar (0: none; paper_layer.py)
 fm_gate = True  # FM's block, not in the paper: an output gate (False: none)
-
 chunk_size = 16  # tokens a chunk of the parallel scans: 16 is fastest for FM's on a CPU
 
 # AdamW, its learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
@@ -182,6 +181,7 @@ def train(cfg, guard, device, dtype):
         learner.ctx = torch.autocast(device.type, getattr(torch, dtype))
     if cfg.compile:
         learner.net = torch.compile(model)
+    learner.eval_net = learner.net  # not DDP's: no gradient sync
     if guard.group is not None:
         ids = [device.index] if device.type == 'cuda' else None
         learner.net = DDP(learner.net, device_ids=ids)
@@ -324,7 +324,8 @@ def get_lr(it, cfg):
 @torch.no_grad()
 def estimate_loss(cfg, guard, data, learner):
     """Mean loss a token on the fixed val windows, split over ranks; None if a signal stopped it."""
-    learner.model.eval()  # not the DDP wrapper: no gradient sync
+    model = learner.eval_net
+    model.eval()
     total = torch.zeros(3, dtype=torch.float64)
     mine = data.val_starts[guard.rank::guard.world_size]
     for i in range(0, len(mine), cfg.batch_size):
@@ -333,12 +334,12 @@ def estimate_loss(cfg, guard, data, learner):
         starts = mine[i:i + cfg.batch_size]
         x, y = get_batch(data.val, starts, cfg.block_size, learner.device, data)
         with learner.ctx:
-            loss = learner.model(x, y)[1].item()
+            loss = model(x, y)[1].item()
         total += torch.tensor([loss * len(x), len(x), 0], dtype=torch.float64)
     total[2] = guard.stop
     if guard.group is not None:
         dist.all_reduce(total, group=guard.group)  # the stop too: every rank agrees
-    learner.model.train()
+    model.train()
     if total[2]:  # the same on every rank: a signal on one stops all
         guard.stopped()
         return None
