@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from run import check_device, check_model_fits
 from model import Model, ModelConfig
-from research.mqar import TEST, TRAIN, VOCAB, held_out, mqar
+from research.mqar import TRAIN, VOCAB, held_out, mqar
 
 SETTINGS = dict(
     name='',  # the run's name ('': MIXER-dD_MODEL-lrLR-sSEED); its model: the name less -lr-s
