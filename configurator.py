@@ -1,6 +1,7 @@
 """nanoGPT's settings, `python train.py config/fm_small.py --batch_size=32`: a config file is
 Python setting known keys; --key=value sets one, of its default's type (types[key] where the
-default is None)."""
+default is None). And how a script's command line ends: a signal or a refusal is one line and
+an exit code. Every script imports this module first, before torch: its handlers come first."""
 import ast
 import contextlib
 import dataclasses
@@ -12,6 +13,8 @@ import sys
 import traceback
 import typing
 
+STOPS = {signal.SIGINT: 'interrupted', signal.SIGTERM: 'terminated', signal.SIGHUP: 'hung up'}
+SEEDS = 2 ** 32  # numpy's seeds: 0 to 2^32 - 1
 NOTE = re.compile(r'''\s*(\w+)\s*(?::[^=]*)?=\s*((?:'[^']*'|"[^"]*"|[^'"#])+?),?\s+#\s*(.*)''')
 
 
@@ -26,14 +29,16 @@ def leave(line, code, exit=sys.exit):
 
 
 def quit_on_ctrl_c():
-    """A script's first step: a Ctrl-C or SIGTERM while torch loads exits 130 or 143."""
-    signal.signal(signal.SIGINT, lambda *_: leave('interrupted', 130, os._exit))
-    signal.signal(signal.SIGTERM, lambda *_: leave('terminated', 143, os._exit))
+    """A script's first step: Ctrl-C, SIGTERM or SIGHUP while torch loads: a line, 128 + signal."""
+    for sig, line in STOPS.items():  # SIGHUP last: once it is caught, all are
+        signal.signal(sig, lambda signum, _, line=line: leave(line, 128 + signum, os._exit))
 
 
 def quit_on_sigterm():
-    """SIGTERM stops the script as Ctrl-C does, through its cleanups (with, finally): 143."""
-    signal.signal(signal.SIGTERM, lambda *_: leave('terminated', 143))
+    """SIGTERM or SIGHUP (a closed terminal) stops the script as Ctrl-C does, through its
+    cleanups (with, finally): 143 or 129."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: leave(STOPS[signum], 128 + signum))
 
 
 def run_main(main, *errors):
@@ -45,6 +50,23 @@ def run_main(main, *errors):
         leave('interrupted', 130)
     except (ConfigError, *errors) as e:
         leave(f'error: {e}', 1)
+
+
+def check_training(cfg, at_least):
+    """ConfigError naming the first setting of cfg (a dict) out of range, and its fix: at_least's
+    bounds, and those train.py and research/recall.py share (the optimizer's, the seed)."""
+    for key, low in (at_least | dict(weight_decay=0, grad_clip=0, seed=0)).items():
+        if not cfg[key] >= low:
+            raise ConfigError(f'--{key}={cfg[key]} is out of range: set it to at least {low}')
+    for key in ('beta1', 'beta2'):
+        if not 0 <= cfg[key] < 1:
+            raise ConfigError(f'--{key}={cfg[key]} is out of range: set it to at least 0 and '
+                              f'below 1')
+    if not 0 < cfg['learning_rate'] <= 1e6:  # far above, AdamW's step overflows float32
+        raise ConfigError(f"--learning_rate={cfg['learning_rate']} is out of range: set it above 0 "
+                          f'and at most 1e6 (typical: 1e-4 to 1e-2)')
+    if cfg['seed'] >= SEEDS:
+        raise ConfigError(f"--seed={cfg['seed']} is out of range: set it to at most {SEEDS - 1}")
 
 
 def load_config(config, argv, types=None, config_files=True, program=None):
@@ -155,8 +177,8 @@ def not_a_setting(arg, after, config, config_files, program):
         return f"{arg} is not a config file: did you mean --{arg.lstrip('-')}?"
     if config_files:
         return f'config file not found: {arg} (see config/, e.g. config/fm_small.py)'
-    run = None
-    if arg.endswith('.py') and os.path.isfile(arg):
+    run, reads_checkpoints = None, 'out_dir' in config or 'ckpt' in config
+    if arg.endswith('.py') and os.path.isfile(arg) and reads_checkpoints:
         run = re.search("^out_dir = '(.*)'", open(arg).read(), re.M)
     if run:
         return f"{arg} is a training config; {program} reads the model from a checkpoint: pass " \

@@ -26,6 +26,11 @@ and .png of all of them.
 The small-scale reproduction's analyses (learning-rate sweep, loss frontier, memory scaling): research/analysis.py.
 Each mode's settings: python eval.py --help, python eval.py harness --help, python eval.py routing --help.
 """
+from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm, run_main
+
+if __name__ == '__main__':  # first: a signal while the imports load is one line
+    quit_on_ctrl_c()
+
 import copy
 import csv
 import difflib
@@ -41,18 +46,13 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from configurator import ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm, run_main
-
-if __name__ == '__main__':
-    quit_on_ctrl_c()
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import model as model_file
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
-import devices
+import run
 from generate import Generator, Sampling
 from prepare_data import DEFAULT_DATA_DIR, get_tokenizer, load_tokens, prepare, read_utf8, replacing
 
@@ -189,14 +189,14 @@ def build_model(ckpt, path, device):
 def check_device(device, dtype):
     """ConfigError unless device is one this machine has (as train.py and sample.py check it) and dtype is one eval.py
     takes."""
-    if dtype not in devices.DTYPES:
+    if dtype not in run.DTYPES:
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', not {dtype!r}")
-    devices.check_device(device)
+    run.check_device(device)
 
 
 def autocast(device, dtype):
     """The autocast context of the model's passes: 'auto' is bfloat16 on CUDA and none elsewhere."""
-    dtype = devices.resolve_dtype(dtype, device)
+    dtype = run.resolve_dtype(dtype, device)
     return nullcontext() if dtype == 'float32' else torch.autocast(torch.device(device).type, getattr(torch, dtype))
 
 

@@ -110,6 +110,11 @@ class Generator:
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max_new_tokens < 1:
             raise ValueError('give every prompt a token or more, and max_new_tokens of 1 or more')
+        vocab = self.model.config.vocab_size
+        beyond = [t for p in prompts for t in p if not 0 <= t < vocab]
+        if beyond:
+            raise ValueError(f'prompt token {beyond[0]} is not an id of the model (0 to '
+                             f"{vocab - 1}): encode the prompts with the model's tokenizer")
         shape = (len(prompts), max(lengths) + max_new_tokens)
         if shape != self.shape:
             self._allocate(*shape)

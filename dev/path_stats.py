@@ -1,15 +1,16 @@
-"""The learner's path in numbers (issue 54): python dev/path_stats.py [FILE ...]
+"""The learner's path in numbers (issues 54, 64): python dev/path_stats.py [FILE ...]
 
 Per file and in all: lines, bytes, mean characters a non-blank line, lines over 100
-columns, conditional expressions (`a if c else b`), and the longest functions.
-Default files: the path and fm_kernel.py.
+columns, conditional expressions (`a if c else b`), the longest functions and those
+over 60 lines. Default files: every file of the path that exists, the kernels included.
 """
 import ast
 import sys
 from pathlib import Path
 
-PATH = ['model.py', 'train.py', 'sample.py', 'generate.py', 'checkpoint.py', 'configurator.py',
-        'devices.py']
+PATH = ['model.py', 'train.py', 'run.py', 'sample.py', 'generate.py', 'checkpoint.py',
+        'configurator.py', 'prepare_data.py', 'fm_kernel.py', 'decode_linear.py']
+LONG = 60  # lines: a function longer is one to split
 
 
 def function_lengths(tree):
@@ -54,9 +55,10 @@ def main(files):
     keys = ('lines', 'bytes', 'chars', 'non_blank', 'over_100', 'if_exps')
     total = {k: sum(s[k] for s in path) for k in keys}
     print(row('the path', total))
-    longest = sorted((fn for s in per_file.values() for fn in s['functions']), reverse=True)[:8]
-    print('longest functions:', ', '.join(f'{name} {n}' for n, name in longest))
+    functions = sorted((fn for s in per_file.values() for fn in s['functions']), reverse=True)
+    print('longest functions:', ', '.join(f'{name} {n}' for n, name in functions[:8]))
+    print(f'functions over {LONG} lines: {sum(n > LONG for n, _ in functions)}')
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:] or PATH + ['fm_kernel.py'])
+    main(sys.argv[1:] or [f for f in PATH if Path(f).exists()])

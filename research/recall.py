@@ -6,9 +6,9 @@ bfloat16 autocast on CUDA, no torch.compile. Each step is a batch of the next tr
 (seq_len, n_pairs) of mqar.TRAIN, batch_tokens / seq_len examples; the loss is the cross-entropy at
 the answers only (Model.forward's with targets -1 elsewhere; the head runs at the answers alone).
 Then the accuracy at the answers of the held-out examples of each test slice (mqar.TEST), appended
-to --out as a row a slice, with the bytes of a layer's state (the first layer's init_state buffers
-for one sequence of the slice's length) and the bytes a decoding step reads and writes there
-(step_state_bytes):
+to --out (checked before training) as a row a slice as it ends, with the bytes of a layer's state
+(the first layer's init_state buffers for one sequence of the slice's length) and the bytes a
+decoding step reads and writes there (step_state_bytes):
     python research/recall.py --mixer=fm --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
 Any mixer of model.py (MIXER_CLASSES, or module:Class such as research.levers:RowRatesFM) and any
 ModelConfig field. `bash research/reproduce.sh recall` runs the sweep.
@@ -26,14 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from configurator import ConfigError, help_text, load_config, optional_types, run_main
+from configurator import (ConfigError, check_training, help_text, load_config, optional_types,
+                          run_main)
 
 import torch
 import torch.nn.functional as F
 
-from devices import check_device
+from run import check_device, check_model_fits
 from model import Model, ModelConfig
-from research.mqar import TEST, TRAIN, VOCAB, held_out, mqar
+from research.mqar import TRAIN, VOCAB, held_out, mqar
 
 SETTINGS = dict(
     name='',  # the run's name ('': MIXER-dD_MODEL-lrLR-sSEED); its model: the name less -lr-s
@@ -57,6 +58,7 @@ MODEL_SETTINGS.update(n_layer=2, d_model=128)  # the papers' 2 layers
 FIELDS = ('run', 'model', 'mixer', 'd_model', 'n_memory', 'top_k', 'fm_conv', 'fm_gate', 'd_state',
           'parameters', 'learning_rate', 'seed', 'steps', 'seq_len', 'n_pairs', 'answers',
           'accuracy', 'state_bytes', 'step_bytes', 'train_loss', 'seconds')
+AT_LEAST = dict(steps=1, batch_tokens=1, test_examples=1, log_interval=1, warmup_steps=0)
 RUN_NAME = re.compile(r'-lr([0-9.e+-]+)-s(\d+)$')  # NAME-lrLR-sSEED: the model is NAME
 
 
@@ -129,20 +131,36 @@ def state_bytes(layer, seq_len):
     return sum(t.numel() * t.element_size() for t in layer.init_state(1, seq_len, 'meta').values())
 
 
-def append_rows(rows, path):
-    """Append rows to the .csv at path (its header first when new), under a lock: many runs write
+def check_out(path):
+    """ConfigError unless rows can be appended to the .csv at path: a place to write, and
+    research/recall.py's header if it holds any (it is created, empty, if new)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, 'a+', encoding='utf-8') as f:
+            f.seek(0)
+            header = f.readline().rstrip('\n')
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, 'strerror', None) or 'not text'
+        raise ConfigError(f'--out={path} cannot take the rows ({reason}): pass a .csv path in a '
+                          f'writable folder') from None
+    if header and header != ','.join(FIELDS):
+        raise ConfigError(f'--out={path} holds other columns than research/recall.py writes: pass '
+                          f'a new --out (or that of a run of it)')
+
+
+def append_row(row, path):
+    """Append row to the .csv at path (its header first when new), under a lock: many runs write
     to one file."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, 'a', newline='') as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         writer = csv.DictWriter(f, FIELDS, lineterminator='\n')
         if f.tell() == 0:
             writer.writeheader()
-        writer.writerows(rows)
+        writer.writerow(row)
 
 
 def run(cfg, model_cfg):
-    """Train, test each slice of mqar.TEST, append a row a slice to cfg['out'] -> the rows."""
+    """Train, test each slice of mqar.TEST, append its row to cfg['out'] as it ends -> the rows."""
     torch.manual_seed(cfg['seed'])
     longest = max(seq_len for seq_len, _ in TRAIN)
     config = ModelConfig(vocab_size=VOCAB, block_size=longest, **model_cfg)
@@ -168,8 +186,8 @@ def run(cfg, model_cfg):
                      'state_bytes': state_bytes(layer, seq_len),
                      'step_bytes': layer.step_state_bytes(seq_len), 'train_loss': train_loss,
                      'seconds': round(seconds, 1)})
+        append_row(rows[-1], cfg['out'])
         print(f'{seq_len}/{n_pairs}: accuracy {share:.4f} of {total} answers', flush=True)
-    append_rows(rows, cfg['out'])
     print(f"{name}: trained in {seconds:.0f} s, wrote {len(rows)} rows to {cfg['out']}")
     return rows
 
@@ -183,15 +201,15 @@ def main(argv=()):
         return None
     cfg = load_config(SETTINGS | MODEL_SETTINGS, argv, optional_types(ModelConfig),
                       config_files=False, program='research/recall.py')
-    for key in ('steps', 'batch_tokens', 'test_examples', 'log_interval'):
-        if cfg[key] < 1:
-            raise ConfigError(f'--{key}={cfg[key]}: must be at least 1')
+    check_training(cfg, AT_LEAST)
     check_device(cfg['device'])
+    model_cfg = {key: cfg[key] for key in MODEL_SETTINGS}
     try:
-        model_cfg = {key: cfg[key] for key in MODEL_SETTINGS}
-        ModelConfig(vocab_size=VOCAB, **model_cfg)
-    except ValueError as e:
+        config = ModelConfig(vocab_size=VOCAB, **model_cfg)
+        check_model_fits(config, torch.device(cfg['device']))
+    except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
+    check_out(cfg['out'])
     return run({key: cfg[key] for key in SETTINGS}, model_cfg)
 
 

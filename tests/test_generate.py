@@ -271,3 +271,12 @@ def test_rope_keeps_float32_angles_in_a_bf16_model():
 def test_sample_streams_what_it_returns(trained, capsys):
     text = sample.main([f'--out_dir={trained[0]}', '--num_samples=1', '--max_new_tokens=30', '--start=To be'])[0]
     assert capsys.readouterr().out == text + '\n---------------\n'
+
+
+@pytest.mark.parametrize('token', [64, -1])
+def test_a_prompt_token_beyond_the_vocabulary_is_one_error(token):
+    """A prompt id the embedding lacks: a ValueError naming it, not an IndexError from the embedding."""
+    generator = Generator(Model(tiny_config(vocab_size=64)).eval())
+    with pytest.raises(ValueError, match=rf'prompt token {token} is not an id of the model \(0 to 63\)'):
+        generator.generate([[1, 2], [3, token]], max_new_tokens=2)
+

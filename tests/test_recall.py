@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import train
+from configurator import ConfigError
 from conftest import REPO, randomized, rel_err, reproduce_sh, tiny_config
 from model import Model
 from research import analysis, recall
@@ -208,3 +210,65 @@ def test_another_seed_alone_is_not_refused_before_its_best_rate_is_read(tmp_path
                        SIZES='1M', LRS_TRANSFORMER='1e-3', LRS_MAMBA2='1e-3', LRS_FM='1e-3',
                        LRS_FM_BLOCK='1e-3')
     assert out.strip() == 'accepted'
+
+
+ARGS = ['--mixer=fm', '--d_model=32', '--n_memory=8', '--top_k=4', '--device=cpu', '--steps=1',
+        '--batch_tokens=128', '--test_examples=1']
+
+
+def refusal(main, argv):
+    """The message of the ConfigError main(argv) raises."""
+    with pytest.raises(ConfigError) as error:
+        main(argv)
+    return str(error.value)
+
+
+@pytest.mark.parametrize('arg', ['--learning_rate=0', '--learning_rate=1e308',
+                                 '--learning_rate=-1', '--weight_decay=-1', '--grad_clip=-1',
+                                 '--beta1=1.5', '--beta2=-0.1', f'--seed={2 ** 64}', '--seed=-1'])
+def test_settings_train_py_refuses_are_refused_with_its_message(arg, tmp_path, monkeypatch):
+    """A setting recall.py shares with train.py, out of range: refused before training, in
+    train.py's words."""
+    monkeypatch.setattr(recall, 'train', None)  # no training
+    out = tmp_path / 'recall.csv'
+    assert refusal(recall.main, [*ARGS, f'--out={out}', arg]) == refusal(train.settings, [arg])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize('arg, message', [
+    ('--warmup_steps=-1', '--warmup_steps=-1 is out of range: set it to at least 0'),
+    ('--steps=0', '--steps=0 is out of range: set it to at least 1'),
+    ('--n_memory=1000000000000', "parameters need 1,024,000.0 GB"),  # counted, not allocated
+    ('--out=', '--out= cannot take the rows (No such file or directory)'),
+    ('--out=TMP', 'cannot take the rows (Is a directory)'),
+    ('--out=TMP/file/recall.csv', 'cannot take the rows'),
+    ('--out=TMP/other.csv', 'holds other columns than research/recall.py writes: pass a new --out'),
+    ('--out=TMP/binary.csv', 'cannot take the rows (not text)'),
+    ('research/extrapolation_fm.py', 'research/recall.py takes no config files, only --key=value'),
+])
+def test_bad_settings_and_outputs_are_refused_before_training(arg, message, tmp_path, monkeypatch):
+    """Each a line naming the setting, before any training (recall.train is gone): an --out that
+    cannot be written or is another file's, an --n_memory no memory holds, a config file."""
+    monkeypatch.setattr(recall, 'train', None)
+    (tmp_path / 'file').write_text('')
+    (tmp_path / 'other.csv').write_text('a,b\n1,2\n')
+    (tmp_path / 'binary.csv').write_bytes(b'\xff\xfe\x00\x01')
+    error = refusal(recall.main, [*ARGS, arg.replace('TMP', str(tmp_path))])
+    assert message in error and '\n' not in error and '--out_dir' not in error
+
+
+def test_each_row_is_written_as_its_slice_ends(tmp_path, monkeypatch):
+    """A run stopped during its third test slice has written the first two rows."""
+    real, calls = recall.accuracy, []
+
+    def stopped_at_the_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(recall, 'accuracy', stopped_at_the_third)
+    out = tmp_path / 'recall.csv'
+    with pytest.raises(KeyboardInterrupt):
+        recall.main([*ARGS, f'--out={out}'])
+    with open(out, newline='') as f:
+        assert [(int(r['seq_len']), int(r['n_pairs'])) for r in csv.DictReader(f)] == list(TEST)[:2]

@@ -1,6 +1,7 @@
 """train.py and what keeps a run from losing work: training (also through the Triton scan and under bf16 autocast),
 resume, checkpoints, refusals, divergence, --overwrite, DDP; the configurator, --help and config/."""
 
+import ast
 import glob
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import pytest
 
 import checkpoint
 import eval as evaluation
+import run
 import sample
 import train
 from configurator import ConfigError, help_text, load_config
@@ -358,6 +361,8 @@ def test_missing_data_and_unknown_tokenizer(data_dir, tmp_path):
 @pytest.mark.parametrize('arg, message', [
     ('--batch_size=0', '--batch_size=0 is out of range: set it to at least 1'),
     ('--gradient_accumulation_steps=0', '--gradient_accumulation_steps=0 is out of range: set it to at least 1'),
+    ('--gradient_accumulation_steps=1000000000', '--gradient_accumulation_steps=1000000000 is out of range: set it to '
+                                                 'at most 16384'),
     ('--max_iters=-5', '--max_iters=-5 is out of range: set it to at least 1'),
     ('--device=cuda:99', '--device=cuda:99, but '),  # no CUDA here, or fewer GPUs
     ('--device=gpu', "--device=gpu is not a device: use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
@@ -432,31 +437,49 @@ def test_command_line_errors_are_clear():
     assert 'Traceback' not in run.stderr
 
 
-@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py'])
-@pytest.mark.parametrize('name, code, line', [('SIGINT', 130, 'interrupted'), ('SIGTERM', 143, 'terminated')])
+def caught(pid, sig):
+    """Whether process pid has a handler of sig installed (Linux's /proc/PID/status, SigCgt)."""
+    status = Path(f'/proc/{pid}/status').read_text()
+    return bool(int(re.search(r'SigCgt:\s*(\w+)', status)[1], 16) >> (sig - 1) & 1)
+
+
+SCRIPTS = ['train.py', 'sample.py', 'eval.py', 'prepare_data.py']
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+@pytest.mark.parametrize('name, code, line', [('SIGINT', 130, 'interrupted'), ('SIGTERM', 143, 'terminated'),
+                                              ('SIGHUP', 129, 'hung up')])
 def test_ctrl_c_while_starting_is_one_line(script, name, code, line, tmp_path):
-    """Ctrl-C or SIGTERM before a script's own handling (here while torch loads): one line on stderr, exit code 130
-    or 143."""
-    import time
-    proc = subprocess.Popen([sys.executable, script, f'--out_dir={tmp_path}', f'--data_dir={tmp_path}'][:3 if script ==
-                            'train.py' else 2], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    """Ctrl-C, SIGTERM or SIGHUP before a script's own handling (here while torch loads): one line on stderr, exit
+    code 130, 143 or 129. The signal goes once the script's first handlers are in (SIGHUP's, the last): no timing."""
+    proc = subprocess.Popen([sys.executable, script, f'--data_dir={tmp_path}'], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None and not caught(proc.pid, signal.SIGHUP):
+        time.sleep(0.01)
     proc.send_signal(getattr(signal, name))
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == code and err == f'{line}\n', (proc.returncode, err)
 
 
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_the_signal_handlers_come_before_any_other_import(script):
+    """A script's first statement after its docstring imports configurator, its next installs the handlers: a
+    signal during the other imports is one line too."""
+    body = ast.parse(Path(REPO, script).read_text()).body[1:3]
+    assert isinstance(body[0], ast.ImportFrom) and body[0].module == 'configurator'
+    assert 'quit_on_ctrl_c()' in ast.unparse(body[1])
+
+
 def test_the_memory_check_counts_the_weights_and_adamw(data_dir, tmp_path, monkeypatch):
     """A model whose weights, gradients and AdamW's two moments (16 bytes a parameter) exceed the memory is refused
     naming n_layer and d_model, even where its micro-batch is small; a batch that does not fit still names the batch."""
-    import devices
     n_params = 37_732  # tiny's model
-    monkeypatch.setattr(devices, 'memory', lambda device, free=False: 10 * n_params)
+    monkeypatch.setattr(run, 'memory', lambda device, free=False: 10 * n_params)
     with pytest.raises(ConfigError) as error:
         train.main(tiny(data_dir, tmp_path / 'new', '--batch_size=1', '--block_size=8'))
     message = str(error.value)
     assert '\n' not in message and 'lower --n_layer or --d_model' in message and '37,732 parameters' in message
-    monkeypatch.setattr(devices, 'memory', lambda device, free=False: 10 ** 9)
+    monkeypatch.setattr(run, 'memory', lambda device, free=False: 10 ** 9)
     with pytest.raises(ConfigError, match='tokens a micro-batch need more than .*: lower --batch_size'):
         train.main(tiny(data_dir, tmp_path / 'new', '--batch_size=100000'))
     assert not (tmp_path / 'new').exists()
@@ -719,7 +742,7 @@ def test_one_run_at_a_time_in_an_out_dir(data_dir, tmp_path, monkeypatch, capsys
     def no_locks(file, operation):  # e.g. Lustre mounted without flock
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(train.fcntl, 'flock', no_locks)
+    monkeypatch.setattr(run.fcntl, 'flock', no_locks)
     train.main(tiny(data_dir, tmp_path, f'--max_iters={step + 2}', '--init_from=resume'))
     assert 'warning: cannot lock' in capsys.readouterr().out
 
@@ -836,6 +859,27 @@ def test_ctrl_c_saves_the_last_step(data_dir, tmp_path):
     assert ckpt['iter_num'] >= 3 and f'saved {tmp_path / "ckpt.pt"} at step {ckpt["iter_num"]}' in output
     history = train.main(tiny(data_dir, tmp_path, f'--max_iters={ckpt["iter_num"] + 2}', '--init_from=resume'))
     assert [i for i, _ in history['train']] == [ckpt['iter_num'] + 1, ckpt['iter_num'] + 2]
+
+
+def test_sighup_saves_the_step_and_releases_the_lock(data_dir, tmp_path, monkeypatch, capsys):
+    """SIGHUP (a terminal closed on the run) in step 3: as SIGTERM, that step is saved, the lock released, exit 129."""
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def hang_up_in_step_3(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGHUP)
+        return clip(*args, **kw)
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', hang_up_in_step_3)
+    before = signal.signal(signal.SIGHUP, lambda *_: pytest.fail('SIGHUP was not caught'))  # not a kill
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train.main(tiny(data_dir, tmp_path, '--max_iters=100'), exit_when_stopped=True)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert stop.value.code == 129 and sorted(os.listdir(tmp_path)) == ['ckpt.pt']
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 3
+    assert 'SIGHUP: stopping after this step' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('when', ['evaluation', 'step'])
@@ -983,11 +1027,11 @@ def test_ddp_on_two_gpus_nccl_gpu(data_dir, tmp_path):
 def stop_in_evaluation(monkeypatch, at_step):
     """A SIGTERM after the first batch of the evaluation at step at_step -> the steps of each evaluation batch run."""
     real, batches, steps = train.get_batch, [], []
-    evaluate = train.estimate_loss
+    evaluate = train.evaluate_and_save
 
-    def note_step(cfg, run):
-        steps.append(run.iter_num)
-        return evaluate(cfg, run)
+    def note_step(cfg, guard, data, learner, progress, *args):
+        steps.append(progress['iter_num'])
+        return evaluate(cfg, guard, data, learner, progress, *args)
 
     def batch(tokens, *args):
         if len(tokens) < 1_000_000:  # the validation split
@@ -996,7 +1040,7 @@ def stop_in_evaluation(monkeypatch, at_step):
                 os.kill(os.getpid(), signal.SIGTERM)
         return real(tokens, *args)
     monkeypatch.setattr(train, 'get_batch', batch)
-    monkeypatch.setattr(train, 'estimate_loss', note_step)
+    monkeypatch.setattr(train, 'evaluate_and_save', note_step)
     return batches
 
 
@@ -1278,7 +1322,7 @@ def test_a_kill_during_an_overwrite_leaves_the_earlier_run_to_every_reader(data_
     copy_run(trained, tmp_path)
     (tmp_path / 'routing.json').write_text('{}')
     before = run_bytes(tmp_path)
-    monkeypatch.setattr(train, 'save_checkpoint', dies_on_call(2, checkpoint.save_checkpoint))
+    monkeypatch.setattr(run, 'save_checkpoint', dies_on_call(2, checkpoint.save_checkpoint))
     with pytest.raises(Killed):
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite=True'))
     monkeypatch.undo()
@@ -1308,6 +1352,28 @@ def test_a_kill_during_the_swap_is_finished_by_the_next_run(data_dir, tmp_path, 
         train.main(tiny(data_dir, tmp_path, '--max_iters=2', '--init_from=resume'))
     assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
     assert {torch.load(path, weights_only=True)['iter_num'] for path in tmp_path.glob('*.pt')} == {2}
+
+
+def test_a_kill_between_the_renames_of_one_save_keeps_its_best(data_dir, tmp_path, monkeypatch):
+    """A kill after a save renamed ckpt.pt in, before best.pt: the next run (even one it refuses) renames the whole
+    best.pt.tmp in, so ckpt.pt and best.pt are of the same step, as the killed run logged."""
+    replace = os.replace
+
+    def killed_at_best(src, dst):
+        if str(dst).endswith('best.pt'):
+            raise Killed()
+        return replace(src, dst)
+    train.main(tiny(data_dir, tmp_path, '--max_iters=4'))
+    monkeypatch.setattr(os, 'replace', killed_at_best)
+    with pytest.raises(Killed):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
+    monkeypatch.undo()
+    assert (tmp_path / 'best.pt.tmp').exists()  # whole: ckpt.pt of step 8 is in
+    with pytest.raises(train.TrainError, match='is at step 8, which --max_iters=8 does not pass'):
+        train.main(tiny(data_dir, tmp_path, '--max_iters=8', '--init_from=resume'))
+    assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt']
+    steps = [torch.load(tmp_path / name, weights_only=True)['iter_num'] for name in ('ckpt.pt', 'best.pt')]
+    assert steps == [8, 8]
 
 
 def test_a_failed_first_save_of_an_overwrite_leaves_the_earlier_run(data_dir, tmp_path, trained, monkeypatch):
@@ -1475,21 +1541,21 @@ def test_a_stop_inside_a_long_step_saves_the_step_before(data_dir, tmp_path, mon
     """A signal between the micro-batches of a step stops it there (with 10^9 of them it would never end): the last
     whole step is saved, and a resume from it goes on as a straight run does."""
     straight = train.main(tiny(data_dir, tmp_path / 'a', '--max_iters=3', '--gradient_accumulation_steps=2'))
-    real, calls = train.next_batch, []
+    real, calls = train.Batches.next, []
 
-    def signal_in_step_2(cfg, run):  # with 2 micro-batches a step, the 4th batch is step 2's second
-        calls.append(cfg.gradient_accumulation_steps)
+    def signal_in_step_2(batches):  # with 2 micro-batches a step, the 4th batch is step 2's second
+        calls.append(1)
         if len(calls) == 4:
             os.kill(os.getpid(), signal.SIGTERM)
         assert len(calls) < 50, 'the step did not stop: a bug'
-        return real(cfg, run)
-    monkeypatch.setattr(train, 'next_batch', signal_in_step_2)
-    for accum, out in ((2, 'b'), (10 ** 9, 'c')):
+        return real(batches)
+    monkeypatch.setattr(train.Batches, 'next', signal_in_step_2)
+    for accum, out in ((2, 'b'), (2 ** 14, 'c')):
         calls.clear()
         train.main(tiny(data_dir, tmp_path / out, '--max_iters=3', f'--gradient_accumulation_steps={accum}'))
     out = capsys.readouterr().out
     assert f'saved {tmp_path / "b" / "ckpt.pt"} at step 1' in out and 'stopped at step 0: nothing saved' in out, out
-    monkeypatch.setattr(train, 'next_batch', real)
+    monkeypatch.setattr(train.Batches, 'next', real)
     assert train.main(tiny(data_dir, tmp_path / 'b', '--max_iters=3', '--gradient_accumulation_steps=2',
                            '--init_from=resume'))['train'] == straight['train'][1:]
 
