@@ -32,9 +32,10 @@ try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
 except ImportError:
     mamba_chunk_scan_combined = selective_state_update = None
 
-# memory rows from which sparse FM scans its k rows a token alone (memory_scan): below them the
-# dense scan of all m rows is faster (docs/kernel_log.md, the crossover measured)
-SPARSE_ROWS = {'triton': 128, 'torch': 64}
+# memory rows from which sparse FM scans its k rows a token alone (memory_scan). PyTorch: the
+# crossover measured on a CPU (docs/kernel_log.md); Triton: where the dense scan stops (MAX_ROWS),
+# the GPU crossover not yet measured
+SPARSE_ROWS = {'triton': fm_kernel.MAX_ROWS + 1, 'torch': 64}
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
 
 
