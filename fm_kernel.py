@@ -1330,16 +1330,21 @@ def fm_scan(xbar, theta, phi, h0=None, eps=1e-6):
 # nobody writes keep h0. Nothing has m tokens' width: the work follows B*T*K*D, whatever m is.
 
 
+def _sorted_pairs(idx, n_memory):
+    """idx (B, T, K) -> each pair's b*M + row sorted (time order kept within one), the sort's
+    order (N,) and where a segment starts (N,) bool."""
+    sequence = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+    keys, order = (sequence * n_memory + idx).flatten().sort(stable=True)
+    starts = torch.ones_like(keys, dtype=torch.bool)
+    starts[1:] = keys[1:] != keys[:-1]
+    return keys, order, starts
+
+
 def sparse_dispatch(idx, n_memory):
     """idx (B, T, K) -> the pairs by (sequence, row) with time order kept: order (N,) (each sorted
     pair's flat index b*T*K + t*K + j), seg (N,) its segment, rank (N,) its place in the segment,
     seg_keys (S,) each segment's b*M + row."""
-    B = idx.shape[0]
-    sequence = torch.arange(B, device=idx.device)[:, None, None]
-    keys = (sequence * n_memory + idx).flatten()  # (N,)
-    sorted_keys, order = keys.sort(stable=True)
-    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
-    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    sorted_keys, order, starts = _sorted_pairs(idx, n_memory)
     seg = starts.cumsum(0) - 1  # (N,)
     first = starts.nonzero()[:, 0]  # (S,) the first pair of each segment
     rank = torch.arange(len(seg), device=idx.device) - first[seg]
@@ -1673,10 +1678,7 @@ def _sparse_layout(idx, theta, phi, n_memory):
     chunk of its last pair."""
     B, T, K = idx.shape
     N, C = B * T * K, SPARSE_CHUNK
-    sequence = torch.arange(B, device=idx.device)[:, None, None]
-    keys, order = (sequence * n_memory + idx).flatten().sort(stable=True)  # (N,)
-    starts = torch.ones_like(keys, dtype=torch.bool)
-    starts[1:] = keys[1:] != keys[:-1]
+    keys, order, starts = _sorted_pairs(idx, n_memory)  # (N,)
     ends = torch.ones_like(starts)
     ends[:-1] = starts[1:]
     position = torch.arange(N, device=idx.device)

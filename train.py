@@ -302,9 +302,9 @@ def loop(cfg, guard, data, learner, progress):
         best = ''
         if (guard.folder / 'best.pt').exists():
             best = f" and best.pt (val loss {progress['best_val_loss']:.4f})"
-        sample = f'sample it with: python sample.py --out_dir={cfg.out_dir}'
-        print(f'saved {guard.folder / "ckpt.pt"} (step {progress["iter_num"]}){best}; '
-              f'{learner.model.decoding_refusal() or sample}')
+        then = (learner.model.decoding_refusal()
+                or f'sample it with: python sample.py --out_dir={cfg.out_dir}')
+        print(f'saved {guard.folder / "ckpt.pt"} (step {progress["iter_num"]}){best}; {then}')
     if learner.wandb:
         learner.wandb.finish()
     guard.stop = 0  # finished: a signal now changes nothing
