@@ -1681,14 +1681,15 @@ def _sparse_layout(idx, theta, phi, n_memory):
     keys, order, starts = _sorted_pairs(idx, n_memory)  # (N,)
     ends = torch.ones_like(starts)
     ends[:-1] = starts[1:]
-    position = torch.arange(N, device=idx.device)
-    first = torch.where(starts, position, 0).cummax(0).values  # (N,) its segment's first pair
-    last = torch.where(ends, position, N).flip(0).cummin(0).values.flip(0)  # and last
     chunk_last = (torch.arange(1, triton.cdiv(N, C) + 1, device=idx.device) * C).clamp(max=N) - 1
-    begun_here = first[chunk_last] >= chunk_last // C * C
-    runs_past = last[chunk_last] > chunk_last
-    chain = torch.where(begun_here & runs_past, first[chunk_last], -1).int()
-    chain_end = (last[chunk_last] // C).int()
+    # the first and last pair of the segment of each chunk's last pair (cummax over all N pairs
+    # took 0.7 ms of 4.8 on an H100: docs/kernel_log.md)
+    first = torch.searchsorted(keys, keys[chunk_last])  # (NC,)
+    last = torch.searchsorted(keys, keys[chunk_last], right=True) - 1
+    begun_here = first >= chunk_last // C * C
+    runs_past = last > chunk_last
+    chain = torch.where(begun_here & runs_past, first, -1).int()
+    chain_end = (last // C).int()
     weights = [w.flatten()[order].float().contiguous() for w in (theta, phi)]
     flags = (starts.to(torch.int8) * START + ends.to(torch.int8) * END)
     return dict(tok=(order // K).int(), pair=order.int(), seg=(starts.cumsum(0) - 1).int(),
@@ -1697,7 +1698,7 @@ def _sparse_layout(idx, theta, phi, n_memory):
 
 
 def _sparse_meta(x):
-    return dict(C=SPARSE_CHUNK, BD=64, PRECISION=_precision(x), num_warps=4)
+    return dict(C=SPARSE_CHUNK, BD=32, PRECISION=_precision(x), num_warps=2)
 
 
 def _pair_sum(pairs, B, T, dtype):

@@ -628,6 +628,23 @@ def test_triton_sparse_scan_matches_torch(T, M, k, uneven, h0, rate):
     assert_close_all(got, want, 1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not CUDA, reason="real sizes need a GPU")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("B, T, D, M, uneven", [(2, 512, 2048, 1024, False), (2, 300, 96, 65536, True)])
+def test_triton_sparse_scan_real_size_gpu(B, T, D, M, uneven, dtype, tol):
+    """Real sizes on a GPU (d_memory 2,048; m 65,536 with one row in every token): fm_sparse_scan in
+    float32 and bf16 against fm_sparse_scan_torch in float64."""
+    torch.manual_seed(M)
+    inputs = [t.cuda() for t in sparse_inputs(B, T, D, M, 8, uneven)]
+    grad_y, grad_h = torch.randn(B, T, D, device="cuda"), torch.randn(B, M, D, device="cuda")
+    want = sparse_and_grads(fm_kernel.fm_sparse_scan_torch, *inputs, M, grad_y, grad_h)
+    x, idx, theta, phi, h0 = inputs
+    got = sparse_and_grads(fm_kernel.fm_sparse_scan, x.to(dtype), idx, theta.float(), phi.float(),
+                           h0.float(), M, grad_y, grad_h)
+    assert_close_all(got, want, tol)
+
+
 @pytest.mark.parametrize("change, words", [
     (dict(idx=lambda i: i[..., :0]), "top_k must be in 1"),
     (dict(idx=lambda i: torch.cat([i, i[..., :1] + 1], -1) % 8, M=2), "top_k must be in 1"),
