@@ -32,9 +32,8 @@ try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
 except ImportError:
     mamba_chunk_scan_combined = selective_state_update = None
 
-# memory rows from which sparse FM scans its k rows a token alone (memory_scan). PyTorch: the
-# crossover measured on a CPU (docs/kernel_log.md); Triton: where the dense scan stops (MAX_ROWS),
-# the GPU crossover not yet measured
+# memory rows from which sparse FM scans its k rows a token alone (memory_scan): the crossovers
+# measured (docs/kernel_log.md). Triton: the dense scan is faster up to its MAX_ROWS (H100)
 SPARSE_ROWS = {'triton': fm_kernel.MAX_ROWS + 1, 'torch': 64}
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
 

@@ -617,7 +617,8 @@ def test_triton_sparse_scan_matches_torch(T, M, k, uneven, h0, rate):
     (theta = 1), with and without h0 and dhT."""
     torch.manual_seed(T * M + k)
     x, idx, theta, phi, h = sparse_inputs(2, T, 24, M, k, uneven, rate, h0, torch.float32)
-    grad_y, grad_h = torch.randn(2, T, 24), torch.randn(2, M, 24) * h0  # h0 False: dhT = 0
+    grad_y = torch.randn(2, T, 24, device=DEVICE)
+    grad_h = torch.randn(2, M, 24, device=DEVICE) * h0  # h0 False: dhT = 0
     inputs = [t.to(DEVICE) if t is not None else None for t in (x, idx, theta, phi, h)]
     want = sparse_and_grads(fm_kernel.fm_sparse_scan_torch, *inputs, M, grad_y, grad_h)
     got = sparse_and_grads(fm_kernel.fm_sparse_scan, *inputs, M, grad_y, grad_h)
