@@ -207,6 +207,28 @@ def test_readme_benchmark_tables_are_their_data():
             assert close(text, float(row[key])), (label, key, text)
 
 
+def test_readme_sparse_table_is_its_data():
+    """The sparse-training table and the recall step sentence are docs/results/2026-12-07's, rounded as printed."""
+    import csv
+    with open(RESULTS / '2026-12-07/sparse.csv', newline='') as f:
+        data = {(row['B T D'], row['m']): row for row in csv.DictReader(f)}
+    shapes = ['8 2048 2048', '8 2048 2048', '64 256 128', '64 256 128']
+    keys = ['sparse ms', 'masked ms', 'sparse ms', 'masked ms']
+    cells = readme_table('dense scans and Mamba-2. One layer, forward + backward')
+    assert len(cells) == len(shapes)
+    header = ['64', '128', '1,024', '4,096', '16,384']
+    for row, shape, key in zip(cells, shapes, keys):
+        for m, text in zip(header, row[1:], strict=True):
+            value = data.get((shape, m.replace(',', '')), {}).get(key, '')
+            assert (text == '-') == (value == ''), (row[0], m, text)
+            assert text == '-' or close(text, float(value)), (row[0], m, text, value)
+    with open(RESULTS / '2026-12-07/recall_steps.csv', newline='') as f:
+        means = {(row['n_memory'], row['step']): float(row['ms_a_step_so_far']) for row in csv.DictReader(f)}
+    last_100 = {m: (300 * means[m, '300'] - 200 * means[m, '200']) / 100 for m in ('64', '1024')}
+    phrase = f"({rounded(last_100['1024'], 0)} and {rounded(last_100['64'], 0)} ms, H100;"
+    assert phrase in flat(README), phrase
+
+
 def so_far(name, t, *files):
     """The mean loss so far at t over a model's best-rate runs (those of its name) in docs/results' files."""
     import numpy as np
