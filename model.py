@@ -17,6 +17,7 @@ y = W_o (read-out * silu(W_z x)).
 
 import importlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -213,6 +214,9 @@ def memory_scan(xbar, idx, theta, phi, h0, n_memory, eps, chunk_size):
     theta, phi = spread(idx, theta, phi, n_memory)
     if triton_ok and n_memory <= fm_kernel.MAX_ROWS:
         return fm_kernel.fm_scan(xbar, theta, phi, h0, eps)
+    if triton_ok:
+        warnings.warn(f"dense FM with n_memory = {n_memory} > {fm_kernel.MAX_ROWS} runs PyTorch's "
+                      f"scan (slow) on the GPU: set top_k < n_memory for the sparse scan")
     return fm_kernel.fm_scan_torch(xbar, theta, phi, h0, eps, chunk_size)
 
 

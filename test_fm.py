@@ -17,6 +17,7 @@ the worker count and GPU of each pytest-xdist worker: conftest.py.
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -661,6 +662,23 @@ def test_sparse_scan_rejects_bad_input_naming_it(change, words):
     h0 = change.get('h0', lambda h: h)(h0)
     with pytest.raises(ValueError, match=words):
         fm_kernel.fm_sparse_scan_torch(x, idx, theta, phi[..., :idx.shape[-1]], change.get('M', 8), h0)
+
+
+def test_dense_fm_past_the_triton_rows_says_it_runs_the_slow_scan(monkeypatch):
+    """Dense FM above MAX_ROWS on a GPU takes PyTorch's scan: a warning says so and names top_k; sparse FM
+    (the sparse scan) and dense FM within MAX_ROWS say nothing."""
+    monkeypatch.setattr(model_module, 'triton_scan', lambda x: True)
+    monkeypatch.setattr(fm_kernel, 'fm_scan', lambda x, theta, phi, h0, eps: (x, h0))
+    monkeypatch.setattr(fm_kernel, 'fm_sparse_scan', lambda x, *args: (x, None))
+    M = fm_kernel.MAX_ROWS + 1
+    x, theta, phi = torch.randn(1, 3, 4), torch.rand(1, 3, M), torch.rand(1, 3, M)
+    with pytest.warns(UserWarning, match="top_k < n_memory"):
+        model_module.memory_scan(x, None, theta, phi, None, M, 1e-6, 16)
+    idx = torch.arange(2).expand(1, 3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model_module.memory_scan(x, idx, theta[..., :2], phi[..., :2], None, M, 1e-6, 16)
+        model_module.memory_scan(x, None, theta[..., :M - 1], phi[..., :M - 1], None, M - 1, 1e-6, 16)
 
 
 @core
