@@ -37,7 +37,8 @@ BLOW_UP = 0.5  # nats above the untrained model's val loss: a blow-up (early noi
 
 
 class TrainError(RuntimeError):
-    """A problem the user can fix (data, checkpoint, settings, divergence): the message says how."""
+    """A problem the user can fix (data, checkpoint, settings, divergence):
+    the message says how."""
 
 
 # ------------------------------------------------------------------- settings and data, checked
@@ -260,7 +261,8 @@ class Run:
 
     def _claim(self, resume, overwrite):
         self._lock()
-        if (self.folder / 'replacing').exists():  # the new files are whole: finish the swap
+        # the new files are whole: finish the swap
+        if (self.folder / 'replacing').exists():
             swap_in(self.folder, (self.folder / 'replacing').read_text().split())
         for name in ('ckpt.pt', 'best.pt', 'replacing'):  # of a run killed before its journal
             (self.folder / f'{name}.tmp').unlink(missing_ok=True)
@@ -276,7 +278,8 @@ class Run:
 
     def _lock(self):
         lock = self.folder / 'train.lock'
-        while self.lock is None:  # till the file locked is the one at lock (an ending run unlinks)
+        # till the file locked is the one at lock (an ending run unlinks)
+        while self.lock is None:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 self.lock = open(lock, 'a+')
@@ -302,10 +305,12 @@ class Run:
               flush=True)
 
     def release(self):
-        """The signal handlers as they were, the lock removed, a folder this run left empty gone."""
+        """The signal handlers as they were, the lock removed,
+        a folder this run left empty gone."""
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
-        if self.lock is not None:  # removed while held (a run that locked this file retries)
+        # removed while held (a run that locked this file retries)
+        if self.lock is not None:
             (self.folder / 'train.lock').unlink(missing_ok=True)
             self.lock.close()
         empty = self.folder.is_dir() and not any(self.folder.iterdir())
@@ -371,7 +376,8 @@ class Run:
             then = 'start this run again'
         if 'ckpt.pt' not in self.saved and self.earlier:
             then += ' with --overwrite=True (the earlier run is untouched)'
-        gone = [name for name in self.earlier if name != names[0]]  # names[0] is renamed over
+        # names[0] is renamed over
+        gone = [name for name in self.earlier if name != names[0]]
         self.on_rank_0(lambda: write(ckpt, names, self.folder, gone, then))
         if self.earlier and self.master:
             print(f"replaced the earlier run's {' and '.join(self.earlier)} in {self.folder}")
@@ -393,7 +399,8 @@ class Run:
                           f'rate {lr_at(step - 1):.2e})')
 
     def check_blow_up(self, val_loss, untrained_loss, step):
-        """Stop the run, unsaved, if the val loss is not finite or BLOW_UP above the untrained's."""
+        """Stop the run, unsaved, if the val loss is not finite
+        or BLOW_UP above the untrained's."""
         at = f'the validation loss is {val_loss:.4f} at step {step}'
         if not math.isfinite(val_loss):
             self.diverged(f'{at}: not finite')
@@ -537,7 +544,8 @@ def check_resume(cfg, ckpt, config, asked, path):
         raise TrainError(f'{path} holds a model with {has}; this run asks for {wants}: pass '
                          f'{flags} (or its config file), or use a new --out_dir')
     step = ckpt['iter_num']
-    if step >= cfg.max_iters and not ckpt.get('eval_cut'):  # a last evaluation cut short: run it
+    # a last evaluation cut short: run it
+    if step >= cfg.max_iters and not ckpt.get('eval_cut'):
         raise TrainError(f'{path} is at step {step}, which --max_iters={cfg.max_iters} does not '
                          f'pass: set it higher')
     kept, notes = (*saved, 'init_from', 'out_dir', 'seed'), []  # seed: noted below

@@ -88,7 +88,6 @@ EVAL_SEED = 2024  # of the validation windows alone: runs of other seeds compare
 
 # ----------------------------------------------------------------------------- settings
 
-
 def default_config():
     """The settings above, and every other ModelConfig field at its default."""
     model = {f.name: f.default for f in fields(ModelConfig)
@@ -110,7 +109,6 @@ def settings(argv):
 
 
 # ----------------------------------------------------------------------------- setup
-
 
 def main(argv=(), exit_when_stopped=False):
     """python train.py [config files] [--key=value ...] -> the losses logged: {'train': [(step,
@@ -191,7 +189,6 @@ def train(cfg, guard, device, dtype):
 
 # ----------------------------------------------------------------------------- data
 
-
 def load_data(cfg, guard):
     """The token files (the default corpus prepared first) and the validation windows."""
     folder = dataset_dir(cfg.dataset, cfg.tokenizer, cfg.data_dir, cfg.hf_config or None)
@@ -247,7 +244,6 @@ class Batches:
 
 # ----------------------------------------------------------------------------- model and optimizer
 
-
 def build(cfg, data, device, dtype, ckpt, folder):
     """The model (ckpt's if resuming), its AdamW optimizer, the float16 loss scaler."""
     random.seed(cfg.seed)
@@ -270,7 +266,6 @@ def build(cfg, data, device, dtype, ckpt, folder):
 
 
 # ----------------------------------------------------------------------------- the loop
-
 
 def loop(cfg, guard, data, learner, progress):
     """The training loop, from progress['iter_num'] to max_iters -> the losses logged."""
