@@ -1,9 +1,9 @@
 """
 Train one model of model.py on multi-query associative recall (research/mqar.py) and test it: a
-loop with train.py's optimiser (Model.configure_optimizers: AdamW, betas 0.9 / 0.95, weight decay 0.1
-on matrices, gradient clip 1), Zoology's schedule by default (no warmup, cosine decay to 0 over the
-steps; --warmup_steps and --decay_to give train.py's linear warmup and floor), bfloat16 autocast on
-CUDA, no torch.compile. Each step is a batch of the next training shape (seq_len, n_pairs) of
+loop with train.py's optimiser (Model.configure_optimizers: AdamW, betas 0.9 / 0.95, weight decay
+0.1 on matrices, gradient clip 1), Zoology's schedule by default (no warmup, cosine decay to 0 over
+the steps; --warmup_steps and --decay_to give train.py's linear warmup and floor), bfloat16 autocast
+on CUDA, no torch.compile. Each step is a batch of the next training shape (seq_len, n_pairs) of
 mqar.TRAIN, batch_tokens / seq_len fresh examples; the loss is the cross-entropy at the answers only
 (Model.forward's with targets -1 elsewhere; the head runs at the answers alone). Every stop_interval
 steps the mean accuracy over held-out examples of the training shapes (not the test slices) is
@@ -45,8 +45,8 @@ from research.mqar import TRAIN, VOCAB, held_out, mqar
 # original_mqar_configs.py at d88d6f5, whose train and test shapes mqar.TRAIN and TEST are; the loop
 # in zoology/train.py): 100,000 training examples of 64/4 and 20,000 of each other shape, batches of
 # 256 examples, 32 epochs = 32 x (391 + 4 x 79) = 22,624 steps and 5.76M examples; AdamW, cosine
-# annealing to 0 over the epochs (CosineAnnealingLR, eta_min 0, stepped each epoch), no warmup; early
-# stopping once the test accuracy passes 0.99, checked each epoch.
+# annealing to 0 over the epochs (CosineAnnealingLR, eta_min 0, stepped each epoch), no warmup;
+# early stopping once the test accuracy passes 0.99, checked each epoch.
 SETTINGS = dict(
     name='',  # the run's name ('': MIXER-dD_MODEL-lrLR-sSEED); its model: the name less -lr-s
     out='results/recall.csv',  # the rows are appended to this .csv (its header first when new)
@@ -242,7 +242,8 @@ def run(cfg, model_cfg):
                      'seconds': round(seconds, 1)})
         append_row(rows[-1], cfg['out'])
         print(f'{seq_len}/{n_pairs}: accuracy {share:.4f} of {total} answers', flush=True)
-    print(f"{name}: trained {steps} steps ({stopped}) in {seconds:.0f} s, wrote {len(rows)} rows to {cfg['out']}")
+    print(f"{name}: trained {steps} steps ({stopped}) in {seconds:.0f} s, wrote {len(rows)} rows "
+          f"to {cfg['out']}")
     return rows
 
 

@@ -51,6 +51,8 @@
 #                           own): TRAIN_ARGS="--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu"
 #   EVAL_ARGS=              more eval.py / analysis.py frontier arguments (the dry run: --data=corpus/COPYING.txt,
 #                           a short text rather than the 0.9M-byte long split)
+#   LIST=1                  print the run lines the call's settings select (recall: seed 1's; a later seed's come from
+#                           recall_best.txt) and stop, nothing trained or written (quality, frontier, levers, recall)
 # Exit status: 0 when every run finished (or diverged: a result), 1 when one FAILED (its train.log's end above), 2 for
 # a bad setting (nothing trained), 3 when runs stopped unfinished (a signal, the time limit): run again to go on.
 set -euo pipefail
@@ -707,6 +709,10 @@ case ${1:-} in
        exit 2;;
 esac
 check_settings
+if [[ ${LIST:-} == 1 ]]; then  # the run lines alone: nothing trained or written
+    call_runs
+    exit 0
+fi
 export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
 TRAIN_STATUS=$(mktemp)  # a line a run that FAILED, was SKIPPED or stopped (train_one writes them)
 export TRAIN_STATUS

@@ -345,3 +345,28 @@ def test_zoologys_metric_is_each_runs_mean_over_the_test_slices(tmp_path):
     assert float(written[0]['64/4']) == pytest.approx((0.1 + 1.0 + 0.0) / 3, abs=1e-4)  # 3 seeds
     assert float(written[0]['1024/256']) == pytest.approx((0.7 + 1.0) / 2)
     assert written[0]['stopped_early'] == '1/2'
+
+
+ISSUE_66 = {*(f'{kind}-m{m}-k8' for kind in ('fm-block', 'fm') for m in (16, 64, 256, 1024, 4096)),
+            *(f'{kind}-m{m}-dense' for kind in ('fm-block', 'fm') for m in (16, 64)),
+            *(f'mamba2-n{n}' for n in (16, 32, 64, 128, 256)), 'attn'}
+
+
+def test_the_default_recall_sweep_is_issue_66s_and_lists_without_training(tmp_path):
+    """LIST=1 bash research/reproduce.sh recall with its defaults: FM's block and the paper's layer
+    at k = 8, m = 16-4,096, both dense at m <= 128, Mamba-2 at d_state 16-256, attention; each at
+    Zoology's 4 rates, d_model 128 first (all its runs), then 64 and 256; nothing written."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ('D_MODELS', 'LRS_RECALL', 'MODELS', 'SEEDS', 'RECALL_ARGS')}
+    env.update(LIST='1', RESULTS=str(tmp_path / 'results'), RUNS=str(tmp_path / 'runs'))
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'recall'], cwd=REPO, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    names = [line.split()[0] for line in run.stdout.splitlines()]
+    assert len(names) == len(set(names)) == 20 * 4 * 3 and not os.listdir(tmp_path)
+    parsed = [recall.RUN_NAME.split(name)[:3] for name in names]  # model-dD, lr, seed
+    assert {model.rsplit('-d', 1)[0] for model, _, _ in parsed} == ISSUE_66
+    assert [model.rsplit('-d', 1)[1] for model, _, _ in parsed] == ['128'] * 80 + ['64'] * 80 + \
+        ['256'] * 80
+    assert {lr for _, lr, _ in parsed} == {'1e-3', '3e-3', '1e-2', '3e-2'}
+    assert {seed for _, _, seed in parsed} == {'1'}
