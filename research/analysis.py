@@ -44,10 +44,11 @@ Writes --out's .png.
 
 Multi-query associative recall (research/recall.py's rows, a run and test slice each; issue 55):
 each model at its best learning rate (the highest mean accuracy over the slices up to 256 tokens of
-its first seed), its accuracy by test slice (mean over seeds), and accuracy against the bytes of a
-layer's state and of a decoding step:
+its first seed), its accuracy by test slice (mean over seeds), beside them Zoology's metric (a run's
+mean accuracy over the 7 test slices, mean over seeds), how many seeds stopped early, and accuracy
+against the bytes of a layer's state and of a decoding step:
     python research/analysis.py recall --runs=docs/results/2026-11-29/recall.csv --out=results/r
-Writes --out's _best.txt (MODEL LR a line), _state.png and _step.png.
+Writes --out's _best.txt (MODEL LR a line), _table.csv (the table), _state.png and _step.png.
 """
 import csv
 import json
@@ -79,7 +80,7 @@ POSITIONS_SETTINGS = dict(
     out='results/positions',  # writes out.png
 )
 RECALL_SETTINGS = dict(
-    out='results/recall',  # writes out_best.txt, out_state.png and out_step.png
+    out='results/recall',  # writes out_best.txt, out_table.csv, out_state.png and out_step.png
 )
 ROUTING_SETTINGS = dict(
     out='results/routing',  # writes out.png
@@ -670,7 +671,8 @@ def run_gap(cfg, sources):
 RECALL_SLICES = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256))  # TEST
 RECALL_TRAINED = 256  # the longest training length: the best rate is chosen on the slices up to it
 RECALL_PANELS = {'64-256 tokens (mean of 5 slices)': (64, 256), '512 tokens, 128 pairs': (512, 512),
-                 '1,024 tokens, 256 pairs': (1024, 1024)}  # title -> the slices' seq_len range
+                 '1,024 tokens, 256 pairs': (1024, 1024),
+                 "all 7 slices (Zoology's metric)": (64, 1024)}  # title -> the slices' seq_len range
 
 
 def recall_rows(sources):
@@ -719,9 +721,20 @@ def recall_best(rows):
     return best
 
 
+def recall_mean(rows, run):
+    """Zoology's metric of a run: its mean accuracy over the test slices (RECALL_SLICES), each
+    slice alike (Zoology's test holds as many examples a slice); None unless it has them all."""
+    found = {(r['seq_len'], r['n_pairs']): r['accuracy'] for r in rows if r['run'] == run}
+    if not all(s in found for s in RECALL_SLICES):
+        return None
+    return float(np.mean([found[s] for s in RECALL_SLICES]))
+
+
 def recall_table(rows, best):
     """Each model at its best rate -> {'model', 'learning_rate', 'seeds', (seq_len, n_pairs): the
-    accuracies of its seeds, 'bytes': {(seq_len, n_pairs): (state bytes, step bytes)}}."""
+    accuracies of its seeds, 'mean': Zoology's metric of each seed with every slice (recall_mean),
+    'early': how many seeds stopped early of those that say (None: none says; an older .csv),
+    'bytes': {(seq_len, n_pairs): (state bytes, step bytes)}}."""
     table = []
     for model, (lr, _) in best.items():
         runs = [r for r in rows if r['model'] == model and r['learning_rate'] == lr]
@@ -730,8 +743,31 @@ def recall_table(rows, best):
         for r in runs:
             entry.setdefault((r['seq_len'], r['n_pairs']), []).append(r['accuracy'])
             entry['bytes'][r['seq_len'], r['n_pairs']] = (r['state_bytes'], r['step_bytes'])
+        names = sorted({r['run'] for r in runs})
+        means = [recall_mean(runs, name) for name in names]
+        entry['mean'] = [m for m in means if m is not None]
+        stops = {r['run']: r.get('stopped') for r in runs if r.get('stopped')}
+        entry['early'] = (sum(how == 'early' for how in stops.values()), len(stops)) if stops \
+            else None
         table.append(entry)
     return table
+
+
+def write_recall_table(table, path):
+    """The table as a .csv: a row a model at its best rate, the mean over seeds of each slice and of
+    Zoology's metric (mean), its seeds and how many stopped early, the bytes at the longest slice."""
+    fields = ['model', 'learning_rate', 'seeds', *(f'{t}/{p}' for t, p in RECALL_SLICES), 'mean',
+              'mean_seeds', 'stopped_early', 'state_bytes', 'step_bytes']
+    with open(path, 'w', newline='') as f:
+        writer = csv.writer(f, lineterminator='\n')
+        writer.writerow(fields)
+        for entry in table:
+            cells = [round(float(np.mean(entry[s])), 4) if s in entry else '' for s in RECALL_SLICES]
+            mean = round(float(np.mean(entry['mean'])), 4) if entry['mean'] else ''
+            early = '' if entry['early'] is None else f"{entry['early'][0]}/{entry['early'][1]}"
+            writer.writerow([entry['model'], f"{entry['learning_rate']:g}",
+                             ' '.join(map(str, entry['seeds'])), *cells, mean, len(entry['mean']),
+                             early, *entry['bytes'][max(entry['bytes'])]])
 
 
 def print_recall(table, best):
@@ -739,15 +775,19 @@ def print_recall(table, best):
     an edge."""
     slices = [s for s in RECALL_SLICES if any(s in entry for entry in table)]
     print('accuracy at the answers, each model at its best rate (mean over seeds, min-max where '
-          'several);\nbytes of a layer: its state, a step (at the longest slice)')
+          "several);\nmean: Zoology's metric, a run's mean over the 7 test slices (mean over the "
+          'seeds with all 7); early: seeds stopped early\nbytes of a layer: its state, a step (at the '
+          'longest slice)')
     print(f'{"model":<28} {"lr":>7} {"seeds":>5}' + ''.join(f'{f"{t}/{p}":>10}' for t, p in slices)
-          + f'{"state":>10} {"step":>9}')
+          + f'{"mean":>8} {"early":>5}{"state":>10} {"step":>9}')
     for entry in table:
         cells = ''.join(f'{np.mean(entry[s]):>10.3f}' if s in entry else f'{"-":>10}'
                         for s in slices)
+        mean = f"{np.mean(entry['mean']):>8.3f}" if entry['mean'] else f'{"-":>8}'
+        early = '-' if entry['early'] is None else f"{entry['early'][0]}/{entry['early'][1]}"
         state, step = entry['bytes'][max(entry['bytes'])]
         print(f"{entry['model']:<28} {entry['learning_rate']:>7g} {len(entry['seeds']):>5}{cells}"
-              f"{state:>10,} {step:>9,}")
+              f"{mean} {early:>5}{state:>10,} {step:>9,}")
         ranges = [f'{t}/{p} {min(entry[t, p]):.3f}-{max(entry[t, p]):.3f}' for t, p in slices
                   if len(entry.get((t, p), ())) > 1]
         if ranges:
@@ -812,13 +852,14 @@ def run_recall(cfg, sources):
     with open(f"{cfg['out']}_best.txt", 'w') as f:
         for model, (lr, _) in best.items():
             f.write(f'{model} {recall_rate_name(rows, model, lr)}\n')
+    write_recall_table(table, f"{cfg['out']}_table.csv")
     plotted = []
     for index, name, label in (
             (0, 'state', "bytes of a layer's state (init_state's buffers, one sequence)"),
             (1, 'step', 'bytes a decoding step reads and writes a layer (step_state_bytes)')):
         if plot_recall(table, index, label, f"{cfg['out']}_{name}.png"):
             plotted.append(f"{cfg['out']}_{name}.png")
-    print(f"wrote {cfg['out']}_best.txt" + ''.join(f', {path}' for path in plotted))
+    print(f"wrote {cfg['out']}_best.txt, {cfg['out']}_table.csv" + ''.join(f', {path}' for path in plotted))
     return table
 
 

@@ -1,14 +1,18 @@
 """
 Train one model of model.py on multi-query associative recall (research/mqar.py) and test it: a
-short loop with train.py's optimiser (Model.configure_optimizers: AdamW, betas 0.9 / 0.95, weight
-decay 0.1 on matrices, gradient clip 1), linear warmup then cosine decay to learning_rate / 10,
-bfloat16 autocast on CUDA, no torch.compile. Each step is a batch of the next training shape
-(seq_len, n_pairs) of mqar.TRAIN, batch_tokens / seq_len examples; the loss is the cross-entropy at
-the answers only (Model.forward's with targets -1 elsewhere; the head runs at the answers alone).
+loop with train.py's optimiser (Model.configure_optimizers: AdamW, betas 0.9 / 0.95, weight decay
+0.1 on matrices, gradient clip 1), Zoology's schedule by default (no warmup, cosine decay to 0 over
+the steps; --warmup_steps and --decay_to give train.py's linear warmup and floor), bfloat16 autocast
+on CUDA, no torch.compile. Each step is a batch of the next training shape (seq_len, n_pairs) of
+mqar.TRAIN, batch_tokens / seq_len fresh examples; the loss is the cross-entropy at the answers only
+(Model.forward's with targets -1 elsewhere; the head runs at the answers alone). Every stop_interval
+steps the mean accuracy over held-out examples of the training shapes (not the test slices) is
+measured; training stops early once it passes stop_accuracy (Zoology's rule, 0.99), else at steps.
 Then the accuracy at the answers of the held-out examples of each test slice (mqar.TEST), appended
-to --out (checked before training) as a row a slice as it ends, with the bytes of a layer's state
-(the first layer's init_state buffers for one sequence of the slice's length) and the bytes a
-decoding step reads and writes there (step_state_bytes):
+to --out (checked before training) as a row a slice as it ends, with how training ended (stopped:
+early or budget, after steps), the bytes of a layer's state (the first layer's init_state buffers
+for one sequence of the slice's length) and the bytes a decoding step reads and writes there
+(step_state_bytes):
     python research/recall.py --mixer=fm --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
 Any mixer of model.py (MIXER_CLASSES, or module:Class such as research.levers:RowRatesFM) and any
 ModelConfig field. `bash research/reproduce.sh recall` runs the sweep.
@@ -20,6 +24,7 @@ import os
 import re
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
@@ -36,18 +41,30 @@ from run import check_device, check_model_fits
 from model import Model, ModelConfig
 from research.mqar import TRAIN, VOCAB, held_out, mqar
 
+# The budget is Zoology's (HazyResearch/zoology, zoology/experiments/mqar_example_configs/
+# original_mqar_configs.py at d88d6f5, whose train and test shapes mqar.TRAIN and TEST are; the loop
+# in zoology/train.py): 100,000 training examples of 64/4 and 20,000 of each other shape, batches of
+# 256 examples, 32 epochs = 32 x (391 + 4 x 79) = 22,624 steps and 5.76M examples; AdamW, cosine
+# annealing to 0 over the epochs (CosineAnnealingLR, eta_min 0, stepped each epoch), no warmup;
+# early stopping once the test accuracy passes 0.99, checked each epoch.
 SETTINGS = dict(
     name='',  # the run's name ('': MIXER-dD_MODEL-lrLR-sSEED); its model: the name less -lr-s
     out='results/recall.csv',  # the rows are appended to this .csv (its header first when new)
-    steps=4000,  # training steps (800 and 2,500 were too few: docs/kernel_log.md)
+    steps=50000,  # at most this many steps: 50,000 x (256 + 128 + 64 x 3) / 5 = 5.76M examples,
+    # Zoology's (above), and more than its 22,624 steps (4,000 were too few: docs/kernel_log.md)
     batch_tokens=16384,  # tokens a training batch: batch_tokens / seq_len examples
-    warmup_steps=200,  # linear warmup, then cosine decay to learning_rate / 10
+    warmup_steps=0,  # linear warmup (Zoology: none), then cosine decay
+    decay_to=0.0,  # the cosine ends at learning_rate x decay_to (Zoology: 0; train.py: 0.1)
     learning_rate=1e-3,  # the peak learning rate
-    weight_decay=0.1,  # train.py's AdamW settings
+    weight_decay=0.1,  # train.py's AdamW settings (Zoology: 0.1, betas 0.9 / 0.999, no clip)
     beta1=0.9,
     beta2=0.95,
     grad_clip=1.0,
-    test_examples=512,  # held-out examples a test slice (the same for every run)
+    stop_accuracy=0.99,  # stop once the mean accuracy over the training shapes passes this
+    # (Zoology: 0.99, on its test mean); 1: never
+    stop_interval=707,  # steps between those checks (Zoology: an epoch, 707 batches)
+    stop_examples=256,  # held-out examples a training shape for the check (apart from the test's)
+    test_examples=512,  # held-out examples a test slice (the same for every run; Zoology: 1,000)
     seed=1,  # of the initial weights and the training examples
     device='cuda' if torch.cuda.is_available() else 'cpu',
     log_interval=250,  # steps between log lines
@@ -56,19 +73,33 @@ MODEL_SETTINGS = {f.name: f.default for f in fields(ModelConfig)
                   if f.name not in ('vocab_size', 'block_size')}
 MODEL_SETTINGS.update(n_layer=2, d_model=128)  # the papers' 2 layers
 FIELDS = ('run', 'model', 'mixer', 'd_model', 'n_memory', 'top_k', 'fm_conv', 'fm_gate', 'd_state',
-          'parameters', 'learning_rate', 'seed', 'steps', 'seq_len', 'n_pairs', 'answers',
-          'accuracy', 'state_bytes', 'step_bytes', 'train_loss', 'seconds')
-AT_LEAST = dict(steps=1, batch_tokens=1, test_examples=1, log_interval=1, warmup_steps=0)
+          'parameters', 'learning_rate', 'seed', 'steps', 'stopped', 'train_accuracy', 'seq_len',
+          'n_pairs', 'answers', 'accuracy', 'state_bytes', 'step_bytes', 'train_loss', 'seconds')
+AT_LEAST = dict(steps=1, batch_tokens=1, test_examples=1, log_interval=1, warmup_steps=0,
+                stop_interval=1, stop_examples=1)
+STOP_SEED = 2 * 10 ** 6  # the stop check's held-out examples: STOP_SEED + the shape's index
 RUN_NAME = re.compile(r'-lr([0-9.e+-]+)-s(\d+)$')  # NAME-lrLR-sSEED: the model is NAME
 
 
+def check_schedule(cfg):
+    """ConfigError for a decay floor or a stopping accuracy outside what they mean (shares of 1)."""
+    if not 0 <= cfg['decay_to'] <= 1:
+        raise ConfigError(f"--decay_to={cfg['decay_to']} is out of range: set it to at least 0 and "
+                          f"at most 1 (a share of learning_rate; Zoology: 0)")
+    if not 0 < cfg['stop_accuracy'] <= 1:
+        raise ConfigError(f"--stop_accuracy={cfg['stop_accuracy']} is out of range: set it above 0 "
+                          f"and at most 1 (1: never stop early; Zoology: 0.99)")
+
+
 def learning_rate(step, cfg):
-    """Linear warmup to learning_rate, then cosine decay to learning_rate / 10 at the last step."""
+    """Linear warmup to learning_rate (none by default, as Zoology), then cosine decay to
+    learning_rate x decay_to at step cfg['steps'] (one past the last)."""
     peak = cfg['learning_rate']
     if step < cfg['warmup_steps']:
         return peak * (step + 1) / cfg['warmup_steps']
     progress = (step - cfg['warmup_steps']) / max(1, cfg['steps'] - cfg['warmup_steps'])
-    return peak / 10 + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (peak - peak / 10)
+    floor = peak * cfg['decay_to']
+    return floor + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (peak - floor)
 
 
 def answers(model, inputs, targets):
@@ -79,14 +110,27 @@ def answers(model, inputs, targets):
     return model.logits(hidden[asked]), targets[asked]
 
 
+def train_accuracy(model, checks, batch_tokens, autocast):
+    """The mean accuracy over the training shapes' held-out examples (checks: held_out's dict);
+    the model is left in training mode."""
+    shares = [accuracy(model, *batch, batch_tokens, autocast)[0] for batch in checks.values()]
+    model.train()
+    return sum(shares) / len(shares)
+
+
 def train(model, cfg, autocast):
-    """cfg['steps'] steps on fresh examples -> the mean loss of the last 10% of the steps."""
+    """At most cfg['steps'] steps on fresh examples, stopping early once the mean accuracy over the
+    training shapes passes cfg['stop_accuracy'] (checked every stop_interval steps and at the end)
+    -> (the mean loss of the last 10% of the steps trained, steps trained, 'early' or 'budget', the
+    last check's accuracy)."""
     device = torch.device(cfg['device'])
     betas = (cfg['beta1'], cfg['beta2'])
     optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], betas,
                                            device.type)
     generator = torch.Generator(device).manual_seed(cfg['seed'])
-    losses, start = [], time.time()
+    checks = held_out(cfg['stop_examples'], STOP_SEED, TRAIN)
+    losses, start = deque(maxlen=max(1, cfg['steps'] // 10)), time.time()
+    stopped, checked = 'budget', float('nan')
     model.train()
     for step in range(cfg['steps']):
         for group in optimizer.param_groups:
@@ -101,13 +145,22 @@ def train(model, cfg, autocast):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step >= cfg['steps'] - max(1, cfg['steps'] // 10):
-            losses.append(loss.detach())
-        if (step + 1) % cfg['log_interval'] == 0 or step + 1 == cfg['steps']:
+        losses.append(loss.detach())
+        last = step + 1 == cfg['steps']
+        if (step + 1) % cfg['stop_interval'] == 0 or last:
+            checked = train_accuracy(model, checks, 4 * cfg['batch_tokens'], autocast)
+            print(f'step {step + 1}: training shapes accuracy {checked:.4f}', flush=True)
+            if checked > cfg['stop_accuracy']:
+                stopped = 'early' if not last else stopped
+        if (step + 1) % cfg['log_interval'] == 0 or last or stopped == 'early':
             ms = (time.time() - start) / (step + 1) * 1e3
             print(f"step {step + 1}: loss {loss.item():.4f}, lr {group['lr']:.2e}, "
                   f"{ms:.1f} ms a step", flush=True)
-    return torch.stack(losses).mean().item()
+        if stopped == 'early':
+            print(f"stopped early at step {step + 1}: the training shapes' accuracy "
+                  f"{checked:.4f} > {cfg['stop_accuracy']}", flush=True)
+            break
+    return torch.stack(list(losses)).mean().item(), step + 1, stopped, checked
 
 
 @torch.no_grad()
@@ -173,7 +226,7 @@ def run(cfg, model_cfg):
                            f"-s{cfg['seed']}")
     print(f'{name}: {model.num_params():,} parameters without the embedding', flush=True)
     start = time.time()
-    train_loss = train(model, cfg, autocast)
+    train_loss, steps, stopped, checked = train(model, cfg, autocast)
     seconds = time.time() - start
     layer, rows = model.blocks[0].mixer, []
     for (seq_len, n_pairs), (inputs, targets) in held_out(cfg['test_examples']).items():
@@ -181,14 +234,16 @@ def run(cfg, model_cfg):
         model_fields = {key: getattr(config, key) for key in FIELDS[2:9]}  # mixer to d_state
         rows.append({'run': name, 'model': RUN_NAME.sub('', name), **model_fields,
                      'parameters': model.num_params(), 'learning_rate': cfg['learning_rate'],
-                     'seed': cfg['seed'], 'steps': cfg['steps'], 'seq_len': seq_len,
+                     'seed': cfg['seed'], 'steps': steps, 'stopped': stopped,
+                     'train_accuracy': round(checked, 4), 'seq_len': seq_len,
                      'n_pairs': n_pairs, 'answers': total, 'accuracy': share,
                      'state_bytes': state_bytes(layer, seq_len),
                      'step_bytes': layer.step_state_bytes(seq_len), 'train_loss': train_loss,
                      'seconds': round(seconds, 1)})
         append_row(rows[-1], cfg['out'])
         print(f'{seq_len}/{n_pairs}: accuracy {share:.4f} of {total} answers', flush=True)
-    print(f"{name}: trained in {seconds:.0f} s, wrote {len(rows)} rows to {cfg['out']}")
+    print(f"{name}: trained {steps} steps ({stopped}) in {seconds:.0f} s, wrote {len(rows)} rows "
+          f"to {cfg['out']}")
     return rows
 
 
@@ -202,6 +257,7 @@ def main(argv=()):
     cfg = load_config(SETTINGS | MODEL_SETTINGS, argv, optional_types(ModelConfig),
                       config_files=False, program='research/recall.py')
     check_training(cfg, AT_LEAST)
+    check_schedule(cfg)
     check_device(cfg['device'])
     model_cfg = {key: cfg[key] for key in MODEL_SETTINGS}
     try:

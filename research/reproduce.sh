@@ -51,6 +51,8 @@
 #                           own): TRAIN_ARGS="--max_iters=2 --warmup_iters=0 --batch_size=2 --eval_iters=1 --device=cpu"
 #   EVAL_ARGS=              more eval.py / analysis.py frontier arguments (the dry run: --data=corpus/COPYING.txt,
 #                           a short text rather than the 0.9M-byte long split)
+#   LIST=1                  print the run lines the call's settings select (recall: seed 1's; a later seed's come from
+#                           recall_best.txt) and stop, nothing trained or written (quality, frontier, levers, recall)
 # Exit status: 0 when every run finished (or diverged: a result), 1 when one FAILED (its train.log's end above), 2 for
 # a bad setting (nothing trained), 3 when runs stopped unfinished (a signal, the time limit): run again to go on.
 set -euo pipefail
@@ -74,8 +76,8 @@ SIZES=${SIZES:-1M 2M 4M 8M}
 MEMORIES=${MEMORIES:-256 64 16}
 TAUS=${TAUS:-1 0.25}
 VARIANT=${VARIANT-block}
-D_MODELS=${D_MODELS:-64 128 256}
-LRS_RECALL=${LRS_RECALL:-1e-3 3e-3 3e-4 1e-2}
+D_MODELS=${D_MODELS:-128 64 256}
+LRS_RECALL=${LRS_RECALL:-1e-3 3e-3 1e-2 3e-2}
 RECALL_ARGS=${RECALL_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
 export PREVIOUS=${PREVIOUS:-}
@@ -541,39 +543,38 @@ the top of each part of reproduce.sh list each model's seeds and sizes)"
     return 0
 }
 
-# ------------------------------------------------------------------------ recall (issue 55)
-# bash research/reproduce.sh recall: multi-query associative recall (research/mqar.py, recall.py):
-# FM's block and the paper's layer at m = 1024, 256, 128, 64, 16 rows with k = 8 and dense,
-# Mamba-2 at d_state 256, 64, 16, FM's block routed on the last 4 tokens (research/levers.py's
-# ConvRouterFM), attention (recall_models), 2 layers at each width of D_MODELS, each at the rates
-# of LRS_RECALL with seed 1, then each other seed of SEEDS at the model's best rate
-# (RESULTS/recall_best.txt, from seed 1's runs here or in PREVIOUS). Every run appends its rows (a
-# test slice each) to RESULTS/recall.csv when it ends; a run found there or in a PREVIOUS folder's
-# recall.csv is not trained again. Writes recall.txt (the log and table), recall.csv,
-# recall_best.txt, recall_state.png, recall_step.png; each run's log in RUNS/recall/.
-#   D_MODELS="64 128 256"   the widths
-#   LRS_RECALL="1e-3 3e-3 3e-4 1e-2"   the rates, in the order they are trained
-#   RECALL_ARGS=            more research/recall.py arguments for every run (default: 4,000 steps);
+# ------------------------------------------------------------------------ recall (issues 55, 66)
+# bash research/reproduce.sh recall: multi-query associative recall (research/mqar.py, recall.py) at
+# Zoology's budget (recall.py's defaults: at most 50,000 steps, 5.76M examples, cosine to 0, no
+# warmup, stopping once the training shapes pass 0.99): FM's block and the paper's layer at k = 8
+# and m = 4096, 1024, 256, 64, 16 rows, both dense at m = 64 and 16 (m <= 128), Mamba-2 at d_state
+# 256, 128, 64, 32, 16, attention (recall_models), 2 layers. A width of D_MODELS at a time (128
+# first): seed 1 at each rate of LRS_RECALL (Zoology's 4: 1e-3 to 10^-1.5), then each other seed of
+# SEEDS at the model's best rate (RESULTS/recall_best.txt, from seed 1's runs here or in PREVIOUS).
+# Every run appends its rows (a test slice each) to RESULTS/recall.csv when it ends; a run found
+# there or in a PREVIOUS folder's recall.csv is not trained again. Writes recall.txt (the log and
+# table), recall.csv, recall_best.txt, recall_table.csv, recall_state.png, recall_step.png; each
+# run's log in RUNS/recall/.
+#   D_MODELS="128 64 256"   the widths, in the order they are trained
+#   LRS_RECALL="1e-3 3e-3 1e-2 3e-2"   the rates, in the order they are trained
+#   RECALL_ARGS=            more research/recall.py arguments for every run (default: its budget);
 #                           a dry run on a CPU: RECALL_ARGS="--device=cpu --steps=2
-#                           --batch_tokens=256 --test_examples=2" (D_MODELS=32, a few MODELS)
+#                           --batch_tokens=256 --test_examples=2 --stop_examples=2" (D_MODELS=32,
+#                           a few MODELS)
 
-recall_models() {  # MODEL research/recall.py-arguments, the slowest first (m > 128: FM's PyTorch
-    # scan, not Triton)
+recall_models() {  # MODEL research/recall.py-arguments, the slowest first (m > 128: FM's sparse
+    # scan on CUDA)
     cat <<'EOF'
-fm-block-m1024-dense --mixer=fm --n_memory=1024 --top_k=None --fm_conv=4 --fm_gate=True
+fm-block-m4096-k8    --mixer=fm --n_memory=4096 --top_k=8 --fm_conv=4 --fm_gate=True
+fm-m4096-k8          --mixer=fm --n_memory=4096 --top_k=8
 fm-block-m1024-k8    --mixer=fm --n_memory=1024 --top_k=8 --fm_conv=4 --fm_gate=True
-fm-m1024-dense       --mixer=fm --n_memory=1024 --top_k=None
 fm-m1024-k8          --mixer=fm --n_memory=1024 --top_k=8
-fm-block-m256-dense  --mixer=fm --n_memory=256 --top_k=None --fm_conv=4 --fm_gate=True
 fm-block-m256-k8     --mixer=fm --n_memory=256 --top_k=8 --fm_conv=4 --fm_gate=True
-fm-m256-dense        --mixer=fm --n_memory=256 --top_k=None
 fm-m256-k8           --mixer=fm --n_memory=256 --top_k=8
-fm-block-m128-dense  --mixer=fm --n_memory=128 --top_k=None --fm_conv=4 --fm_gate=True
-fm-block-m128-k8     --mixer=fm --n_memory=128 --top_k=8 --fm_conv=4 --fm_gate=True
-fm-m128-dense        --mixer=fm --n_memory=128 --top_k=None
-fm-m128-k8           --mixer=fm --n_memory=128 --top_k=8
 mamba2-n256          --mixer=mamba2 --d_state=256
+mamba2-n128          --mixer=mamba2 --d_state=128
 mamba2-n64           --mixer=mamba2 --d_state=64
+mamba2-n32           --mixer=mamba2 --d_state=32
 mamba2-n16           --mixer=mamba2 --d_state=16
 fm-block-m64-dense   --mixer=fm --n_memory=64 --top_k=None --fm_conv=4 --fm_gate=True
 fm-block-m64-k8      --mixer=fm --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
@@ -583,43 +584,40 @@ fm-block-m16-dense   --mixer=fm --n_memory=16 --top_k=None --fm_conv=4 --fm_gate
 fm-block-m16-k8      --mixer=fm --n_memory=16 --top_k=8 --fm_conv=4 --fm_gate=True
 fm-m16-dense         --mixer=fm --n_memory=16 --top_k=None
 fm-m16-k8            --mixer=fm --n_memory=16 --top_k=8
-fm-block-cr-m128-k8  --mixer=research.levers:ConvRouterFM --n_memory=128 --top_k=8 --fm_conv=4 --fm_gate=True
-fm-block-cr-m64-dense --mixer=research.levers:ConvRouterFM --n_memory=64 --top_k=None --fm_conv=4 --fm_gate=True
-fm-block-cr-m64-k8   --mixer=research.levers:ConvRouterFM --n_memory=64 --top_k=8 --fm_conv=4 --fm_gate=True
-fm-block-cr-m16-k8   --mixer=research.levers:ConvRouterFM --n_memory=16 --top_k=8 --fm_conv=4 --fm_gate=True
 attn                 --mixer=attn --n_head=2
 EOF
 }
 
 recall_runs() {  # recall_runs SEED: run lines "NAME research/recall.py-arguments", NAME =
-    # MODEL-dD-lrLR-sSEED; seed 1 at each rate of LRS_RECALL in turn (every model at the first rate
-    # first), another seed at the model's best rate (RESULTS/recall_best.txt)
-    local seed=$1 lr
-    if [[ $seed == 1 ]]; then
-        for lr in $LRS_RECALL; do recall_lines "$seed" "$lr"; done
-    else
-        recall_lines "$seed" best
-    fi
+    # MODEL-dD-lrLR-sSEED, a width of D_MODELS at a time; seed 1 at each rate of LRS_RECALL in turn
+    # (every model at the first rate first), another seed at the model's best rate
+    # (RESULTS/recall_best.txt)
+    local seed=$1 lr d
+    for d in $D_MODELS; do
+        if [[ $seed == 1 ]]; then
+            for lr in $LRS_RECALL; do recall_lines "$seed" "$lr" "$d"; done
+        else
+            recall_lines "$seed" best "$d"
+        fi
+    done
 }
 
-recall_lines() {  # recall_lines SEED LR|best: the run lines of the models MODELS selects at each
-    # width of D_MODELS
-    local seed=$1 model args d lr
+recall_lines() {  # recall_lines SEED LR|best D: the run lines of the models MODELS selects at
+    # width D
+    local seed=$1 d=$3 model args lr
     recall_models | while read -r model args; do
         selected "$model" || continue
         [[ $model == fm* ]] && args+=" --chunk_size=16"  # FM's PyTorch scan: 1/4 of 64's memory
-        for d in $D_MODELS; do
-            lr=$2
-            if [[ $lr == best ]]; then  # none without the file
-                lr=$(awk -v m="$model-d$d" '$1 == m {print $2}' "$RESULTS/recall_best.txt" \
-                     2> /dev/null || true)
-            fi
-            if [[ -z $lr ]]; then
-                echo "no best rate of $model-d$d (seed 1 first): seed $seed not trained" >&2
-                continue
-            fi
-            echo "$model-d$d-lr$lr-s$seed $args --d_model=$d --learning_rate=$lr --seed=$seed"
-        done
+        lr=$2
+        if [[ $lr == best ]]; then  # none without the file
+            lr=$(awk -v m="$model-d$d" '$1 == m {print $2}' "$RESULTS/recall_best.txt" \
+                 2> /dev/null || true)
+        fi
+        if [[ -z $lr ]]; then
+            echo "no best rate of $model-d$d (seed 1 first): seed $seed not trained" >&2
+            continue
+        fi
+        echo "$model-d$d-lr$lr-s$seed $args --d_model=$d --learning_rate=$lr --seed=$seed"
     done
 }
 
@@ -670,18 +668,21 @@ recall_analysis() {  # the table, recall_best.txt and the plots from RESULTS's r
     "$PYTHON" research/analysis.py recall "${runs[@]}" --out="$RESULTS/recall"
 }
 
-recall() {
+recall() {  # a width of D_MODELS at a time: seed 1 at each rate, the table, then the other seeds
     export RESULTS RECALL_ARGS
-    if [[ " $SEEDS " == *" 1 "* ]]; then
-        recall_runs 1 | xargs -r -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
-        echo "seed 1 done at $(( $(date +%s) - BEGIN )) s"
-    fi
-    recall_analysis
-    local seed
-    for seed in $SEEDS; do
-        [[ $seed == 1 ]] || recall_runs "$seed"
-    done | xargs -r -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
-    [[ $SEEDS == 1 ]] || recall_analysis
+    local d seed
+    for d in $D_MODELS; do
+        if [[ " $SEEDS " == *" 1 "* ]]; then
+            D_MODELS=$d recall_runs 1 | xargs -r -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
+            echo "d_model $d: seed 1 done at $(( $(date +%s) - BEGIN )) s"
+        fi
+        recall_analysis
+        [[ $SEEDS == 1 ]] && continue
+        for seed in $SEEDS; do
+            [[ $seed == 1 ]] || D_MODELS=$d recall_runs "$seed"
+        done | xargs -r -P "$JOBS" -L 1 bash -c 'recall_one "$@"' _
+        recall_analysis
+    done
     echo "training done at $(( $(date +%s) - BEGIN )) s"
 }
 
@@ -708,6 +709,10 @@ case ${1:-} in
        exit 2;;
 esac
 check_settings
+if [[ ${LIST:-} == 1 ]]; then  # the run lines alone: nothing trained or written
+    call_runs
+    exit 0
+fi
 export DEADLINE=$(( $(date +%s) + TRAIN_SECONDS ))
 TRAIN_STATUS=$(mktemp)  # a line a run that FAILED, was SKIPPED or stopped (train_one writes them)
 export TRAIN_STATUS

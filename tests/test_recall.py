@@ -99,7 +99,7 @@ def test_recall_runs_and_appends_a_row_a_slice(tmp_path):
     second run appends below the same header."""
     out = tmp_path / 'recall.csv'
     args = ['--mixer=fm', '--d_model=32', '--n_memory=8', '--top_k=4', '--device=cpu', '--steps=1',
-            '--batch_tokens=128', '--test_examples=1', f'--out={out}']
+            '--batch_tokens=128', '--test_examples=1', '--stop_examples=1', f'--out={out}']
     recall.main([*args, '--name=a-lr1e-3-s1'])
     rows = recall.main([*args, '--name=a-lr1e-3-s2', '--seed=2'])
     assert [(r['seq_len'], r['n_pairs']) for r in rows] == list(TEST)
@@ -110,6 +110,7 @@ def test_recall_runs_and_appends_a_row_a_slice(tmp_path):
     assert all(0 <= float(r['accuracy']) <= 1 for r in written)
     assert all(r['state_bytes'] == str(8 * 32 * 4) for r in written)
     assert written[0]['step_bytes'] == str(2 * 4 * 32 * 4)  # k rows read and written
+    assert {(r['steps'], r['stopped']) for r in written} == {('1', 'budget')}
 
 
 def write_recall(path, rows):
@@ -149,12 +150,12 @@ def test_the_recall_sweep_lists_every_model_at_each_rate_then_seeds_at_the_best(
     env = dict(MODELS='', D_MODELS='128', LRS_RECALL='1e-3 3e-3 3e-4 1e-2', RESULTS=str(tmp_path))
     lines = reproduce_sh('recall_runs 1', **env).splitlines()
     names = [line.split()[0] for line in lines]
-    assert len(names) == len(set(names)) == 28 * 4
-    assert all('-lr1e-3-s1' in name for name in names[:28])
-    assert names[0] == 'fm-block-m1024-dense-d128-lr1e-3-s1'
+    assert len(names) == len(set(names)) == 20 * 4
+    assert all('-lr1e-3-s1' in name for name in names[:20])
+    assert names[0] == 'fm-block-m4096-k8-d128-lr1e-3-s1'
     attention = 'attn-d128-lr1e-2-s1 --mixer=attn --n_head=2 --d_model=128 --learning_rate=1e-2'
     assert f'{attention} --seed=1' in lines
-    assert '--chunk_size=16' in lines[0] and '--chunk_size' not in lines[27]
+    assert '--chunk_size=16' in lines[0] and '--chunk_size' not in lines[19]
     (tmp_path / 'recall_best.txt').write_text('attn-d128 3e-3\nmamba2-n16-d128 1e-2\n')
     seeds = reproduce_sh('recall_runs 2 2> /dev/null', **env).split('\n')
     assert [line.split()[0] for line in seeds if line] == ['mamba2-n16-d128-lr1e-2-s2',
@@ -167,7 +168,8 @@ def test_reproduce_recall_dry_run(tmp_path):
     env = {**os.environ, 'RUNS': str(tmp_path / 'runs'), 'RESULTS': str(tmp_path / 'results'),
            'JOBS': '2', 'MODELS': 'attn', 'D_MODELS': '32', 'LRS_RECALL': '3e-3', 'SEEDS': '1 2',
            'PREVIOUS': '',
-           'RECALL_ARGS': '--device=cpu --steps=1 --batch_tokens=128 --test_examples=1'}
+           'RECALL_ARGS': '--device=cpu --steps=1 --batch_tokens=128 --test_examples=1 '
+                          '--stop_examples=1'}
     run = subprocess.run(['bash', 'research/reproduce.sh', 'recall'], cwd=REPO, capture_output=True,
                          text=True, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -213,7 +215,7 @@ def test_another_seed_alone_is_not_refused_before_its_best_rate_is_read(tmp_path
 
 
 ARGS = ['--mixer=fm', '--d_model=32', '--n_memory=8', '--top_k=4', '--device=cpu', '--steps=1',
-        '--batch_tokens=128', '--test_examples=1']
+        '--batch_tokens=128', '--test_examples=1', '--stop_examples=1']
 
 
 def refusal(main, argv):
@@ -238,6 +240,12 @@ def test_settings_train_py_refuses_are_refused_with_its_message(arg, tmp_path, m
 @pytest.mark.parametrize('arg, message', [
     ('--warmup_steps=-1', '--warmup_steps=-1 is out of range: set it to at least 0'),
     ('--steps=0', '--steps=0 is out of range: set it to at least 1'),
+    ('--stop_interval=0', '--stop_interval=0 is out of range: set it to at least 1'),
+    ('--stop_examples=0', '--stop_examples=0 is out of range: set it to at least 1'),
+    ('--decay_to=-0.1', '--decay_to=-0.1 is out of range: set it to at least 0 and at most 1'),
+    ('--decay_to=1.5', '--decay_to=1.5 is out of range: set it to at least 0 and at most 1'),
+    ('--stop_accuracy=0', '--stop_accuracy=0.0 is out of range: set it above 0 and at most 1'),
+    ('--stop_accuracy=1.01', '--stop_accuracy=1.01 is out of range: set it above 0 and at most 1'),
     ('--n_memory=1000000000000', "parameters need 1,024,000.0 GB"),  # counted, not allocated
     ('--out=', '--out= cannot take the rows (No such file or directory)'),
     ('--out=TMP', 'cannot take the rows (Is a directory)'),
@@ -267,8 +275,98 @@ def test_each_row_is_written_as_its_slice_ends(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args)
     monkeypatch.setattr(recall, 'accuracy', stopped_at_the_third)
+    monkeypatch.setattr(recall, 'train_accuracy', lambda *args: 0.0)  # accuracy: the test's alone
     out = tmp_path / 'recall.csv'
     with pytest.raises(KeyboardInterrupt):
         recall.main([*ARGS, f'--out={out}'])
     with open(out, newline='') as f:
         assert [(int(r['seq_len']), int(r['n_pairs'])) for r in csv.DictReader(f)] == list(TEST)[:2]
+
+
+def test_the_schedule_is_zoologys_by_default_and_train_pys_when_asked():
+    """Defaults: no warmup, the peak at step 0, cosine to 0 at the end (half way: half the peak);
+    warmup_steps=200, decay_to=0.1: train.py's linear warmup and floor of a tenth."""
+    cfg = {key: recall.SETTINGS[key] for key in ('steps', 'warmup_steps', 'decay_to')}
+    cfg.update(learning_rate=1e-2, steps=1000)
+    assert cfg['warmup_steps'] == 0 and cfg['decay_to'] == 0 and recall.SETTINGS['steps'] >= 22624
+    assert recall.learning_rate(0, cfg) == 1e-2
+    assert abs(recall.learning_rate(500, cfg) - 5e-3) < 1e-12
+    assert abs(recall.learning_rate(1000, cfg)) < 1e-12
+    cfg.update(warmup_steps=200, decay_to=0.1)
+    assert abs(recall.learning_rate(99, cfg) - 5e-3) < 1e-12
+    assert abs(recall.learning_rate(1000, cfg) - 1e-3) < 1e-12
+
+
+@pytest.mark.parametrize('stop_accuracy, steps, stopped', [(0.99, 3, 'early'), (1, 7, 'budget')])
+def test_training_stops_once_the_training_shapes_pass_stop_accuracy(stop_accuracy, steps, stopped,
+                                                                   tmp_path, monkeypatch):
+    """The check (every stop_interval steps) says 0.995 each time: above 0.99 the run stops at the
+    first check (step 3 of 7) and its rows say early; with stop_accuracy 1 it trains all 7 steps,
+    budget. The check runs on held-out examples of the training shapes, not the test's."""
+    checked = []
+
+    def says(model, checks, batch_tokens, autocast):
+        checked.append(list(checks))
+        return 0.995
+    monkeypatch.setattr(recall, 'train_accuracy', says)
+    out = tmp_path / 'recall.csv'
+    rows = recall.main([*ARGS, '--steps=7', '--stop_interval=3', f'--stop_accuracy={stop_accuracy}',
+                        f'--out={out}'])
+    assert {(r['steps'], r['stopped'], r['train_accuracy']) for r in rows} == {
+        (steps, stopped, 0.995)}
+    assert len(checked) == (1 if stopped == 'early' else 3)  # steps 3, 6 and the last
+    assert all(shapes == list(TRAIN) for shapes in checked)
+    assert all(r['train_loss'] == r['train_loss'] for r in rows)  # not NaN: the steps trained
+
+
+def test_zoologys_metric_is_each_runs_mean_over_the_test_slices(tmp_path):
+    """analysis.py recall: a run's mean over the 7 test slices (Zoology's metric), mean over the
+    seeds with all 7, in the table and out_table.csv beside each slice: seed 1 0.1 ... 0.7 (mean
+    0.4), seed 2 all 1.0 (mean 1.0): 0.7; seed 3 has 2 slices only and is left out of the mean; of
+    the 2 seeds that say, 1 stopped early."""
+    fields = ('run', 'model', 'learning_rate', 'seed', 'seq_len', 'n_pairs', 'accuracy',
+              'state_bytes', 'step_bytes', 'stopped')
+    rows = [('m-lr1e-3-s1', 'm', 1e-3, 1, t, p, (i + 1) / 10, 100, 50, 'budget')
+            for i, (t, p) in enumerate(TEST)]
+    rows += [('m-lr1e-3-s2', 'm', 1e-3, 2, t, p, 1.0, 100, 50, 'early') for t, p in TEST]
+    rows += [('m-lr1e-3-s3', 'm', 1e-3, 3, t, p, 0.0, 100, 50, '') for t, p in TEST[:2]]
+    with open(tmp_path / 'recall.csv', 'w', newline='') as f:
+        writer = csv.writer(f)
+        writer.writerow(fields)
+        writer.writerows(rows)
+    table = analysis.main(['recall', f'--runs={tmp_path / "recall.csv"}',
+                           f'--out={tmp_path / "r"}'])
+    entry = table[0]
+    assert entry['mean'] == pytest.approx([0.4, 1.0]) and entry['early'] == (1, 2)
+    with open(tmp_path / 'r_table.csv', newline='') as f:
+        written = list(csv.DictReader(f))
+    assert len(written) == 1
+    assert float(written[0]['mean']) == pytest.approx(0.7) and written[0]['mean_seeds'] == '2'
+    assert float(written[0]['64/4']) == pytest.approx((0.1 + 1.0 + 0.0) / 3, abs=1e-4)  # 3 seeds
+    assert float(written[0]['1024/256']) == pytest.approx((0.7 + 1.0) / 2)
+    assert written[0]['stopped_early'] == '1/2'
+
+
+ISSUE_66 = {*(f'{kind}-m{m}-k8' for kind in ('fm-block', 'fm') for m in (16, 64, 256, 1024, 4096)),
+            *(f'{kind}-m{m}-dense' for kind in ('fm-block', 'fm') for m in (16, 64)),
+            *(f'mamba2-n{n}' for n in (16, 32, 64, 128, 256)), 'attn'}
+
+
+def test_the_default_recall_sweep_is_issue_66s_and_lists_without_training(tmp_path):
+    """LIST=1 bash research/reproduce.sh recall with its defaults: FM's block and the paper's layer
+    at k = 8, m = 16-4,096, both dense at m <= 128, Mamba-2 at d_state 16-256, attention; each at
+    Zoology's 4 rates, d_model 128 first (all its runs), then 64 and 256; nothing written."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ('D_MODELS', 'LRS_RECALL', 'MODELS', 'SEEDS', 'RECALL_ARGS')}
+    env.update(LIST='1', RESULTS=str(tmp_path / 'results'), RUNS=str(tmp_path / 'runs'))
+    run = subprocess.run(['bash', 'research/reproduce.sh', 'recall'], cwd=REPO, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    names = [line.split()[0] for line in run.stdout.splitlines()]
+    assert len(names) == len(set(names)) == 20 * 4 * 3 and not os.listdir(tmp_path)
+    parsed = [recall.RUN_NAME.split(name)[:3] for name in names]  # model-dD, lr, seed
+    assert {model.rsplit('-d', 1)[0] for model, _, _ in parsed} == ISSUE_66
+    assert [model.rsplit('-d', 1)[1] for model, _, _ in parsed] == ['128'] * 80 + ['64'] * 80 + \
+        ['256'] * 80
+    assert {lr for _, lr, _ in parsed} == {'1e-3', '3e-3', '1e-2', '3e-2'}
+    assert {seed for _, _, seed in parsed} == {'1'}
