@@ -208,13 +208,14 @@ def test_readme_benchmark_tables_are_their_data():
 
 
 def test_readme_sparse_table_is_its_data():
-    """The sparse-training table and the recall step sentence are docs/results/2026-12-07's, rounded as printed."""
+    """The sparse-training table (research/README.md) and the recall step sentence are docs/results/2026-12-07's,
+    rounded as printed."""
     import csv
     with open(RESULTS / '2026-12-07/sparse.csv', newline='') as f:
         data = {(row['B T D'], row['m']): row for row in csv.DictReader(f)}
     shapes = ['8 2048 2048', '8 2048 2048', '64 256 128', '64 256 128']
     keys = ['sparse ms', 'masked ms', 'sparse ms', 'masked ms']
-    cells = readme_table('dense scans and Mamba-2. One layer, forward + backward')
+    cells = readme_table('## Sparse training', RESEARCH)
     assert len(cells) == len(shapes)
     header = ['64', '128', '1,024', '4,096', '16,384']
     for row, shape, key in zip(cells, shapes, keys):
