@@ -1682,8 +1682,7 @@ def _sparse_layout(idx, theta, phi, n_memory):
     ends = torch.ones_like(starts)
     ends[:-1] = starts[1:]
     chunk_last = (torch.arange(1, triton.cdiv(N, C) + 1, device=idx.device) * C).clamp(max=N) - 1
-    # the first and last pair of the segment of each chunk's last pair (cummax over all N pairs
-    # took 0.7 ms of 4.8 on an H100: docs/kernel_log.md)
+    # the first and last pair of the segment of each chunk's last pair: NC lookups, not N
     first = torch.searchsorted(keys, keys[chunk_last])  # (NC,)
     last = torch.searchsorted(keys, keys[chunk_last], right=True) - 1
     begun_here = first >= chunk_last // C * C
