@@ -26,7 +26,7 @@ import sys
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -37,6 +37,7 @@ from configurator import (ConfigError, check_training, help_text, load_config, o
 import torch
 import torch.nn.functional as F
 
+from checkpoint import save_checkpoint
 from run import check_device, check_model_fits
 from model import Model, ModelConfig
 from research.mqar import TRAIN, VOCAB, held_out, mqar
@@ -68,7 +69,10 @@ SETTINGS = dict(
     seed=1,  # of the initial weights and the training examples
     device='cuda' if torch.cuda.is_available() else 'cpu',
     log_interval=250,  # steps between log lines
+    checkpoint='',  # '' none; else the training state is saved to this file every stop_interval
+    # steps, a run finding it there goes on from it, and it is deleted once the rows are written
 )
+UNSAVED = ('out', 'device', 'log_interval', 'checkpoint')  # settings a resumed run may change
 MODEL_SETTINGS = {f.name: f.default for f in fields(ModelConfig)
                   if f.name not in ('vocab_size', 'block_size')}
 MODEL_SETTINGS.update(n_layer=2, d_model=128)  # the papers' 2 layers
@@ -118,21 +122,55 @@ def train_accuracy(model, checks, batch_tokens, autocast):
     return sum(shares) / len(shares)
 
 
+def settings_of(cfg, model):
+    """The settings a run's checkpoint must share with the run resuming it."""
+    return {key: value for key, value in cfg.items() if key not in UNSAVED} | asdict(model.config)
+
+
+def save_state(cfg, model, optimizer, generator, progress):
+    """The training state to cfg['checkpoint'] (whole, then renamed): progress is steps done,
+    the recent losses, the last check's accuracy and the seconds trained."""
+    state = dict(settings=settings_of(cfg, model), model=model.state_dict(),
+                 optimizer=optimizer.state_dict(), generator=generator.get_state(),
+                 progress=progress)
+    save_checkpoint(state, cfg['checkpoint'], then='run it again')
+
+
+def load_state(cfg, model, optimizer, generator):
+    """The progress saved at cfg['checkpoint'] (its weights, moments and examples' generator
+    loaded), or None without one there; ConfigError if it holds another run."""
+    path = cfg['checkpoint']
+    if not path or not os.path.exists(path):
+        return None
+    state = torch.load(path, map_location=cfg['device'], weights_only=False)
+    if state['settings'] != settings_of(cfg, model):
+        raise ConfigError(f'--checkpoint={path} holds a run of other settings: pass this run its '
+                          f'own --checkpoint, or delete that file to start over')
+    model.load_state_dict(state['model'])
+    optimizer.load_state_dict(state['optimizer'])
+    generator.set_state(state['generator'].cpu())
+    print(f"resumed from {path} at step {state['progress'][0]}", flush=True)
+    return state['progress']
+
+
 def train(model, cfg, autocast):
     """At most cfg['steps'] steps on fresh examples, stopping early once the mean accuracy over the
-    training shapes passes cfg['stop_accuracy'] (checked every stop_interval steps and at the end)
-    -> (the mean loss of the last 10% of the steps trained, steps trained, 'early' or 'budget', the
-    last check's accuracy)."""
+    training shapes passes cfg['stop_accuracy'] (checked every stop_interval steps and at the end),
+    going on from cfg['checkpoint'] if it is there -> (the mean loss of the last 10% of the steps
+    trained, steps trained, 'early' or 'budget', the last check's accuracy, seconds trained)."""
     device = torch.device(cfg['device'])
     betas = (cfg['beta1'], cfg['beta2'])
     optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], betas,
                                            device.type)
     generator = torch.Generator(device).manual_seed(cfg['seed'])
     checks = held_out(cfg['stop_examples'], STOP_SEED, TRAIN)
-    losses, start = deque(maxlen=max(1, cfg['steps'] // 10)), time.time()
-    stopped, checked = 'budget', float('nan')
+    losses = deque(maxlen=max(1, cfg['steps'] // 10))
+    fresh = (0, [], float('nan'), 0.0)
+    done, recent, checked, before = load_state(cfg, model, optimizer, generator) or fresh
+    losses.extend(torch.tensor(loss, device=device) for loss in recent)
+    stopped, start = 'budget', time.time() - before
     model.train()
-    for step in range(cfg['steps']):
+    for step in range(done, cfg['steps']):
         for group in optimizer.param_groups:
             group['lr'] = learning_rate(step, cfg)
         seq_len, n_pairs = TRAIN[step % len(TRAIN)]
@@ -152,6 +190,10 @@ def train(model, cfg, autocast):
             print(f'step {step + 1}: training shapes accuracy {checked:.4f}', flush=True)
             if checked > cfg['stop_accuracy']:
                 stopped = 'early' if not last else stopped
+            if cfg['checkpoint'] and stopped == 'budget' and not last:
+                recent = torch.stack(list(losses)).tolist()
+                progress = (step + 1, recent, checked, time.time() - start)
+                save_state(cfg, model, optimizer, generator, progress)
         if (step + 1) % cfg['log_interval'] == 0 or last or stopped == 'early':
             ms = (time.time() - start) / (step + 1) * 1e3
             print(f"step {step + 1}: loss {loss.item():.4f}, lr {group['lr']:.2e}, "
@@ -160,7 +202,8 @@ def train(model, cfg, autocast):
             print(f"stopped early at step {step + 1}: the training shapes' accuracy "
                   f"{checked:.4f} > {cfg['stop_accuracy']}", flush=True)
             break
-    return torch.stack(list(losses)).mean().item(), step + 1, stopped, checked
+    seconds = time.time() - start
+    return torch.stack(list(losses)).mean().item(), step + 1, stopped, checked, seconds
 
 
 @torch.no_grad()
@@ -225,9 +268,7 @@ def run(cfg, model_cfg):
     name = cfg['name'] or (f"{config.mixer}-d{config.d_model}-lr{cfg['learning_rate']:g}"
                            f"-s{cfg['seed']}")
     print(f'{name}: {model.num_params():,} parameters without the embedding', flush=True)
-    start = time.time()
-    train_loss, steps, stopped, checked = train(model, cfg, autocast)
-    seconds = time.time() - start
+    train_loss, steps, stopped, checked, seconds = train(model, cfg, autocast)
     layer, rows = model.blocks[0].mixer, []
     for (seq_len, n_pairs), (inputs, targets) in held_out(cfg['test_examples']).items():
         share, total = accuracy(model, inputs, targets, 4 * cfg['batch_tokens'], autocast)
@@ -242,6 +283,8 @@ def run(cfg, model_cfg):
                      'seconds': round(seconds, 1)})
         append_row(rows[-1], cfg['out'])
         print(f'{seq_len}/{n_pairs}: accuracy {share:.4f} of {total} answers', flush=True)
+    if cfg['checkpoint']:
+        Path(cfg['checkpoint']).unlink(missing_ok=True)
     print(f"{name}: trained {steps} steps ({stopped}) in {seconds:.0f} s, wrote {len(rows)} rows "
           f"to {cfg['out']}")
     return rows

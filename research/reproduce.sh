@@ -552,7 +552,8 @@ the top of each part of reproduce.sh list each model's seeds and sizes)"
 # first): seed 1 at each rate of LRS_RECALL (Zoology's 4: 1e-3 to 10^-1.5), then each other seed of
 # SEEDS at the model's best rate (RESULTS/recall_best.txt, from seed 1's runs here or in PREVIOUS).
 # Every run appends its rows (a test slice each) to RESULTS/recall.csv when it ends; a run found
-# there or in a PREVIOUS folder's recall.csv is not trained again. Writes recall.txt (the log and
+# there or in a PREVIOUS folder's recall.csv is not trained again; one stopped goes on from its
+# checkpoint in RUNS/recall/ (saved every --stop_interval steps). Writes recall.txt (the log and
 # table), recall.csv, recall_best.txt, recall_table.csv, recall_state.png, recall_step.png; each
 # run's log in RUNS/recall/.
 #   D_MODELS="128 64 256"   the widths, in the order they are trained
@@ -644,12 +645,14 @@ recall_one() {  # recall_one NAME research/recall.py-arguments...: train and tes
     start=$(date +%s)
     # shellcheck disable=SC2086  # RECALL_ARGS: several arguments
     OMP_NUM_THREADS=1 "${gpu[@]}" "${limit[@]}" "$PYTHON" research/recall.py "$@" $RECALL_ARGS \
-        --name="$name" --out="$RESULTS/recall.csv" > "$RUNS/recall/$name.log" 2>&1 || status=$?
+        --name="$name" --out="$RESULTS/recall.csv" --checkpoint="$RUNS/recall/$name.pt" \
+        >> "$RUNS/recall/$name.log" 2>&1 || status=$?
     case $status in
         0) echo "finished $name in $(( $(date +%s) - start )) s:" \
                 "$(grep '^step' "$RUNS/recall/$name.log" | tail -1)," \
                 "$(grep -c accuracy "$RUNS/recall/$name.log") slices";;
-        124) echo "stopped at the time limit: $name (run again to train it)"
+        124) echo "stopped at the time limit: $name (run again: it goes on from" \
+                  "$RUNS/recall/$name.pt)"
              echo "stopped $name" >> "$TRAIN_STATUS";;
         *) echo "FAILED $name (exit $status), the end of $RUNS/recall/$name.log:"
            tail -5 "$RUNS/recall/$name.log"

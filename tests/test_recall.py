@@ -370,3 +370,33 @@ def test_the_default_recall_sweep_is_issue_66s_and_lists_without_training(tmp_pa
         ['256'] * 80
     assert {lr for _, lr, _ in parsed} == {'1e-3', '3e-3', '1e-2', '3e-2'}
     assert {seed for _, _, seed in parsed} == {'1'}
+
+
+def test_a_run_killed_after_a_checkpoint_goes_on_from_it_as_if_never_stopped(tmp_path,
+                                                                            monkeypatch):
+    """30 steps, a checkpoint at step 28: killed at step 29, then run again, the run resumes at step
+    28 and writes the rows of a run never stopped (the same accuracies, steps and loss, the last 3
+    steps' mean: one from before the kill); the file is gone once the rows are written; another
+    run's settings are refused with what to do."""
+    args = [*ARGS, '--steps=30', '--stop_interval=28', '--stop_accuracy=1']
+    whole = recall.main([*args, f'--out={tmp_path / "whole.csv"}'])
+    state = tmp_path / 'state.pt'
+    args += [f'--checkpoint={state}', f'--out={tmp_path / "resumed.csv"}']
+    real, drawn = recall.mqar, []
+
+    def killed_at_step_29(*a, **k):
+        drawn.append(1)
+        if len(drawn) == 29:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(recall, 'mqar', killed_at_step_29)
+    with pytest.raises(KeyboardInterrupt):
+        recall.main(args)
+    assert torch.load(state, weights_only=False)['progress'][0] == 28
+    with pytest.raises(ConfigError, match='holds a run of other settings'):
+        recall.main([*args, '--learning_rate=3e-3'])
+    resumed = recall.main(args)
+    assert len(drawn) == 29 + 2  # steps 29 and 30 drawn again
+    keep = ('accuracy', 'train_loss', 'steps', 'stopped', 'train_accuracy')
+    assert [[r[k] for k in keep] for r in resumed] == [[r[k] for k in keep] for r in whole]
+    assert not state.exists()
