@@ -3,101 +3,159 @@
 For each sequence, m memory rows of width D, per token t and row i:
 
     h_t[i] = (1 - theta_t[i]) * h_{t-1}[i] + theta_t[i] * xbar_t
-    y_t    = sum_i phi_t[i] * h_t[i] / rms(h_t[i]),      rms(v) = sqrt(mean(v^2) + eps)
+    y_t    = sum_i phi_t[i] * h_t[i] / rms(h_t[i]),
+    rms(v) = sqrt(mean(v^2) + eps)
 
-theta and phi are zero outside a token's top-k rows, so one code path serves dense and sparse; the
-sparse scans take the k rows' weights alone (idx, theta, phi (B,T,K)) and never touch the others.
+theta and phi are zero outside a token's top-k rows, so one code path
+serves dense and sparse; the sparse scans take the k rows' weights alone
+(idx, theta, phi (B,T,K)) and never touch the others.
 
-| function       | what it is                                                               |
-| -------------- | ------------------------------------------------------------------------ |
-| fm_scan_naive  | loop over t; the ground truth                                            |
-| fm_scan_torch  | chunked parallel algorithm in plain PyTorch (autograd); the CPU path     |
-| fm_scan        | the same algorithm in Triton, forward and backward                       |
-| fm_sparse_scan_torch | sparse FM (k rows a token) by dispatch: each row a one-row scan of the |
-|                | tokens that chose it (sparse_dispatch sorts them); the CPU path          |
-| fm_sparse_scan | the sparse scan in Triton, forward and backward: work in B*T*k*D, any m  |
-| fm_step_naive  | one decode step touching only the selected rows                          |
-| route_naive    | the router's rows and weights from its scores (softmax, top-k, rates)    |
-| conv_step_naive | a causal depthwise convolution + SiLU for one token (FM's block)        |
-| fm_route_step_naive | route_naive, then fm_step_naive; with FM's block, conv_step_naive on   |
-|                | xbar before and the output gate y * silu(z) after                        |
-| fm_step        | fm_step_naive's step in Triton                                           |
-| fm_route_step  | fm_route_step_naive in one Triton kernel (the model's decoding step)     |
-| route_step_takes_over | whether fm_route_step computes what an FM layer's route does      |
-| causal_conv    | the convolution of FM's block (and Mamba-2's) over a sequence, in PyTorch |
-
-Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32; y (B,T,D) in xbar's dtype.
-Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64, theta, phi (B,K), y (B,D);
-with the router, scores (B,M+2) float32: W_alpha x, then the logits of eta and mu; FM's block (not
-in the paper): the gate's z (B,D), the convolution's window (B,D,W-1) updated in place, its weight
-(D,W) and bias (D,).
-
-The calls, in order (grid of each kernel; NC chunks of CHUNK tokens, columns of D split among
-programs):
-
-fm_scan_naive, fm_scan_torch (_ChunkDecays: the decays in a chunk and their gradient)
-fm_scan, forward (fm::scan_forward)
-    _prepare       _decay_kernel           (chunk, batch)          decays a = 1 - theta, b, each
-                                                                   chunk's keys K
-    _chunk_states  _chunk_states_kernel    (batch, group, columns) chunk-start states H and hT
-                                                                   (with several groups of chunks:
-                                                                   each group's own end state,
-                   _chunk_scan_kernel      (batch, elements)       a scan over the groups, then
-                   _chunk_states_kernel                            the states from the group
-                                                                   starts)
-    _chunk_out     _chunk_products_kernel  (chunk, batch)          X X^T, H X^T, ||H_i||^2
-                   _chunk_norms_kernel     (chunk, batch)          row rms, q = phi / rms, P,
-                                                                   h_t . x_t
-                   _chunk_y_kernel         (chunk, batch, split)   y = P X + (q e^b) H
-fm_scan, backward (fm::scan_backward)
-    _chunk_grads   _chunk_products_kernel  (chunk, batch)          X X^T, dY X^T, H dY^T
-                   _chunk_grads_kernel     (chunk, batch)          dq, c, omega, kappa, dk (less
-                                                                   its chunk-end term), P_w
-    _chunk_dstate  _chunk_dstate_kernel    (chunk, batch, split)   each chunk's gradient to its
-                                                                   start state
-    _scan_states   _chunk_scan_kernel      (batch, elements)       reversed: the gradients at the
-                                                                   chunk ends, dh0
-    _chunk_dx      _chunk_dx_kernel        (chunk, batch, split)   dxbar, and dH_end X^T for dk's
-                                                                   chunk-end term
-    _rate_grads    _decay_grads_kernel     (chunk, batch)          dk's chunk-end term, d loss /
-                                                                   d b summed back
-                   _rate_grads_kernel      (chunk, batch)          dtheta and dphi
-    _forget_grads  _forget_grads_kernel    (chunk, batch)          dtheta's decay term where
-                                                                   theta = 1
-fm_sparse_scan_torch (sparse_dispatch; fm_scan_torch over each row's writers)
-fm_sparse_scan, forward (fm::sparse_scan_forward; chunks of SPARSE_CHUNK sorted pairs)
-    _sparse_layout             (PyTorch)               the pairs sorted by (sequence, row), their
-                                                       flags, the segments that run past a chunk
-    _sparse_carry_kernel       (chunk, columns)        the states those carry into later chunks
-    _sparse_out_kernel         (chunk)                 h_t, its rms, phi_t h_t / rms, hT's rows
-fm_sparse_scan, backward (fm::sparse_scan_backward)
-    _sparse_grads_kernel       (chunk)                 dphi, the norm's factor c, each chunk's
-                                                       gradient into its carried state
-    _sparse_carry_grads_kernel (chunk, columns)        those added back along each segment
-    _sparse_dx_kernel          (chunk)                 dxbar, dtheta, dh0
-fm_step_naive; fm_route_step_naive (conv_step_naive, route_naive, fm_step_naive)
-fm_step (fm::step), fm_route_step (fm::route_step)
-    _step          _step_kernel            (batch)                 the top-k of the scores
-                                                                   (route_step), the convolution
-                                                                   of xbar, the K rows' update,
-                                                                   their norms, y and its gate
-
-The chunked algorithm (chunk of C tokens, chunk-start state H, b = within-chunk cumulative
-log(1 - theta)). Row i inside a chunk is a gated linear recurrence:
+The chunked algorithm (chunk of C tokens, chunk-start state H,
+b = within-chunk cumulative log(1 - theta)). Row i inside a chunk is a
+gated linear recurrence:
 
     h_t[i] = e^{b_t[i]} H[i] + sum_{s<=t} L_i[t,s] xbar_s,
     L_i[t,s] = e^{b_t[i]-b_s[i]} theta_s[i]
 
-The only nonlinearity is one scalar per (t, i), the row norm, and it never needs h_t itself:
+The only nonlinearity is one scalar per (t, i), the row norm, and it
+never needs h_t itself:
 
-    ||h_t[i]||^2 = e^{2b_t} ||H[i]||^2 + 2 e^{b_t} (L_i (H X^T)[i])_t + (L_i G L_i^T)_tt,
+    ||h_t[i]||^2 = e^{2b_t} ||H[i]||^2
+                   + 2 e^{b_t} (L_i (H X^T)[i])_t
+                   + (L_i G L_i^T)_tt,
     G = X X^T
 
-With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear attention:
+With q_t[i] = phi_t[i] / rms(h_t[i]) known, the output is gated linear
+attention:
 
     y = P X + (q * e^b) H,      P[t,s] = sum_i q_t[i] L_i[t,s]
 
-and chunk-end states follow from H_next = e^{b_C} H + sum_s e^{b_C - b_s} theta_s xbar_s.
+and chunk-end states follow from
+H_next = e^{b_C} H + sum_s e^{b_C - b_s} theta_s xbar_s.
+
+| function             | what it is                                  |
+| -------------------- | ------------------------------------------- |
+| fm_scan_naive        | loop over t; the ground truth               |
+| fm_scan_torch        | chunked parallel algorithm in plain         |
+|                      | PyTorch (autograd); the CPU path            |
+| fm_scan              | the same algorithm in Triton, forward and   |
+|                      | backward                                    |
+| fm_sparse_scan_torch | sparse FM (k rows a token) by dispatch:     |
+|                      | each row a one-row scan of the tokens that  |
+|                      | chose it (sparse_dispatch sorts them); the  |
+|                      | CPU path                                    |
+| fm_sparse_scan       | the sparse scan in Triton, forward and      |
+|                      | backward: work in B*T*k*D, any m            |
+| fm_step_naive        | one decode step touching only the selected  |
+|                      | rows                                        |
+| route_naive          | the router's rows and weights from its      |
+|                      | scores (softmax, top-k, rates)              |
+| conv_step_naive      | a causal depthwise convolution + SiLU for   |
+|                      | one token (FM's block)                      |
+| causal_conv          | the convolution of FM's block (and          |
+|                      | Mamba-2's) over a sequence, in PyTorch      |
+| fm_route_step_naive  | route_naive, then fm_step_naive; with FM's  |
+|                      | block, conv_step_naive on xbar before and   |
+|                      | the output gate y * silu(z) after           |
+| fm_step              | fm_step_naive's step in Triton              |
+| fm_route_step        | fm_route_step_naive in one Triton kernel    |
+|                      | (the model's decoding step)                 |
+| route_step_takes_over | whether fm_route_step computes what an FM  |
+|                      | layer's route does                          |
+| decode_product_naive | F.linear of one row: the reference          |
+| decode_product       | the same in Triton (fm::decode_product)     |
+| decode_linear        | decode_product for one half-precision row   |
+|                      | on CUDA, else F.linear                      |
+
+Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32;
+y (B,T,D) in xbar's dtype.
+Step: h (B,M,D) float32 updated in place, xbar (B,D), idx (B,K) int64,
+theta, phi (B,K), y (B,D); with the router, scores (B,M+2) float32:
+W_alpha x, then the logits of eta and mu. FM's block (not in the paper):
+the gate's z (B,D), the convolution's window (B,D,W-1) updated in place,
+its weight (D,W) and bias (D,).
+
+The calls, in order (grid of each kernel; NC chunks of CHUNK tokens,
+columns of D split among programs). The file follows this list: each
+part's references, its kernels in this order, their device helpers,
+then the launch functions in this order, its custom ops and public
+functions.
+
+fm_scan_naive, fm_scan_torch
+    (_ChunkDecays: the decays in a chunk and their gradient)
+fm_scan, forward (fm::scan_forward)
+    _prepare
+        _decay_kernel           (chunk, batch)
+            decays a = 1 - theta, b, each chunk's keys K
+    _chunk_states
+        _chunk_states_kernel    (batch, group, columns)
+            chunk-start states H and hT (with several groups of
+            chunks: each group's own end state,
+        _chunk_scan_kernel      (batch, elements)
+            a scan over the groups, then
+        _chunk_states_kernel
+            the states from the group starts)
+    _chunk_out
+        _chunk_products_kernel  (chunk, batch)
+            X X^T, H X^T, ||H_i||^2
+        _chunk_norms_kernel     (chunk, batch)
+            row rms, q = phi / rms, P, h_t . x_t
+        _chunk_y_kernel         (chunk, batch, split)
+            y = P X + (q e^b) H
+fm_scan, backward (fm::scan_backward)
+    _chunk_grads
+        _chunk_products_kernel  (chunk, batch)
+            X X^T, dY X^T, H dY^T
+        _chunk_grads_kernel     (chunk, batch)
+            dq, c, omega, kappa, dk (less its chunk-end term), P_w
+    _chunk_dstate
+        _chunk_dstate_kernel    (chunk, batch, split)
+            each chunk's gradient to its start state
+    _scan_states
+        _chunk_scan_kernel      (batch, elements)
+            reversed: the gradients at the chunk ends, dh0
+    _chunk_dx
+        _chunk_dx_kernel        (chunk, batch, split)
+            dxbar, and dH_end X^T for dk's chunk-end term
+    _rate_grads
+        _decay_grads_kernel     (chunk, batch)
+            dk's chunk-end term, d loss / d b summed back
+        _rate_grads_kernel      (chunk, batch)
+            dtheta and dphi
+    _forget_grads
+        _forget_grads_kernel    (chunk, batch)
+            dtheta's decay term where theta = 1
+fm_sparse_scan_torch
+    (sparse_dispatch; fm_scan_torch over each row's writers)
+fm_sparse_scan, forward
+    (fm::sparse_scan_forward; chunks of SPARSE_CHUNK sorted pairs)
+    _sparse_layout              (PyTorch)
+        the pairs sorted by (sequence, row), their flags, the
+        segments that run past a chunk
+    _sparse_carry_kernel        (chunk, columns)
+        the states those carry into later chunks
+    _sparse_out_kernel          (chunk)
+        h_t, its rms, phi_t h_t / rms, hT's rows
+fm_sparse_scan, backward (fm::sparse_scan_backward)
+    _sparse_grads_kernel        (chunk)
+        dphi, the norm's factor c, each chunk's gradient into its
+        carried state
+    _sparse_carry_grads_kernel  (chunk, columns)
+        those added back along each segment
+    _sparse_dx_kernel           (chunk)
+        dxbar, dtheta, dh0
+fm_step_naive
+fm_route_step_naive (conv_step_naive, route_naive, fm_step_naive)
+fm_step (fm::step), fm_route_step (fm::route_step)
+    _step
+        _step_kernel            (batch)
+            the top-k of the scores (route_step), the convolution
+            of xbar, the K rows' update, their norms, y and its gate
+decode_product_naive
+decode_product (fm::decode_product), decode_linear
+    _decode_product
+        _decode_product_kernel  (N / BN)
+            BN outputs a program: the weight's (BN, K) slab times x
 """
 
 from copy import deepcopy
@@ -122,8 +180,8 @@ MAX_ROWS = 128  # rows fm_scan (dense) takes: at m = 256 some tiles overflow sha
 STEP_TILE = 16384
 
 
-# ----------------------------------------------------------------------------- scan: references
 
+# ----------------------------------------------------------------------------- scan: references
 
 def fm_scan_naive(xbar, theta, phi, h0=None, eps=1e-6):
     """Loop over t: the ground truth. Computes in float64 for float64 inputs, else float32."""
@@ -235,7 +293,7 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
     return y.reshape(B, NC * C, D)[:, :T].to(xbar.dtype), H
 
 
-# ---------------------------------------------------------------------- scan: Triton device helpers
+# ---------------------------------------------------------------------------- scan: Triton kernels
 #
 # The per-token work of a chunk (the row norms, P, and their gradients) walks (rows, tokens) tiles
 # through the chunk's C tokens, one token a step, with the per-row decays a_s = 1 - theta_s <= 1 (0
@@ -265,6 +323,549 @@ def fm_scan_torch(xbar, theta, phi, h0=None, eps=1e-6, chunk_size=64):
 # than tf32's 11; X, dY and bfloat16 states are exact), except the products of y and dxbar, which
 # are rounded to bfloat16 anyway and take single bfloat16 operands; for float32 inputs they are
 # exact float32, for float16 tf32. The walks run in float32 on CUDA cores.
+
+
+# -------------------------------------------------------------------- scan forward kernels: decays
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decay_kernel(theta_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
+                      BM: tl.constexpr,
+                      FLOOR: tl.constexpr):
+        """The decays a = e^{log(1 - theta)} (0 at theta = 1), the within-chunk cumulative sum b of
+        the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s}
+        theta_s, (BM, C) a chunk (0 on padded rows)."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
+        kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
+        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1
+        # (Goldberg)
+        denominator = tl.where(kept == 1.0, -1.0, kept - 1.0)
+        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / denominator))
+        forget = theta >= 1.0
+        tl.store(decay_ptr + offs_tile, tl.where(forget, 0.0, tl.exp(log_decay)), mask=rows_ok)
+        log_decay = tl.where(forget, FLOOR, log_decay)
+        b = tl.cumsum(log_decay, axis=0)  # (C, BM)
+        tl.store(b_ptr + offs_tile, b, mask=rows_ok)
+        offs_c = tl.arange(0, C)
+        b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
+        keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
+        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None],
+                 keys)
+
+
+# -------------------------------------------------------- scan forward kernels: chunk-start states
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, states_ptr, end_ptr, T, Tp, D, M, NC,
+                             GROUP,
+                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             FINAL: tl.constexpr,
+                             HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD
+        columns: carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start
+        state, or h0 for one group), stores the carry entering each chunk in states and, from the
+        last group, hT; the first (several groups) starts from zero and stores only the group's end
+        carry, its own contribution to the next group's start."""
+        bi, g, column_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m, offs_d = tl.arange(0, BM), column_block * BD + tl.arange(0, BD)
+        offs_state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
+        state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
+        # (BM, C) offsets in one chunk's keys
+        offs_keys = offs_m[:, None] * C + tl.arange(0, C)[None, :]
+        if HAS_INIT:
+            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state,
+                            mask=state_ok, other=0.0)
+        else:
+            carry = tl.zeros([BM, BD], dtype=tl.float32)
+        # loads pipelined num_stages deep
+        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):
+            k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + offs_keys), OP)
+            b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
+            # (C, BD)
+            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d,
+                           D)
+            if FINAL:
+                tl.store(states_ptr + (bi * NC + n) * M * D + offs_state,
+                         carry.to(states_ptr.dtype.element_ty),
+                         mask=state_ok)
+            carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
+        if not FINAL:
+            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state, carry,
+                     mask=state_ok)
+        elif g == tl.num_programs(1) - 1:
+            tl.store(end_ptr + bi * M * D + offs_state, carry, mask=state_ok)
+
+    @triton.jit
+    def _chunk_scan_kernel(added_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
+                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+                           REVERSE: tl.constexpr):
+        """out[n] <- carry; carry <- e^{b_end[n]} * carry + added[n], over n. Loads run two chunks
+        ahead, so that a program walking many chunks (batch 1) does not wait on memory at each
+        (docs/kernel_log.md)."""
+        bi, block = tl.program_id(0), tl.program_id(1)
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * D
+        # chunk 0
+        added_ptrs, out_ptrs = added_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs
+        # b at chunk 0's last token, on each element's row
+        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D
+        if HAS_INIT:
+            carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
+        else:
+            carry = tl.zeros([BLOCK], dtype=tl.float32)
+        n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
+        added0, log_decay0 = tl.load(added_ptrs + n0 * M * D,
+                                     mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
+        added1, log_decay1 = tl.load(added_ptrs + n1 * M * D,
+                                     mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
+        for step in range(NC):
+            n2 = _chunk_at(step + 2, NC, REVERSE)
+            added2, log_decay2 = tl.load(added_ptrs + n2 * M * D,
+                                         mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
+            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D,
+                     carry.to(out_ptr.dtype.element_ty), mask=ok)
+            carry = tl.exp(log_decay0) * carry + added0
+            added0, log_decay0, added1, log_decay1 = added1, log_decay1, added2, log_decay2
+        tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
+
+
+# -------------------------------------------------------------------- scan forward kernels: output
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_products_kernel(x_ptr, dy_ptr, states_ptr, gram_ptr, h_dots_ptr, h_sq_ptr, dyx_ptr,
+                               T, D, M, NC,
+                               C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                               PRECISION: tl.constexpr,
+                               OP: tl.constexpr, BACKWARD: tl.constexpr):
+        """A chunk's inner products over D, H its start state: X X^T, H X^T and ||H_i||^2, or for
+        the backward X X^T, H dY^T and dY X^T."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        # (C,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
+        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
+        gram = tl.zeros([C, C], dtype=tl.float32)
+        h_dots = tl.zeros([BM, C], dtype=tl.float32)  # H X^T, or H dY^T
+        h_sq = tl.zeros([BM], dtype=tl.float32)
+        dyx = tl.zeros([C, C], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)  # the states' own dtype (_start_dtype)
+            gram += _mm(x, tl.trans(x), PRECISION)
+            if BACKWARD:
+                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+                dyx += _mm(dy, tl.trans(x), PRECISION)
+                h_dots += _mm(h, tl.trans(dy), PRECISION)
+            else:
+                h_dots += _mm(h, tl.trans(x), PRECISION)
+                h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
+        chunk = bi * NC + n
+        offs_square = offs_c[:, None] * C + offs_c[None, :]
+        offs_tokens_first = offs_c[None, :] * BM + offs_m[:, None]
+        tl.store(gram_ptr + chunk * C * C + offs_square, gram)
+        tl.store(h_dots_ptr + chunk * BM * C + offs_tokens_first, h_dots)
+        if BACKWARD:
+            tl.store(dyx_ptr + chunk * C * C + offs_square, dyx)
+        else:
+            tl.store(h_sq_ptr + chunk * BM + offs_m, h_sq)
+
+    @triton.jit
+    def _chunk_norms_kernel(theta_ptr, phi_ptr, decay_ptr, gram_ptr, h_dot_x_ptr, h_sq_ptr, q_ptr,
+                            p_ptr, rms_ptr, eps,
+                            Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
+        """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s].
+        The squared norms follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2
+        x_t . x_t (a scan over the chunk from ||H_i||^2), with h_t . x_t from the walk of H . x_t
+        through the chunk's writes (_walk_dots); h_t . x_t replaces H . x_t in place, for the
+        backward (_chunk_grads_kernel)."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
+        chunk = bi * NC + n
+        gram_chunk = gram_ptr + chunk * C * C
+        # offset of the chunk's first token in (B, Tp, M) arrays
+        chunk_base = bi * Tp * M + n * C * M
+        # (BM, C) H_i . x_t
+        start_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)
+        h_dot_x = _walk_dots(start_dot_x, decay_ptr, theta_ptr, gram_chunk, C, 1, chunk_base,
+                             offs_m, m_ok, M, C,
+                             S)  # (BM, C) h_t . x_t
+        # tokens first
+        tl.store(h_dot_x_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], h_dot_x)
+        theta = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
+        decay = _tile(decay_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)
+        decay2 = decay * decay  # a_t^2
+        growth = theta * (2.0 * h_dot_x - theta * tl.load(gram_chunk + offs_c * (C + 1))[None, :])
+        growth += tl.where(offs_c[None, :] == 0,
+                           decay2 * tl.load(h_sq_ptr + chunk * BM + offs_m)[:, None], 0.0)
+        _, sq_norm = tl.associative_scan((decay2, growth), 1, _linear)
+        rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
+        _store_tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, rms)
+        phi = _tile(phi_ptr, chunk_base, offs_m, m_ok, offs_c, M)
+        _store_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M, phi / rms)
+        tl.debug_barrier()  # the rows of P read q token by token
+        _store_reads(p_ptr + chunk * C * C, q_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0, chunk_base,
+                     offs_m, m_ok, M,
+                     C, S)
+
+    @triton.jit
+    def _chunk_y_kernel(x_ptr, q_ptr, b_ptr, states_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
+                        C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
+                        PRECISION: tl.constexpr, OP: tl.constexpr):
+        """y = P X + (q e^b) H for the SPLIT columns of D of program axis 2."""
+        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        # (C,)
+        x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)
+        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
+        p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
+        offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
+        q_eb = _start_factor(q_ptr, b_ptr, offs_tile, m_ok).to(OP)  # (C, BM) q e^b
+        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+            y = _mm(p, x, PRECISION) + _mm(q_eb, h, PRECISION)  # (C, BD)
+            tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
+
+
+# -------------------------------------------------------- scan backward kernels: per-token factors
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, rms_ptr, gram_ptr, h_dot_x_ptr, dyx_ptr,
+                            hdy_ptr,
+                            dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
+                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
+        """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the
+        chunk's products with dy: dq = dy . h, the norm's factor c, omega = theta Gamma with Gamma_s
+        = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u},
+        and P_w, the read matrix with omega as the query."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
+        chunk = bi * NC + n
+        gram_chunk, dyx_chunk = gram_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
+        chunk_base = bi * Tp * M + n * C * M
+        # (BM, C) h_t . x_t, the forward's
+        h_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)
+        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), decay_ptr,
+                        theta_ptr, dyx_chunk, 1,
+                        C, chunk_base, offs_m, m_ok, M, C, S)  # h_t . dy_t
+        # 1 on padded rows, where q is 0
+        rms = _tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)
+        query = _tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
+        c = -dq * query / (D * rms * rms)
+        _store_tile(dq_ptr, chunk_base, offs_m, m_ok, offs_c, M, dq)
+        _store_tile(c_ptr, chunk_base, offs_m, m_ok, offs_c, M, c)
+        # Gamma_s = c_s + a_{s+1}^2 Gamma_{s+1}
+        next_decays = tl.load(decay_ptr + chunk_base + (offs_c[None, :] + 1) * M + offs_m[:, None],
+                              # (BM, C) a_{s+1}
+                              mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=1.0)
+        _, gamma = tl.associative_scan((next_decays * next_decays, c), 1, _linear, reverse=True)
+        first_decay = _at(decay_ptr, chunk_base, 0, offs_m, m_ok, M, 1.0)
+        first_decay2 = first_decay * first_decay  # a_0^2
+        kappa = first_decay2 * tl.sum(tl.where(offs_c[None, :] == 0, gamma, 0.0), axis=1)
+        tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
+        omega = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * gamma
+        _store_tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c, M, omega)
+        tl.debug_barrier()  # the walks below read omega token by token
+        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end;
+        # kept at u = s
+        # zeros in the walks' layout (_rows_first): tl.zeros would put 32 rows on a thread
+        later = h_dot_x * 0.0
+        reads = h_dot_x * 0.0
+        for j in range(C // S):
+            for du in tl.static_range(S):
+                u = C - 1 - j * S - du
+                # a_{u+1} (unused at C - 1)
+                next_decay = _at(decay_ptr, chunk_base, (u + 1) % C, offs_m, m_ok, M, 1.0)
+                q_u = _at(q_ptr, chunk_base, u, offs_m, m_ok, M)
+                omega_u = _at(omega_ptr, chunk_base, u, offs_m, m_ok, M)
+                dy_x = tl.load(dyx_chunk + u * C + offs_c)[None, :]
+                x_x = tl.load(gram_chunk + u * C + offs_c)[None, :]
+                later = next_decay[:, None] * later + q_u[:, None] * dy_x + omega_u[:, None] * x_x
+                reads = tl.where(offs_c[None, :] == u, later, reads)
+        diag = tl.load(gram_chunk + offs_c * (C + 1))  # x_t . x_t
+        dk = reads - omega * diag[None, :] + gamma * h_dot_x
+        _store_tile(dk_ptr, chunk_base, offs_m, m_ok, offs_c, M, dk)
+        _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0,
+                     chunk_base, offs_m, m_ok,
+                     M, C, S)
+
+
+# ---------------------------------------------------------- scan backward kernels: state gradients
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, states_ptr, omega_ptr, kappa_ptr,
+                             dstates_ptr,
+                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H,
+        on SPLIT columns."""
+        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        # (C,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
+        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
+        offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
+        # (BM, C) q e^b
+        q_eb_hi, q_eb_lo = _split(tl.trans(_start_factor(q_ptr, b_ptr, offs_tile, m_ok)), OP)
+        # omega e^b
+        omega_eb_hi, omega_eb_lo = _split(tl.trans(_start_factor(omega_ptr, b_ptr, offs_tile,
+                                                                 m_ok)), OP)
+        kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
+        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D)
+            dstate = (_mm_split(q_eb_hi, q_eb_lo, dy, PRECISION) + _mm_split(omega_eb_hi,
+                                                                             omega_eb_lo, x,
+                                                                             PRECISION)
+                  + kappa[:, None] * h.to(tl.float32))
+            tl.store(dstates_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
+                     dstate.to(dstates_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & (offs_d < D)[None, :])
+
+
+# -------------------------------------------------------------------- scan backward kernels: dxbar
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, states_ptr, dends_ptr, omega_ptr, p_ptr,
+                         pw_ptr, dhx_ptr,
+                         dx_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr,
+                         BD: tl.constexpr,
+                         SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
+        """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and
+        this program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and
+        only ever meets weights of that dtype, so its products take single OP operands; dH_end is
+        stored in the states' dtype (_start_dtype), exact in OP."""
+        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        offs_m = tl.arange(0, BM)
+        t_ok = n * C + offs_c < T
+        m_ok = offs_m < M
+        chunk = bi * NC + n
+        # (C,)
+        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
+        dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
+        # (BM,)
+        h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr, chunk, M,
+                                                                                D, BM)
+        p_w = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
+        # (C, C)
+        p_w_sym = (p_w + tl.trans(p_w) - tl.where(offs_c[:, None] == offs_c[None, :], p_w,
+                                                  0.0)).to(OP)
+        p_trans = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)).to(OP)
+        chunk_base = bi * Tp * M + n * C * M
+        offs_tile = chunk_base + offs_c[:, None] * M + offs_m[None, :]
+        b = tl.load(b_ptr + offs_tile, mask=m_ok[None, :], other=0.0)  # (C, BM)
+        theta = tl.load(theta_ptr + offs_tile, mask=m_ok[None, :], other=0.0)
+        # omega e^b
+        omega_eb = (tl.load(omega_ptr + offs_tile, mask=m_ok[None, :],
+                            other=0.0) * tl.exp(b)).to(OP)
+        b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
+        keys_end = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
+        dhx = tl.zeros([BM, C], dtype=tl.float32)
+        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+            dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
+            dx = (_mm(p_trans, dy, PRECISION) + _mm(p_w_sym, x, PRECISION) + _mm(omega_eb, h,
+                                                                                 PRECISION)
+                  + _mm(keys_end, dh, PRECISION))  # (C, BD)
+            tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & (offs_d < D)[None, :])
+            dhx += _mm(dh, tl.trans(x), PRECISION)
+        share = (chunk * tl.num_programs(2) + split) * BM  # this program's share of dH_end X^T
+        tl.store(dhx_ptr + (share + offs_m[:, None]) * C + offs_c[None, :], dhx)
+
+
+# ---------------------------------------------------------- scan backward kernels: dtheta and dphi
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, rms_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr,
+                            end_dot_ptr, d_b_ptr,
+                            totals_ptr, eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr,
+                            BM: tl.constexpr):
+        """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t
+        = q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum
+        within the chunk and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose
+        index 0 is 0."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        offs_c = tl.arange(0, C)
+        chunk = bi * NC + n
+        dhx = tl.zeros([BM, C], dtype=tl.float32)
+        for split in range(SPLITS):
+            share = (chunk * SPLITS + split) * BM
+            dhx += tl.load(dhx_ptr + (share + offs_m[:, None]) * C + offs_c[None, :])
+        b = tl.load(b_ptr + offs_tile, mask=rows_ok, other=0.0)
+        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
+        dk = tl.load(dk_ptr + offs_tile, mask=rows_ok,
+                     other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
+        tl.store(dk_ptr + offs_tile, dk, mask=rows_ok)
+        rms = tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0)
+        q_dq = (tl.load(q_ptr + offs_tile, mask=rows_ok, other=0.0)
+                * tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0))
+        sq_norm = D * (rms * rms - eps)
+        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
+        d_b = q_dq + tl.load(c_ptr + offs_tile, mask=rows_ok, other=0.0) * sq_norm - theta * dk
+        # (BM,) dhT . hT
+        end_dot = tl.load(end_dot_ptr + bi * M + offs_m, mask=offs_m < M, other=0.0)
+        d_b += tl.where((offs_t == T - 1)[:, None], end_dot[None, :], 0.0)
+        tl.store(d_b_ptr + offs_tile, tl.cumsum(d_b, axis=0, reverse=True), mask=rows_ok)
+        totals_row = totals_ptr + (bi * BM + offs_m) * (NC + 1)
+        tl.store(totals_row + NC - n, tl.sum(d_b, axis=0))
+        if n == NC - 1:
+            tl.store(totals_row, tl.zeros([BM], dtype=tl.float32))
+
+    @triton.jit
+    def _rate_grads_kernel(theta_ptr, decay_ptr, rms_ptr, dq_ptr, dk_ptr, d_b_ptr, later_ptr,
+                           dtheta_ptr, dphi_ptr,
+                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
+        """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one
+        chunk, (B, T, M); later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the
+        chunks after n. Where the memory forgets (theta = 1), dtheta = dk: _forget_grads_kernel adds
+        the decay term."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
+        later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
+        d_log_decay = tl.load(d_b_ptr + offs_tile, mask=rows_ok, other=0.0) + later[None, :]
+        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
+        decaying = tl.load(decay_ptr + offs_tile, mask=rows_ok, other=0.0) > 0.0  # theta < 1
+        dtheta = tl.load(dk_ptr + offs_tile, mask=rows_ok, other=0.0) - tl.where(
+            decaying, d_log_decay / tl.where(decaying, 1.0 - theta, 1.0), 0.0)
+        dphi = (tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0)
+                / tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0))
+        offs_out = bi * T * M + offs_t[:, None] * M + offs_m[None, :]
+        out_ok = (offs_t < T)[:, None] & rows_ok
+        tl.store(dtheta_ptr + offs_out, dtheta, mask=out_ok)
+        tl.store(dphi_ptr + offs_out, dphi, mask=out_ok)
+
+    @triton.jit
+    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, q_ptr, omega_ptr, states_ptr,
+                             dends_ptr, dtheta_ptr,
+                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                             PRECISION: tl.constexpr, OP: tl.constexpr):
+        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row
+        forgets), which _rate_grads_kernel leaves out: it divides d loss / d log(a_t) = a_t (d loss
+        / d a_t) by a_t, 0 there. d loss / d a_t = G_t . h_{t-1}, G_t the gradient at h_t. In the
+        chunk, with H its start state,
+            h_{t-1} = e^{b_{t-1}} H + sum_{s<t} e^{b_{t-1} - b_s} theta_s x_s,
+        and, the norm's term a_t Gamma_t ||h_{t-1}||^2 being 0,
+            G_t . h_{t-1} = sum_{u>=t} e^{b_u - b_t} (q_u dy_u + omega_u x_u) . h_{t-1}
+                            + e^{b_C - b_t} dH_end . h_{t-1}:
+        the chunk's products over D of X, dY, H and dH_end, then two (rows, C) x (C, C) products a
+        token. (At every token this cross term would cost another walk a chunk; below 1 the division
+        loses float32 precision like 1 / (1 - theta).) Programs of chunks without such a token
+        return at once."""
+        n, bi = tl.program_id(0), tl.program_id(1)
+        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
+        m_ok = offs_m < M
+        chunk_base = bi * Tp * M + n * C * M
+        forgets = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) >= 1.0  # (BM, C)
+        if tl.max(forgets.to(tl.int32)) > 0:
+            chunk = bi * NC + n
+            t_ok = n * C + offs_c < T
+            x_rows = _token_rows(x_ptr, bi, n, T, D, C)  # (C,)
+            dy_rows = _token_rows(dy_ptr, bi, n, T, D, C)
+            h_rows = _state_rows(states_ptr, chunk, M, D, BM)  # (BM,)
+            dh_rows = _state_rows(dends_ptr, chunk, M, D, BM)
+            gram, dyx, hx, hdy, dhx, dhh = _forget_products(
+                x_rows, dy_rows, h_rows, dh_rows, t_ok, m_ok, D,
+                C, BM, BD, PRECISION, OP)
+            b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
+            for t in range(C):
+                forget = _at(theta_ptr, chunk_base, t, offs_m, m_ok, M) >= 1.0  # (BM,)
+                if tl.max(forget.to(tl.int32)) > 0:
+                    b = _tile(b_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
+                    b_t = _at(b_ptr, chunk_base, t, offs_m, m_ok, M)  # (BM,)
+                    b_before = _boundary(b_ptr, chunk_base, offs_m, m_ok, t - 1, M)  # 0 at t = 0
+                    before = offs_c[None, :] < t
+                    writes = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * tl.exp(
+                        # e^{b_{t-1} - b_s} theta_s, s < t
+                        tl.where(before, b_before[:, None] - b, float("-inf")))
+                    # e^{b_u - b_t}, u >= t
+                    reads = tl.exp(tl.where(before, float("-inf"), b - b_t[:, None]))
+                    start = tl.exp(b_before)  # (BM,) e^{b_{t-1}}
+                    # (BM, C) h_{t-1} . dy_u
+                    h_dy = start[:, None] * hdy + _mm(writes, tl.trans(dyx), "ieee")
+                    h_x = start[:, None] * hx + _mm(writes, gram, "ieee")  # h_{t-1} . x_u
+                    h_dh = start * dhh + tl.sum(writes * dhx, axis=1)  # (BM,) h_{t-1} . dH_end
+                    d_decay = tl.sum(reads * (_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c,
+                                                    M) * h_dy
+                                              + _tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c,
+                                                      M) * h_x), axis=1)
+                    d_decay += tl.exp(b_end - b_t) * h_dh
+                    dtheta_t = dtheta_ptr + bi * T * M + (n * C + t) * M + offs_m  # (BM,) pointers
+                    tl.store(dtheta_t, tl.load(dtheta_t, mask=forget, other=0.0) - d_decay,
+                             mask=forget)
+
+    @triton.jit
+    def _forget_products(x_rows, dy_rows, h_rows, dh_rows, t_ok, m_ok, D,
+                         C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                         PRECISION: tl.constexpr, OP: tl.constexpr):
+        """_forget_grads_kernel's products over D: x_u . x_s and dy_u . x_s
+        (C, C), H . x_u, H . dy_u and dH_end . x_s (BM, C), dH_end . H (BM,)."""
+        gram = tl.zeros([C, C], dtype=tl.float32)  # x_u . x_s
+        dyx = tl.zeros([C, C], dtype=tl.float32)  # dy_u . x_s
+        hx = tl.zeros([BM, C], dtype=tl.float32)  # H . x_u
+        hdy = tl.zeros([BM, C], dtype=tl.float32)  # H . dy_u
+        dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end . x_s
+        dhh = tl.zeros([BM], dtype=tl.float32)  # dH_end . H
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
+            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
+            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
+            dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
+            gram += _mm(x, tl.trans(x), PRECISION)
+            dyx += _mm(dy, tl.trans(x), PRECISION)
+            hx += _mm(h, tl.trans(x), PRECISION)
+            hdy += _mm(h, tl.trans(dy), PRECISION)
+            dhx += _mm(dh, tl.trans(x), PRECISION)
+            dhh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1)
+        return gram, dyx, hx, hdy, dhx, dhh
+
+
+# --------------------------------------------------------------------- scan: Triton device helpers
+
 
 if triton is not None:
 
@@ -413,7 +1014,7 @@ if triton is not None:
         tl.store(matrix_ptr + offs_c[:, None] * C + offs_c[None, :], reads)
 
 
-# ---------------------------------------------------------------------------- scan: launch settings
+# --------------------------------------------------------------------------- scan: launch settings
 
 
 def _precision(x):
@@ -484,36 +1085,7 @@ def _scratch(theta, NC, *rows):
     return theta.new_empty(theta.shape[0], NC, *rows, CHUNK)
 
 
-# ----------------------------------------------------------------------------- scan forward: decays
-
-
-if triton is not None:
-
-    @triton.jit
-    def _decay_kernel(theta_ptr, decay_ptr, b_ptr, keys_ptr, Tp, M, C: tl.constexpr,
-                      BM: tl.constexpr,
-                      FLOOR: tl.constexpr):
-        """The decays a = e^{log(1 - theta)} (0 at theta = 1), the within-chunk cumulative sum b of
-        the log-decays (FLOOR there), and the chunk's keys to its end state, K[i, s] = e^{b_C - b_s}
-        theta_s, (BM, C) a chunk (0 on padded rows)."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
-        kept = tl.maximum(1.0 - theta, 1e-30)  # theta >= 1 forgets below
-        # log1p(-theta) = log(kept) * -theta / (kept - 1), exact to rounding where kept != 1
-        # (Goldberg)
-        denominator = tl.where(kept == 1.0, -1.0, kept - 1.0)
-        log_decay = tl.where(kept == 1.0, -theta, tl.log(kept) * (-theta / denominator))
-        forget = theta >= 1.0
-        tl.store(decay_ptr + offs_tile, tl.where(forget, 0.0, tl.exp(log_decay)), mask=rows_ok)
-        log_decay = tl.where(forget, FLOOR, log_decay)
-        b = tl.cumsum(log_decay, axis=0)  # (C, BM)
-        tl.store(b_ptr + offs_tile, b, mask=rows_ok)
-        offs_c = tl.arange(0, C)
-        b_end = tl.sum(tl.where((offs_c == C - 1)[:, None], b, 0.0), axis=0)  # (BM,)
-        keys = theta * tl.exp(b_end[None, :] - b)  # (C, BM), stored rows first
-        tl.store(keys_ptr + (bi * (Tp // C) + n) * BM * C + offs_m[None, :] * C + offs_c[:, None],
-                 keys)
+# -------------------------------------------------------------------------- scan forward: launches
 
 
 def _padded(weights):
@@ -543,85 +1115,6 @@ def _prepare(theta, phi):
     return (theta_p, _padded(phi), *_decays(theta_p))
 
 
-# ----------------------------------------------------------------- scan forward: chunk-start states
-
-
-if triton is not None:
-
-    @triton.jit
-    def _chunk_states_kernel(x_ptr, keys_ptr, b_ptr, init_ptr, states_ptr, end_ptr, T, Tp, D, M, NC,
-                             GROUP,
-                             C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                             FINAL: tl.constexpr,
-                             HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """The state over chunks GROUP * g .. min(GROUP * (g + 1), NC) - 1 of sequence bi, on BD
-        columns: carry <- e^{b_C} carry + K X. The final pass starts from init (group g's start
-        state, or h0 for one group), stores the carry entering each chunk in states and, from the
-        last group, hT; the first (several groups) starts from zero and stores only the group's end
-        carry, its own contribution to the next group's start."""
-        bi, g, column_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_m, offs_d = tl.arange(0, BM), column_block * BD + tl.arange(0, BD)
-        offs_state = offs_m[:, None] * D + offs_d[None, :]  # (BM, BD) offsets in one (M, D) state
-        state_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
-        # (BM, C) offsets in one chunk's keys
-        offs_keys = offs_m[:, None] * C + tl.arange(0, C)[None, :]
-        if HAS_INIT:
-            carry = tl.load(init_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state,
-                            mask=state_ok, other=0.0)
-        else:
-            carry = tl.zeros([BM, BD], dtype=tl.float32)
-        # loads pipelined num_stages deep
-        for n in range(g * GROUP, tl.minimum(g * GROUP + GROUP, NC)):
-            k_hi, k_lo = _split(tl.load(keys_ptr + (bi * NC + n) * BM * C + offs_keys), OP)
-            b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-            # (C, BD)
-            x = _load_cols(_token_rows(x_ptr, bi, n, T, D, C), n * C + tl.arange(0, C) < T, offs_d,
-                           D)
-            if FINAL:
-                tl.store(states_ptr + (bi * NC + n) * M * D + offs_state,
-                         carry.to(states_ptr.dtype.element_ty),
-                         mask=state_ok)
-            carry = tl.exp(b_end)[:, None] * carry + _mm_split(k_hi, k_lo, x.to(OP), PRECISION)
-        if not FINAL:
-            tl.store(end_ptr + (bi * tl.num_programs(1) + g) * M * D + offs_state, carry,
-                     mask=state_ok)
-        elif g == tl.num_programs(1) - 1:
-            tl.store(end_ptr + bi * M * D + offs_state, carry, mask=state_ok)
-
-    @triton.jit
-    def _chunk_scan_kernel(added_ptr, out_ptr, b_ptr, init_ptr, final_ptr, Tp, D, M, NC,
-                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
-                           REVERSE: tl.constexpr):
-        """out[n] <- carry; carry <- e^{b_end[n]} * carry + added[n], over n. Loads run two chunks
-        ahead, so that a program walking many chunks (batch 1) does not wait on memory at each
-        (docs/kernel_log.md)."""
-        bi, block = tl.program_id(0), tl.program_id(1)
-        offs = block * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < M * D
-        # chunk 0
-        added_ptrs, out_ptrs = added_ptr + bi * NC * M * D + offs, out_ptr + bi * NC * M * D + offs
-        # b at chunk 0's last token, on each element's row
-        end_ptrs = b_ptr + bi * Tp * M + (C - 1) * M + offs // D
-        if HAS_INIT:
-            carry = tl.load(init_ptr + bi * M * D + offs, mask=ok, other=0.0)
-        else:
-            carry = tl.zeros([BLOCK], dtype=tl.float32)
-        n0, n1 = _chunk_at(0, NC, REVERSE), _chunk_at(1, NC, REVERSE)
-        added0, log_decay0 = tl.load(added_ptrs + n0 * M * D,
-                                     mask=ok), tl.load(end_ptrs + n0 * C * M, mask=ok)
-        added1, log_decay1 = tl.load(added_ptrs + n1 * M * D,
-                                     mask=ok), tl.load(end_ptrs + n1 * C * M, mask=ok)
-        for step in range(NC):
-            n2 = _chunk_at(step + 2, NC, REVERSE)
-            added2, log_decay2 = tl.load(added_ptrs + n2 * M * D,
-                                         mask=ok), tl.load(end_ptrs + n2 * C * M, mask=ok)
-            tl.store(out_ptrs + _chunk_at(step, NC, REVERSE) * M * D,
-                     carry.to(out_ptr.dtype.element_ty), mask=ok)
-            carry = tl.exp(log_decay0) * carry + added0
-            added0, log_decay0, added1, log_decay1 = added1, log_decay1, added2, log_decay2
-        tl.store(final_ptr + bi * M * D + offs, carry, mask=ok)
-
-
 def _state_groups(x, NC, columns):
     """Groups of chunks that the state kernel walks in parallel: one while the sequences' column
     blocks make at least half a program an SM; with fewer sequences (long T), as many as make two
@@ -635,19 +1128,6 @@ def _state_columns(M):
     """Columns of D that a program of the state kernel carries through its chunks: 128, or 64 above
     64 rows, so that its float32 carry stays 8K elements and does not spill (docs/kernel_log.md)."""
     return 128 if _block_m(M) <= 64 else 64
-
-
-def _scan_states(added, carries, b, init, final, reverse):
-    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC,
-    M, D), what each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is
-    chunk n's log-decay: the gradients at the chunk ends, or the start states of groups of chunks (C
-    = 1, b the groups' log-decays). Not in place: in place, the loads ahead would wait on the stores
-    before them (docs/kernel_log.md)."""
-    B, NC, M, D = added.shape
-    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs
-    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
-        added, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
-        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
 def _chunk_states(x, keys, b, h0):
@@ -679,117 +1159,6 @@ def _chunk_states(x, keys, b, h0):
                                Tp, D, M, NC,
                                group, FINAL=True, HAS_INIT=init is not None, **meta)
     return states, final
-
-
-# ----------------------------------------------------------------------------- scan forward: output
-
-
-if triton is not None:
-
-    @triton.jit
-    def _chunk_products_kernel(x_ptr, dy_ptr, states_ptr, gram_ptr, h_dots_ptr, h_sq_ptr, dyx_ptr,
-                               T, D, M, NC,
-                               C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                               PRECISION: tl.constexpr,
-                               OP: tl.constexpr, BACKWARD: tl.constexpr):
-        """A chunk's inner products over D, H its start state: X X^T, H X^T and ||H_i||^2, or for
-        the backward X X^T, H dY^T and dY X^T."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        # (C,)
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
-        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        gram = tl.zeros([C, C], dtype=tl.float32)
-        h_dots = tl.zeros([BM, C], dtype=tl.float32)  # H X^T, or H dY^T
-        h_sq = tl.zeros([BM], dtype=tl.float32)
-        dyx = tl.zeros([C, C], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)  # the states' own dtype (_start_dtype)
-            gram += _mm(x, tl.trans(x), PRECISION)
-            if BACKWARD:
-                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-                dyx += _mm(dy, tl.trans(x), PRECISION)
-                h_dots += _mm(h, tl.trans(dy), PRECISION)
-            else:
-                h_dots += _mm(h, tl.trans(x), PRECISION)
-                h_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
-        chunk = bi * NC + n
-        offs_square = offs_c[:, None] * C + offs_c[None, :]
-        offs_tokens_first = offs_c[None, :] * BM + offs_m[:, None]
-        tl.store(gram_ptr + chunk * C * C + offs_square, gram)
-        tl.store(h_dots_ptr + chunk * BM * C + offs_tokens_first, h_dots)
-        if BACKWARD:
-            tl.store(dyx_ptr + chunk * C * C + offs_square, dyx)
-        else:
-            tl.store(h_sq_ptr + chunk * BM + offs_m, h_sq)
-
-    @triton.jit
-    def _chunk_norms_kernel(theta_ptr, phi_ptr, decay_ptr, gram_ptr, h_dot_x_ptr, h_sq_ptr, q_ptr,
-                            p_ptr, rms_ptr, eps,
-                            Tp, D, M, NC, C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
-        """Row rms of every token of a chunk, q = phi / rms and P[t, s] = sum_i q_t[i] L_i[t, s].
-        The squared norms follow ||h_t||^2 = a_t^2 ||h_{t-1}||^2 + 2 theta_t h_t . x_t - theta_t^2
-        x_t . x_t (a scan over the chunk from ||H_i||^2), with h_t . x_t from the walk of H . x_t
-        through the chunk's writes (_walk_dots); h_t . x_t replaces H . x_t in place, for the
-        backward (_chunk_grads_kernel)."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
-        m_ok = offs_m < M
-        chunk = bi * NC + n
-        gram_chunk = gram_ptr + chunk * C * C
-        # offset of the chunk's first token in (B, Tp, M) arrays
-        chunk_base = bi * Tp * M + n * C * M
-        # (BM, C) H_i . x_t
-        start_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)
-        h_dot_x = _walk_dots(start_dot_x, decay_ptr, theta_ptr, gram_chunk, C, 1, chunk_base,
-                             offs_m, m_ok, M, C,
-                             S)  # (BM, C) h_t . x_t
-        # tokens first
-        tl.store(h_dot_x_ptr + chunk * C * BM + offs_c[None, :] * BM + offs_m[:, None], h_dot_x)
-        theta = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
-        decay = _tile(decay_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)
-        decay2 = decay * decay  # a_t^2
-        growth = theta * (2.0 * h_dot_x - theta * tl.load(gram_chunk + offs_c * (C + 1))[None, :])
-        growth += tl.where(offs_c[None, :] == 0,
-                           decay2 * tl.load(h_sq_ptr + chunk * BM + offs_m)[:, None], 0.0)
-        _, sq_norm = tl.associative_scan((decay2, growth), 1, _linear)
-        rms = tl.sqrt(tl.maximum(sq_norm, 0.0) / D + eps)
-        _store_tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, rms)
-        phi = _tile(phi_ptr, chunk_base, offs_m, m_ok, offs_c, M)
-        _store_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M, phi / rms)
-        tl.debug_barrier()  # the rows of P read q token by token
-        _store_reads(p_ptr + chunk * C * C, q_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0, chunk_base,
-                     offs_m, m_ok, M,
-                     C, S)
-
-    @triton.jit
-    def _chunk_y_kernel(x_ptr, q_ptr, b_ptr, states_ptr, p_ptr, y_ptr, T, Tp, D, M, NC,
-                        C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
-                        PRECISION: tl.constexpr, OP: tl.constexpr):
-        """y = P X + (q e^b) H for the SPLIT columns of D of program axis 2."""
-        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        # (C,)
-        x_rows, y_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(y_ptr, bi, n, T, D, C)
-        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        p = _block(p_ptr + (bi * NC + n) * C * C, offs_c, offs_c, C).to(OP)  # (C, C)
-        offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        q_eb = _start_factor(q_ptr, b_ptr, offs_tile, m_ok).to(OP)  # (C, BM) q e^b
-        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
-            y = _mm(p, x, PRECISION) + _mm(q_eb, h, PRECISION)  # (C, BD)
-            tl.store(y_rows[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & (offs_d < D)[None, :])
 
 
 def _products(x, states, theta, dy=None):
@@ -825,71 +1194,7 @@ def _chunk_out(x, theta, phi, decay, b, states, eps):
     return y, rms, q, P, h_dot_x
 
 
-# ----------------------------------------------------------------- scan backward: per-token factors
-
-
-if triton is not None:
-
-    @triton.jit
-    def _chunk_grads_kernel(theta_ptr, q_ptr, decay_ptr, rms_ptr, gram_ptr, h_dot_x_ptr, dyx_ptr,
-                            hdy_ptr,
-                            dq_ptr, c_ptr, omega_ptr, kappa_ptr, dk_ptr, pw_ptr, Tp, D, M, NC,
-                            C: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
-        """The backward's per-token factors of a chunk, from h_t . x_t (the forward's) and the
-        chunk's products with dy: dq = dy . h, the norm's factor c, omega = theta Gamma with Gamma_s
-        = sum_{u>=s} c_u e^{2(b_u-b_s)}, dk (less its chunk-end term), kappa = sum_u c_u e^{2 b_u},
-        and P_w, the read matrix with omega as the query."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
-        m_ok = offs_m < M
-        chunk = bi * NC + n
-        gram_chunk, dyx_chunk = gram_ptr + chunk * C * C, dyx_ptr + chunk * C * C  # X X^T, dY X^T
-        chunk_base = bi * Tp * M + n * C * M
-        # (BM, C) h_t . x_t, the forward's
-        h_dot_x = _rows_first(h_dot_x_ptr + chunk * C * BM, offs_m, offs_c, BM)
-        dq = _walk_dots(_rows_first(hdy_ptr + chunk * C * BM, offs_m, offs_c, BM), decay_ptr,
-                        theta_ptr, dyx_chunk, 1,
-                        C, chunk_base, offs_m, m_ok, M, C, S)  # h_t . dy_t
-        # 1 on padded rows, where q is 0
-        rms = _tile(rms_ptr, chunk_base, offs_m, m_ok, offs_c, M, 1.0)
-        query = _tile(q_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
-        c = -dq * query / (D * rms * rms)
-        _store_tile(dq_ptr, chunk_base, offs_m, m_ok, offs_c, M, dq)
-        _store_tile(c_ptr, chunk_base, offs_m, m_ok, offs_c, M, c)
-        # Gamma_s = c_s + a_{s+1}^2 Gamma_{s+1}
-        next_decays = tl.load(decay_ptr + chunk_base + (offs_c[None, :] + 1) * M + offs_m[:, None],
-                              # (BM, C) a_{s+1}
-                              mask=m_ok[:, None] & (offs_c[None, :] < C - 1), other=1.0)
-        _, gamma = tl.associative_scan((next_decays * next_decays, c), 1, _linear, reverse=True)
-        first_decay = _at(decay_ptr, chunk_base, 0, offs_m, m_ok, M, 1.0)
-        first_decay2 = first_decay * first_decay  # a_0^2
-        kappa = first_decay2 * tl.sum(tl.where(offs_c[None, :] == 0, gamma, 0.0), axis=1)
-        tl.store(kappa_ptr + chunk * BM + offs_m, kappa)
-        omega = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * gamma
-        _store_tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c, M, omega)
-        tl.debug_barrier()  # the walks below read omega token by token
-        # sum_{u >= s} e^{b_u - b_s} (q_u dy_u + omega_u x_u) . x_s, walked from the chunk's end;
-        # kept at u = s
-        # zeros in the walks' layout (_rows_first): tl.zeros would put 32 rows on a thread
-        later = h_dot_x * 0.0
-        reads = h_dot_x * 0.0
-        for j in range(C // S):
-            for du in tl.static_range(S):
-                u = C - 1 - j * S - du
-                # a_{u+1} (unused at C - 1)
-                next_decay = _at(decay_ptr, chunk_base, (u + 1) % C, offs_m, m_ok, M, 1.0)
-                q_u = _at(q_ptr, chunk_base, u, offs_m, m_ok, M)
-                omega_u = _at(omega_ptr, chunk_base, u, offs_m, m_ok, M)
-                dy_x = tl.load(dyx_chunk + u * C + offs_c)[None, :]
-                x_x = tl.load(gram_chunk + u * C + offs_c)[None, :]
-                later = next_decay[:, None] * later + q_u[:, None] * dy_x + omega_u[:, None] * x_x
-                reads = tl.where(offs_c[None, :] == u, later, reads)
-        diag = tl.load(gram_chunk + offs_c * (C + 1))  # x_t . x_t
-        dk = reads - omega * diag[None, :] + gamma * h_dot_x
-        _store_tile(dk_ptr, chunk_base, offs_m, m_ok, offs_c, M, dk)
-        _store_reads(pw_ptr + chunk * C * C, omega_ptr, decay_ptr, theta_ptr, h_dot_x * 0.0,
-                     chunk_base, offs_m, m_ok,
-                     M, C, S)
+# ------------------------------------------------------------------------- scan backward: launches
 
 
 def _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x):
@@ -906,47 +1211,6 @@ def _chunk_grads(x, dy, theta, q, decay, states, rms, h_dot_x):
     return dq, c, omega, kappa, dk, p_w
 
 
-# ------------------------------------------------------------------- scan backward: state gradients
-
-
-if triton is not None:
-
-    @triton.jit
-    def _chunk_dstate_kernel(x_ptr, dy_ptr, q_ptr, b_ptr, states_ptr, omega_ptr, kappa_ptr,
-                             dstates_ptr,
-                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """A chunk's gradient to its start state, dS = (q e^b)^T dY + (omega e^b)^T X + kappa H,
-        on SPLIT columns."""
-        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        # (C,)
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
-        h_rows = _state_rows(states_ptr, bi * NC + n, M, D, BM)  # (BM,)
-        offs_tile = bi * Tp * M + (n * C + offs_c[:, None]) * M + offs_m[None, :]
-        # (BM, C) q e^b
-        q_eb_hi, q_eb_lo = _split(tl.trans(_start_factor(q_ptr, b_ptr, offs_tile, m_ok)), OP)
-        # omega e^b
-        omega_eb_hi, omega_eb_lo = _split(tl.trans(_start_factor(omega_ptr, b_ptr, offs_tile,
-                                                                 m_ok)), OP)
-        kappa = tl.load(kappa_ptr + (bi * NC + n) * BM + offs_m, mask=m_ok, other=0.0)
-        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D)
-            dstate = (_mm_split(q_eb_hi, q_eb_lo, dy, PRECISION) + _mm_split(omega_eb_hi,
-                                                                             omega_eb_lo, x,
-                                                                             PRECISION)
-                  + kappa[:, None] * h.to(tl.float32))
-            tl.store(dstates_ptr + (bi * NC + n) * M * D + offs_m[:, None] * D + offs_d[None, :],
-                     dstate.to(dstates_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & (offs_d < D)[None, :])
-
-
 def _chunk_dstate(x, dy, q, b, states, omega, kappa):
     """Each chunk's gradient to its start state (B, NC, M, D)."""
     B, T, D = x.shape
@@ -959,62 +1223,17 @@ def _chunk_dstate(x, dy, q, b, states, omega, kappa):
     return dstates
 
 
-# ----------------------------------------------------------------------------- scan backward: dxbar
-
-
-if triton is not None:
-
-    @triton.jit
-    def _chunk_dx_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, states_ptr, dends_ptr, omega_ptr, p_ptr,
-                         pw_ptr, dhx_ptr,
-                         dx_ptr, T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr,
-                         BD: tl.constexpr,
-                         SPLIT: tl.constexpr, PRECISION: tl.constexpr, OP: tl.constexpr):
-        """dx = P^T dY + W X + (omega e^b) H + K_end^T dH_end with W = P_w + P_w^T - diag(P_w), and
-        this program's share of dH_end X^T, on SPLIT columns. dx is rounded to the input dtype and
-        only ever meets weights of that dtype, so its products take single OP operands; dH_end is
-        stored in the states' dtype (_start_dtype), exact in OP."""
-        n, bi, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_c = tl.arange(0, C)
-        offs_m = tl.arange(0, BM)
-        t_ok = n * C + offs_c < T
-        m_ok = offs_m < M
-        chunk = bi * NC + n
-        # (C,)
-        x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D, C)
-        dx_rows = _token_rows(dx_ptr, bi, n, T, D, C)
-        # (BM,)
-        h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr, chunk, M,
-                                                                                D, BM)
-        p_w = _block(pw_ptr + chunk * C * C, offs_c, offs_c, C)
-        # (C, C)
-        p_w_sym = (p_w + tl.trans(p_w) - tl.where(offs_c[:, None] == offs_c[None, :], p_w,
-                                                  0.0)).to(OP)
-        p_trans = tl.trans(_block(p_ptr + chunk * C * C, offs_c, offs_c, C)).to(OP)
-        chunk_base = bi * Tp * M + n * C * M
-        offs_tile = chunk_base + offs_c[:, None] * M + offs_m[None, :]
-        b = tl.load(b_ptr + offs_tile, mask=m_ok[None, :], other=0.0)  # (C, BM)
-        theta = tl.load(theta_ptr + offs_tile, mask=m_ok[None, :], other=0.0)
-        # omega e^b
-        omega_eb = (tl.load(omega_ptr + offs_tile, mask=m_ok[None, :],
-                            other=0.0) * tl.exp(b)).to(OP)
-        b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
-        keys_end = (theta * tl.exp(b_end[None, :] - b)).to(OP)  # e^{b_end - b_s} theta_s
-        dhx = tl.zeros([BM, C], dtype=tl.float32)
-        for d0 in range(split * SPLIT, split * SPLIT + SPLIT, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-            dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-            h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
-            dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
-            dx = (_mm(p_trans, dy, PRECISION) + _mm(p_w_sym, x, PRECISION) + _mm(omega_eb, h,
-                                                                                 PRECISION)
-                  + _mm(keys_end, dh, PRECISION))  # (C, BD)
-            tl.store(dx_rows[:, None] + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & (offs_d < D)[None, :])
-            dhx += _mm(dh, tl.trans(x), PRECISION)
-        share = (chunk * tl.num_programs(2) + split) * BM  # this program's share of dH_end X^T
-        tl.store(dhx_ptr + (share + offs_m[:, None]) * C + offs_c[None, :], dhx)
+def _scan_states(added, carries, b, init, final, reverse):
+    """carries[n] <- the carry entering chunk n (reversed: leaving it backwards), from added (B, NC,
+    M, D), what each chunk adds to the carry, and b (B, NC * C, M), whose entry n * C + C - 1 is
+    chunk n's log-decay: the gradients at the chunk ends, or the start states of groups of chunks (C
+    = 1, b the groups' log-decays). Not in place: in place, the loads ahead would wait on the stores
+    before them (docs/kernel_log.md)."""
+    B, NC, M, D = added.shape
+    BLOCK = max(128, min(512, triton.next_power_of_2(B * M * D // 2048)))  # about 2048 programs
+    _chunk_scan_kernel[(B, triton.cdiv(M * D, BLOCK))](
+        added, carries, b, init if init is not None else final, final, b.shape[1], D, M, NC,
+        C=b.shape[1] // NC, BLOCK=BLOCK, HAS_INIT=init is not None, REVERSE=reverse)
 
 
 def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
@@ -1030,72 +1249,6 @@ def _chunk_dx(x, dy, theta, b, states, dends, omega, P, p_w):
     _chunk_dx_kernel[(NC, B, splits)](x, dy, theta, b, states, dends, omega, P, p_w, dhx, dx,
                                       T, theta.shape[1], D, M, NC, **meta)
     return dx, dhx
-
-
-# ------------------------------------------------------------------- scan backward: dtheta and dphi
-
-
-if triton is not None:
-
-    @triton.jit
-    def _decay_grads_kernel(theta_ptr, q_ptr, b_ptr, rms_ptr, dq_ptr, c_ptr, dk_ptr, dhx_ptr,
-                            end_dot_ptr, d_b_ptr,
-                            totals_ptr, eps, T, Tp, D, M, NC, SPLITS, C: tl.constexpr,
-                            BM: tl.constexpr):
-        """For one chunk: dk gets its chunk-end term (the dH_end X^T shares summed); d loss / d b_t
-        = q dq + c ||h||^2 - theta dk (+ dhT . hT at t = T - 1); stores its reverse cumulative sum
-        within the chunk and the chunk's total, at index NC - n of a (B, BM, NC + 1) array whose
-        index 0 is 0."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        offs_c = tl.arange(0, C)
-        chunk = bi * NC + n
-        dhx = tl.zeros([BM, C], dtype=tl.float32)
-        for split in range(SPLITS):
-            share = (chunk * SPLITS + split) * BM
-            dhx += tl.load(dhx_ptr + (share + offs_m[:, None]) * C + offs_c[None, :])
-        b = tl.load(b_ptr + offs_tile, mask=rows_ok, other=0.0)
-        b_end = _boundary(b_ptr, bi * Tp * M + n * C * M, offs_m, offs_m < M, C - 1, M)  # (BM,)
-        dk = tl.load(dk_ptr + offs_tile, mask=rows_ok,
-                     other=0.0) + tl.exp(b_end[None, :] - b) * tl.trans(dhx)
-        tl.store(dk_ptr + offs_tile, dk, mask=rows_ok)
-        rms = tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0)
-        q_dq = (tl.load(q_ptr + offs_tile, mask=rows_ok, other=0.0)
-                * tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0))
-        sq_norm = D * (rms * rms - eps)
-        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
-        d_b = q_dq + tl.load(c_ptr + offs_tile, mask=rows_ok, other=0.0) * sq_norm - theta * dk
-        # (BM,) dhT . hT
-        end_dot = tl.load(end_dot_ptr + bi * M + offs_m, mask=offs_m < M, other=0.0)
-        d_b += tl.where((offs_t == T - 1)[:, None], end_dot[None, :], 0.0)
-        tl.store(d_b_ptr + offs_tile, tl.cumsum(d_b, axis=0, reverse=True), mask=rows_ok)
-        totals_row = totals_ptr + (bi * BM + offs_m) * (NC + 1)
-        tl.store(totals_row + NC - n, tl.sum(d_b, axis=0))
-        if n == NC - 1:
-            tl.store(totals_row, tl.zeros([BM], dtype=tl.float32))
-
-    @triton.jit
-    def _rate_grads_kernel(theta_ptr, decay_ptr, rms_ptr, dq_ptr, dk_ptr, d_b_ptr, later_ptr,
-                           dtheta_ptr, dphi_ptr,
-                           T, Tp, M, NC, C: tl.constexpr, BM: tl.constexpr):
-        """dtheta = dk - (d loss / d log(1 - theta)) / (1 - theta) and dphi = dq / rms for one
-        chunk, (B, T, M); later_ptr holds, at index NC - 1 - n, the sum of d loss / d b over the
-        chunks after n. Where the memory forgets (theta = 1), dtheta = dk: _forget_grads_kernel adds
-        the decay term."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_t, offs_m, offs_tile, rows_ok = _chunk_tile(bi, n, Tp, M, C, BM)
-        later = tl.load(later_ptr + (bi * BM + offs_m) * (NC + 1) + NC - 1 - n)  # (BM,)
-        d_log_decay = tl.load(d_b_ptr + offs_tile, mask=rows_ok, other=0.0) + later[None, :]
-        theta = tl.load(theta_ptr + offs_tile, mask=rows_ok, other=0.0)
-        decaying = tl.load(decay_ptr + offs_tile, mask=rows_ok, other=0.0) > 0.0  # theta < 1
-        dtheta = tl.load(dk_ptr + offs_tile, mask=rows_ok, other=0.0) - tl.where(
-            decaying, d_log_decay / tl.where(decaying, 1.0 - theta, 1.0), 0.0)
-        dphi = (tl.load(dq_ptr + offs_tile, mask=rows_ok, other=0.0)
-                / tl.load(rms_ptr + offs_tile, mask=rows_ok, other=1.0))
-        offs_out = bi * T * M + offs_t[:, None] * M + offs_m[None, :]
-        out_ok = (offs_t < T)[:, None] & rows_ok
-        tl.store(dtheta_ptr + offs_out, dtheta, mask=out_ok)
-        tl.store(dphi_ptr + offs_out, dphi, mask=out_ok)
 
 
 def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
@@ -1117,85 +1270,6 @@ def _rate_grads(T, D, theta, q, decay, b, rms, dq, c, dk, dhx, end_dot, eps):
     _rate_grads_kernel[(NC, B)](theta, decay, rms, dq, dk, d_b, later, dtheta, dphi, T, Tp, M, NC,
                                 **meta)
     return dtheta, dphi
-
-
-if triton is not None:
-
-    @triton.jit
-    def _forget_grads_kernel(x_ptr, dy_ptr, theta_ptr, b_ptr, q_ptr, omega_ptr, states_ptr,
-                             dends_ptr, dtheta_ptr,
-                             T, Tp, D, M, NC, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                             PRECISION: tl.constexpr, OP: tl.constexpr):
-        """Subtracts dtheta's decay term d loss / d a_t at the tokens where theta = 1 (the row
-        forgets), which _rate_grads_kernel leaves out: it divides d loss / d log(a_t) = a_t (d loss
-        / d a_t) by a_t, 0 there. d loss / d a_t = G_t . h_{t-1}, G_t the gradient at h_t. In the
-        chunk, with H its start state,
-            h_{t-1} = e^{b_{t-1}} H + sum_{s<t} e^{b_{t-1} - b_s} theta_s x_s,
-        and, the norm's term a_t Gamma_t ||h_{t-1}||^2 being 0,
-            G_t . h_{t-1} = sum_{u>=t} e^{b_u - b_t} (q_u dy_u + omega_u x_u) . h_{t-1}
-                            + e^{b_C - b_t} dH_end . h_{t-1}:
-        the chunk's products over D of X, dY, H and dH_end, then two (rows, C) x (C, C) products a
-        token. (At every token this cross term would cost another walk a chunk; below 1 the division
-        loses float32 precision like 1 / (1 - theta).) Programs of chunks without such a token
-        return at once."""
-        n, bi = tl.program_id(0), tl.program_id(1)
-        offs_c, offs_m = tl.arange(0, C), tl.arange(0, BM)
-        m_ok = offs_m < M
-        chunk_base = bi * Tp * M + n * C * M
-        forgets = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) >= 1.0  # (BM, C)
-        if tl.max(forgets.to(tl.int32)) > 0:
-            chunk = bi * NC + n
-            t_ok = n * C + offs_c < T
-            # (C,)
-            x_rows, dy_rows = _token_rows(x_ptr, bi, n, T, D, C), _token_rows(dy_ptr, bi, n, T, D,
-                                                                              C)
-            # (BM,)
-            h_rows, dh_rows = _state_rows(states_ptr, chunk, M, D, BM), _state_rows(dends_ptr,
-                                                                                    chunk, M, D, BM)
-            gram = tl.zeros([C, C], dtype=tl.float32)  # x_u . x_s
-            dyx = tl.zeros([C, C], dtype=tl.float32)  # dy_u . x_s
-            hx = tl.zeros([BM, C], dtype=tl.float32)  # H . x_u
-            hdy = tl.zeros([BM, C], dtype=tl.float32)  # H . dy_u
-            dhx = tl.zeros([BM, C], dtype=tl.float32)  # dH_end . x_s
-            dhh = tl.zeros([BM], dtype=tl.float32)  # dH_end . H
-            for d0 in range(0, D, BD):
-                offs_d = d0 + tl.arange(0, BD)
-                x = _load_cols(x_rows, t_ok, offs_d, D).to(OP)
-                dy = _load_cols(dy_rows, t_ok, offs_d, D).to(OP)
-                h = _load_cols(h_rows, m_ok, offs_d, D).to(OP)
-                dh = _load_cols(dh_rows, m_ok, offs_d, D).to(OP)
-                gram += _mm(x, tl.trans(x), PRECISION)
-                dyx += _mm(dy, tl.trans(x), PRECISION)
-                hx += _mm(h, tl.trans(x), PRECISION)
-                hdy += _mm(h, tl.trans(dy), PRECISION)
-                dhx += _mm(dh, tl.trans(x), PRECISION)
-                dhh += tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1)
-            b_end = _boundary(b_ptr, chunk_base, offs_m, m_ok, C - 1, M)  # (BM,)
-            for t in range(C):
-                forget = _at(theta_ptr, chunk_base, t, offs_m, m_ok, M) >= 1.0  # (BM,)
-                if tl.max(forget.to(tl.int32)) > 0:
-                    b = _tile(b_ptr, chunk_base, offs_m, m_ok, offs_c, M)  # (BM, C)
-                    b_t = _at(b_ptr, chunk_base, t, offs_m, m_ok, M)  # (BM,)
-                    b_before = _boundary(b_ptr, chunk_base, offs_m, m_ok, t - 1, M)  # 0 at t = 0
-                    before = offs_c[None, :] < t
-                    writes = _tile(theta_ptr, chunk_base, offs_m, m_ok, offs_c, M) * tl.exp(
-                        # e^{b_{t-1} - b_s} theta_s, s < t
-                        tl.where(before, b_before[:, None] - b, float("-inf")))
-                    # e^{b_u - b_t}, u >= t
-                    reads = tl.exp(tl.where(before, float("-inf"), b - b_t[:, None]))
-                    start = tl.exp(b_before)  # (BM,) e^{b_{t-1}}
-                    # (BM, C) h_{t-1} . dy_u
-                    h_dy = start[:, None] * hdy + _mm(writes, tl.trans(dyx), "ieee")
-                    h_x = start[:, None] * hx + _mm(writes, gram, "ieee")  # h_{t-1} . x_u
-                    h_dh = start * dhh + tl.sum(writes * dhx, axis=1)  # (BM,) h_{t-1} . dH_end
-                    d_decay = tl.sum(reads * (_tile(q_ptr, chunk_base, offs_m, m_ok, offs_c,
-                                                    M) * h_dy
-                                              + _tile(omega_ptr, chunk_base, offs_m, m_ok, offs_c,
-                                                      M) * h_x), axis=1)
-                    d_decay += tl.exp(b_end - b_t) * h_dh
-                    dtheta_t = dtheta_ptr + bi * T * M + (n * C + t) * M + offs_m  # (BM,) pointers
-                    tl.store(dtheta_t, tl.load(dtheta_t, mask=forget, other=0.0) - d_decay,
-                             mask=forget)
 
 
 def _forget_grads(dtheta, x, dy, theta, b, q, omega, states, dends):
@@ -1406,7 +1480,8 @@ def _check_rows(idx, n_memory):
                          "distinct")
 
 
-# ----------------------------------------------------------------------- sparse scan: Triton
+
+# --------------------------------------------------------------------- sparse scan: Triton kernels
 #
 # fm_sparse_scan takes the sorted pairs (sparse_dispatch) in chunks of SPARSE_CHUNK pairs, whatever
 # their segments: a chunk may hold the end of one segment, whole short ones and the start of
@@ -1439,59 +1514,6 @@ START, END = 1, 2  # a pair's flags: first, last of its segment
 
 if triton is not None:
     _START, _END = tl.constexpr(START), tl.constexpr(END)  # what the kernels read of them
-
-    @triton.jit
-    def _pair_chunk(seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C: tl.constexpr):
-        """Chunk program_id(0)'s pairs: offsets, mask, segments, flags, theta, log-decays, their
-        cumulative sum b, the same-segment mask, b before each segment's first pair, and whether
-        a pair's segment runs in from the chunk before (cont) or on past this one (out)."""
-        lo = tl.program_id(0) * C
-        offs = tl.arange(0, C)
-        ok = lo + offs < N
-        seg = tl.load(seg_ptr + lo + offs, mask=ok, other=-1)
-        flags = tl.load(flag_ptr + lo + offs, mask=ok, other=0)
-        theta = tl.load(theta_ptr + lo + offs, mask=ok, other=0.0)
-        la = tl.load(la_ptr + lo + offs, mask=ok, other=0.0)
-        b = tl.cumsum(la, 0)  # (C,)
-        same = seg[:, None] == seg[None, :]  # (C, C)
-        first = tl.min(tl.where(same, offs[None, :], C), 1)  # (C,) its segment's first pair here
-        before = tl.sum(tl.where(offs[None, :] < first[:, None], la[None, :], 0.0), 1)
-        runs_in = (tl.load(flag_ptr + lo) & _START) == 0
-        cont = (seg == tl.load(seg_ptr + lo)) & runs_in
-        last = tl.minimum(N - lo, C) - 1
-        has_next = lo + C < N
-        next_flags = tl.load(flag_ptr + lo + C, mask=has_next, other=_START)
-        out = (seg == tl.load(seg_ptr + lo + last)) & has_next & ((next_flags & _START) == 0)
-        return lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out
-
-    @triton.jit
-    def _writes(theta, b_to, b, same, C: tl.constexpr, strict: tl.constexpr):
-        """L[t, s] = theta_s e^{b_to[t] - b_s} over pairs s <= t (s < t if strict) of a segment."""
-        offs = tl.arange(0, C)
-        causal = offs[:, None] >= offs[None, :]
-        if strict:
-            causal = offs[:, None] > offs[None, :]
-        decay = tl.exp(tl.minimum(b_to[:, None] - b[None, :], 0.0))
-        return tl.where(same & causal, theta[None, :] * decay, 0.0)
-
-    @triton.jit
-    def _pair_tile(ptr, rows, ok, offs_d, D):
-        """Columns offs_d of the rows `rows` (C,) of a (rows, D) array as float32 (C, BD)."""
-        mask = ok[:, None] & (offs_d < D)[None, :]
-        tile = tl.load(ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-        return tile.to(tl.float32)
-
-    @triton.jit
-    def _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C: tl.constexpr, BD: tl.constexpr,
-                HAS_H0: tl.constexpr):
-        """Each pair's segment start S (C, BD): the carried state of the chunk, else h0's row."""
-        carried = tl.load(states_ptr + tl.program_id(0) * D + offs_d,
-                          mask=offs_d < D, other=0.0)
-        if HAS_H0:
-            own = _pair_tile(h0_ptr, keys, ok & (cont == 0), offs_d, D)
-        else:
-            own = tl.zeros([C, BD], tl.float32)
-        return tl.where(cont[:, None], carried[None, :], own)
 
     @triton.jit
     def _sparse_carry_kernel(x_ptr, tok_ptr, theta_ptr, la_ptr, keys_ptr, chain_ptr, end_ptr,
@@ -1553,16 +1575,6 @@ if triton is not None:
             d_ok = (offs_d < D)[None, :]
             tl.store(o_ptr + pair[:, None] * D + cols, q[:, None] * h, mask=ok[:, None] & d_ok)
             tl.store(hT_ptr + keys[:, None] * D + cols, h, mask=ends[:, None] & d_ok)
-
-    @triton.jit
-    def _direct_grads(dy_ptr, dhT_ptr, tok, keys, ends, ok, q, c, h, offs_d, D,
-                      HAS_DHT: tl.constexpr):
-        """g = q dy + c h, and dhT's row at a segment's last pair: the gradient reaching h_t
-        itself (C, BD)."""
-        g = q[:, None] * _pair_tile(dy_ptr, tok, ok, offs_d, D) + c[:, None] * h
-        if HAS_DHT:
-            g += _pair_tile(dhT_ptr, keys, ends, offs_d, D)
-        return g
 
     @triton.jit
     def _sparse_grads_kernel(x_ptr, dy_ptr, dhT_ptr, tok_ptr, pair_ptr, seg_ptr, flag_ptr,
@@ -1669,6 +1681,78 @@ if triton is not None:
                 tl.store(dh0_ptr + keys[:, None] * D + offs_d[None, :],
                          (1.0 - theta)[:, None] * G, mask=firsts[:, None] & d_ok)
         tl.store(dtheta_ptr + pair, dtheta, mask=ok)
+
+
+# -------------------------------------------------------------- sparse scan: Triton device helpers
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pair_chunk(seg_ptr, flag_ptr, theta_ptr, la_ptr, N, C: tl.constexpr):
+        """Chunk program_id(0)'s pairs: offsets, mask, segments, flags, theta, log-decays, their
+        cumulative sum b, the same-segment mask, b before each segment's first pair, and whether
+        a pair's segment runs in from the chunk before (cont) or on past this one (out)."""
+        lo = tl.program_id(0) * C
+        offs = tl.arange(0, C)
+        ok = lo + offs < N
+        seg = tl.load(seg_ptr + lo + offs, mask=ok, other=-1)
+        flags = tl.load(flag_ptr + lo + offs, mask=ok, other=0)
+        theta = tl.load(theta_ptr + lo + offs, mask=ok, other=0.0)
+        la = tl.load(la_ptr + lo + offs, mask=ok, other=0.0)
+        b = tl.cumsum(la, 0)  # (C,)
+        same = seg[:, None] == seg[None, :]  # (C, C)
+        first = tl.min(tl.where(same, offs[None, :], C), 1)  # (C,) its segment's first pair here
+        before = tl.sum(tl.where(offs[None, :] < first[:, None], la[None, :], 0.0), 1)
+        runs_in = (tl.load(flag_ptr + lo) & _START) == 0
+        cont = (seg == tl.load(seg_ptr + lo)) & runs_in
+        last = tl.minimum(N - lo, C) - 1
+        has_next = lo + C < N
+        next_flags = tl.load(flag_ptr + lo + C, mask=has_next, other=_START)
+        out = (seg == tl.load(seg_ptr + lo + last)) & has_next & ((next_flags & _START) == 0)
+        return lo, offs, ok, seg, flags, theta, la, b, same, before, cont, out
+
+    @triton.jit
+    def _writes(theta, b_to, b, same, C: tl.constexpr, strict: tl.constexpr):
+        """L[t, s] = theta_s e^{b_to[t] - b_s} over pairs s <= t (s < t if strict) of a segment."""
+        offs = tl.arange(0, C)
+        causal = offs[:, None] >= offs[None, :]
+        if strict:
+            causal = offs[:, None] > offs[None, :]
+        decay = tl.exp(tl.minimum(b_to[:, None] - b[None, :], 0.0))
+        return tl.where(same & causal, theta[None, :] * decay, 0.0)
+
+    @triton.jit
+    def _pair_tile(ptr, rows, ok, offs_d, D):
+        """Columns offs_d of the rows `rows` (C,) of a (rows, D) array as float32 (C, BD)."""
+        mask = ok[:, None] & (offs_d < D)[None, :]
+        tile = tl.load(ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        return tile.to(tl.float32)
+
+    @triton.jit
+    def _starts(states_ptr, h0_ptr, keys, cont, ok, offs_d, D, C: tl.constexpr, BD: tl.constexpr,
+                HAS_H0: tl.constexpr):
+        """Each pair's segment start S (C, BD): the carried state of the chunk, else h0's row."""
+        carried = tl.load(states_ptr + tl.program_id(0) * D + offs_d,
+                          mask=offs_d < D, other=0.0)
+        if HAS_H0:
+            own = _pair_tile(h0_ptr, keys, ok & (cont == 0), offs_d, D)
+        else:
+            own = tl.zeros([C, BD], tl.float32)
+        return tl.where(cont[:, None], carried[None, :], own)
+
+    @triton.jit
+    def _direct_grads(dy_ptr, dhT_ptr, tok, keys, ends, ok, q, c, h, offs_d, D,
+                      HAS_DHT: tl.constexpr):
+        """g = q dy + c h, and dhT's row at a segment's last pair: the gradient reaching h_t
+        itself (C, BD)."""
+        g = q[:, None] * _pair_tile(dy_ptr, tok, ok, offs_d, D) + c[:, None] * h
+        if HAS_DHT:
+            g += _pair_tile(dhT_ptr, keys, ends, offs_d, D)
+        return g
+
+
+# ------------------------------------------------ sparse scan: launches, custom ops and public API
 
 
 def _sparse_layout(idx, theta, phi, n_memory):
@@ -1823,6 +1907,7 @@ def fm_sparse_scan(xbar, idx, theta, phi, n_memory, h0=None, eps=1e-6):
     return y, hT
 
 
+
 # -------------------------------------------------------------------------- decode step: references
 
 
@@ -1899,7 +1984,73 @@ def fm_route_step_naive(h, xbar, scores, top_k, tau, eps=1e-6, z=None, conv=None
     return y
 
 
-# ----------------------------------------------------------------------- decode step: Triton kernel
+
+# ---------------------------------------------------------------------- decode step: Triton kernel
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, z_ptr,
+                     window_ptr, w_ptr,
+                     bias_ptr, eps, tau, D, M, K, S, X_STRIDE, Z_STRIDE,
+                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr,
+                     ROUTE: tl.constexpr,
+                     BM: tl.constexpr, DENSE: tl.constexpr, TAPS: tl.constexpr, BW: tl.constexpr,
+                     GATE: tl.constexpr):
+        """One decode step of sequence bi on its K rows: h_k <- (1 - theta_k) h_k + theta_k x, then
+        y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores
+        (_route; rows S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are
+        loaded at once, updated and stored, and y comes from registers; else two passes over D, BD
+        columns at a time, the second re-reading the rows. FM's block: TAPS > 0 convolves x first
+        (_xbar), GATE multiplies y by silu(z) (_gate, _gated)."""
+        bi = tl.program_id(0)
+        x_ptr += bi * X_STRIDE
+        if GATE:
+            z_ptr += bi * Z_STRIDE
+        if TAPS > 1:
+            window_ptr += bi * D * (TAPS - 1)
+        # the window first: the loads after its barrier (z, the router's scores) are issued together
+        if ONE_PASS:
+            offs_d = tl.arange(0, BD)
+            x = _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
+            gate = _gate(z_ptr, offs_d, D, GATE)
+        offs_k = tl.arange(0, BK)
+        k_ok = offs_k < K
+        if ROUTE:
+            rows, write, phi = _route(scores_ptr + bi * S, tau, M, K, offs_k, BM, DENSE)
+        else:
+            rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)  # (BK,)
+            write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        write = write[:, None]  # (BK, 1)
+        row_ptrs = h_ptr + bi * M * D + rows[:, None] * D  # (BK, 1)
+        if ONE_PASS:
+            h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
+            sq_norm = tl.sum(h * h, axis=1)
+        else:
+            sq_norm = tl.zeros([BK], dtype=tl.float32)
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                x = _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
+                h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
+                sq_norm += tl.sum(h * h, axis=1)
+            tl.debug_barrier()  # the second pass reads rows that other threads stored
+        read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
+        if ONE_PASS:
+            y = _gated(tl.sum(read[:, None] * h, axis=0), gate, z_ptr, GATE)
+            tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+        else:
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :],
+                            other=0.0)
+                y = _gated(tl.sum(read[:, None] * h, axis=0), _gate(z_ptr, offs_d, D, GATE), z_ptr,
+                           GATE)
+                tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+# -------------------------------------------------------------- decode step: Triton device helpers
 
 
 if triton is not None:
@@ -1995,64 +2146,8 @@ if triton is not None:
         mu = tl.sigmoid(tl.load(scores_ptr + M + 1).to(tl.float32))
         return rows, eta * alpha, mu * alpha
 
-    @triton.jit
-    def _step_kernel(h_ptr, x_ptr, idx_ptr, theta_ptr, phi_ptr, scores_ptr, y_ptr, z_ptr,
-                     window_ptr, w_ptr,
-                     bias_ptr, eps, tau, D, M, K, S, X_STRIDE, Z_STRIDE,
-                     BK: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr,
-                     ROUTE: tl.constexpr,
-                     BM: tl.constexpr, DENSE: tl.constexpr, TAPS: tl.constexpr, BW: tl.constexpr,
-                     GATE: tl.constexpr):
-        """One decode step of sequence bi on its K rows: h_k <- (1 - theta_k) h_k + theta_k x, then
-        y = sum_k phi_k h_k / rms(h_k). ROUTE: the rows, theta and phi come from the router's scores
-        (_route; rows S apart), else from idx, theta and phi. ONE_PASS (BD covers D): the rows are
-        loaded at once, updated and stored, and y comes from registers; else two passes over D, BD
-        columns at a time, the second re-reading the rows. FM's block: TAPS > 0 convolves x first
-        (_xbar), GATE multiplies y by silu(z) (_gate, _gated)."""
-        bi = tl.program_id(0)
-        x_ptr += bi * X_STRIDE
-        if GATE:
-            z_ptr += bi * Z_STRIDE
-        if TAPS > 1:
-            window_ptr += bi * D * (TAPS - 1)
-        # the window first: the loads after its barrier (z, the router's scores) are issued together
-        if ONE_PASS:
-            offs_d = tl.arange(0, BD)
-            x = _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
-            gate = _gate(z_ptr, offs_d, D, GATE)
-        offs_k = tl.arange(0, BK)
-        k_ok = offs_k < K
-        if ROUTE:
-            rows, write, phi = _route(scores_ptr + bi * S, tau, M, K, offs_k, BM, DENSE)
-        else:
-            rows = tl.load(idx_ptr + bi * K + offs_k, mask=k_ok, other=0)  # (BK,)
-            write = tl.load(theta_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            phi = tl.load(phi_ptr + bi * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        write = write[:, None]  # (BK, 1)
-        row_ptrs = h_ptr + bi * M * D + rows[:, None] * D  # (BK, 1)
-        if ONE_PASS:
-            h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
-            sq_norm = tl.sum(h * h, axis=1)
-        else:
-            sq_norm = tl.zeros([BK], dtype=tl.float32)
-            for d0 in range(0, D, BD):
-                offs_d = d0 + tl.arange(0, BD)
-                x = _xbar(x_ptr, window_ptr, w_ptr, bias_ptr, offs_d, D, BD, TAPS, BW)  # (BD,)
-                h = _step_rows(row_ptrs, x, write, offs_d, k_ok, D)  # (BK, BD)
-                sq_norm += tl.sum(h * h, axis=1)
-            tl.debug_barrier()  # the second pass reads rows that other threads stored
-        read = phi / tl.sqrt(sq_norm / D + eps)  # (BK,)
-        if ONE_PASS:
-            y = _gated(tl.sum(read[:, None] * h, axis=0), gate, z_ptr, GATE)
-            tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
-        else:
-            for d0 in range(0, D, BD):
-                offs_d = d0 + tl.arange(0, BD)
-                h = tl.load(row_ptrs + offs_d[None, :], mask=k_ok[:, None] & (offs_d < D)[None, :],
-                            other=0.0)
-                y = _gated(tl.sum(read[:, None] * h, axis=0), _gate(z_ptr, offs_d, D, GATE), z_ptr,
-                           GATE)
-                tl.store(y_ptr + bi * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+
+# ----------------------------------------- decode step: launch settings, custom ops and public API
 
 
 def _step_meta(K, D):
@@ -2063,9 +2158,6 @@ def _step_meta(K, D):
     if BK * width <= STEP_TILE:
         return dict(BK=BK, BD=width, ONE_PASS=True, num_warps=8)
     return dict(BK=BK, BD=min(width, max(64, 8192 // BK)), ONE_PASS=False, num_warps=4)
-
-
-# ----------------------------------------------------------- decode step: custom ops and public API
 
 
 def _unit_stride(x):
@@ -2267,3 +2359,96 @@ def route_step_takes_over(layer, tokens_alone=True):
                               "own")
     want = torch.promote_types(weight.dtype, torch.float32)
     return _same(written, twin) and own.dtype == want and own.shape == (1, layer.n_memory + 2)
+
+
+# ----------------------------------------------------------------------- decode product: reference
+#
+# At batch 1 a decoding step is a chain of one-row products,
+# each reading its whole weight once: the step's speed is the
+# bandwidth they reach. inductor writes a one-row product as a
+# reduction, fast alone, but inside a compiled step it fuses
+# SwiGLU's silu(gate) * up into the down product's loads, where
+# every program recomputes it: 38% of the copy bandwidth
+# (docs/kernel_log.md). decode_product is a custom op, so that
+# its input is computed once; it streams the weight in (BN, BK)
+# tiles, STAGES of them in flight, one program per BN outputs.
+# model.SwiGLU takes it through decode_linear.
+
+
+def decode_product_naive(x, weight):
+    """x (1, K), weight (N, K) -> x W^T (1, N): the reference."""
+    return F.linear(x, weight)
+
+
+# ------------------------------------------------------------------- decode product: Triton kernel
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_product_kernel(x_ptr, w_ptr, y_ptr, N, K, BN: tl.constexpr,
+                               BK: tl.constexpr, STAGES: tl.constexpr,
+                               ACC: tl.constexpr):
+        """Outputs [pid BN, pid BN + BN): the (BN, K) slab of the weight in BK-wide
+        tiles, STAGES of them in flight, times x, summed in ACC."""
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        acc = tl.zeros((BN,), dtype=ACC)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < K
+            mask = (offs_n < N)[:, None] & k_ok[None, :]
+            w_ptrs = w_ptr + offs_n[:, None] * K + offs_k[None, :]
+            w = tl.load(w_ptrs, mask=mask, other=0.0).to(ACC)  # (BN, BK)
+            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(ACC)  # (BK,)
+            acc += tl.sum(w * x[None, :], axis=1)
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+# --------------------------------------- decode product: launch settings, custom op and public API
+
+
+def _decode_product_meta(K):
+    """Launch settings, the best of a sweep at fm_1b's down product (K = 5,504 inputs,
+    N = 2048 outputs) on an H200 (docs/kernel_log.md): 8 outputs a program, 1024-wide
+    tiles, 3 in flight, 4 warps."""
+    return dict(BN=8, BK=min(1024, triton.next_power_of_2(K)), STAGES=3, num_warps=4)
+
+
+@torch.library.custom_op("fm::decode_product", mutates_args=())
+def _decode_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T (1, N) in x's dtype."""
+    N, K = weight.shape
+    meta = _decode_product_meta(K)
+    y = x.new_empty(1, N)
+    acc = tl.float32
+    if x.dtype == torch.float64:
+        acc = tl.float64
+    grid = (triton.cdiv(N, meta["BN"]),)
+    _decode_product_kernel[grid](x.contiguous(), weight.contiguous(), y, N, K, ACC=acc, **meta)
+    return y
+
+
+@_decode_product.register_fake
+def _(x, weight):
+    return x.new_empty(1, weight.shape[0])
+
+
+def decode_product(x, weight):
+    """Triton x W^T for one row x (1, K) and weight (N, K) of x's dtype -> (1, N)."""
+    one_row = x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2
+    if not one_row or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be one row (1, K) and weight (N, K) with the same K, "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight must have one dtype, got {x.dtype} and {weight.dtype}")
+    return _decode_product(x, weight)
+
+
+def decode_linear(x, weight):
+    """A decoding step's product x (B, K) W^T: the Triton product for one row on CUDA in
+    half precision, F.linear elsewhere (for more rows this kernel is far slower than
+    cuBLAS's, docs/kernel_log.md)."""
+    half = x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+    one_row = x.dim() == 2 and x.shape[0] == 1
+    if triton is not None and x.is_cuda and one_row and half:
+        return decode_product(x, weight)
+    return F.linear(x, weight)

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fm_kernel
-from decode_linear import decode_linear
+from fm_kernel import decode_linear
 
 try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
