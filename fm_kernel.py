@@ -66,6 +66,8 @@ H_next = e^{b_C} H + sum_s e^{b_C - b_s} theta_s xbar_s.
 | decode_product       | the same in Triton (fm::decode_product)     |
 | decode_linear        | decode_product for one half-precision row   |
 |                      | on CUDA, else F.linear                      |
+| router_linear        | the router's F.linear, one reduction in a   |
+|                      | compiled decoding step                      |
 
 Shapes: xbar (B,T,D); theta, phi (B,T,M); h0, hT (B,M,D) float32;
 y (B,T,D) in xbar's dtype.
@@ -156,6 +158,7 @@ decode_product (fm::decode_product), decode_linear
     _decode_product
         _decode_product_kernel  (N / BN)
             BN outputs a program: the weight's (BN, K) slab times x
+router_linear (PyTorch)
 """
 
 from copy import deepcopy
@@ -2452,3 +2455,12 @@ def decode_linear(x, weight):
     if triton is not None and x.is_cuda and one_row and half:
         return decode_product(x, weight)
     return F.linear(x, weight)
+
+
+def router_linear(x, weight, bias):
+    """F.linear(x, weight, bias), but in a compiled decoding step
+    (x (B, K)) the same product as one reduction, which inductor
+    fuses with the casts (docs/kernel_log.md, change 61)."""
+    if x.dim() == 2 and torch.compiler.is_compiling():
+        return (x[:, None, :] * weight).sum(-1) + bias
+    return F.linear(x, weight, bias)
