@@ -33,19 +33,16 @@ try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
 except ImportError:
     mamba_chunk_scan_combined = selective_state_update = None
 
-# memory rows from which sparse FM scans its k rows a token alone (memory_scan):
-# the crossovers measured (docs/kernel_log.md). Triton: the dense scan is faster
-# up to its MAX_ROWS (H100)
+# memory rows from which sparse FM scans its k rows a token alone (memory_scan): the crossovers
+# measured (docs/kernel_log.md). Triton: the dense scan is faster up to its MAX_ROWS (H100)
 SPARSE_ROWS = {'triton': fm_kernel.MAX_ROWS + 1, 'torch': 64}
 PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}  # dense, per GPU
 
 
 @dataclass
 class ModelConfig:
-    """Model settings, checked when built: a None field takes the value its
-    comment names."""
-    # the fields each mixer family reads: --help's tags; train.py warns of one
-    # the mixer ignores
+    """Model settings, checked when built: a None field takes the value its comment names."""
+    # the fields each mixer family reads: --help's tags; train.py warns of one the mixer ignores
     MIXER_SETTINGS = {
         'fm': ('n_memory', 'top_k', 'd_memory', 'tau', 'fm_eps', 'fm_conv', 'fm_gate',
                'chunk_size'),
@@ -105,8 +102,7 @@ class ModelConfig:
     family = property(lambda self: mixer_family(self.mixer))
 
     def validate(self):
-        """ValueError naming the first bad field (of the chosen mixer's) and
-        what to change."""
+        """ValueError naming the first bad field (of the chosen mixer's) and what to change."""
         def check(ok, field, hint):
             if not ok:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {hint}")
@@ -186,22 +182,20 @@ class SwiGLU(nn.Module):
         hidden = F.silu(gate) * up
         if type(self.down_proj) is not nn.Linear:  # one's own (a LoRA, a quantised product)
             return self.down_proj(hidden)
-        # F.linear, but in Triton for one row in half precision on CUDA
-        # (batch-1 decoding)
+        # F.linear, but in Triton for one row in half precision on CUDA (batch-1 decoding)
         return decode_linear(hidden, self.down_proj.weight)
 
 
 def real_positions(lengths, T):
-    """lengths (B,) of right-padded rows -> (B, T), True at the real
-    positions."""
+    """lengths (B,) of right-padded rows -> (B, T), True at the real positions."""
     return torch.arange(T, device=lengths.device) < lengths[:, None]
 
 
 # ----------------------------------------------------------------------------- Factorization Memory
 
 def spread(idx, theta, phi, n_memory):
-    """Weights of the rows idx (..., K) -> of all m rows (..., M), zeros
-    elsewhere (idx None: as given)."""
+    """Weights of the rows idx (..., K) -> of all m rows (..., M), zeros elsewhere (idx None: as
+    given)."""
     if idx is None:
         return theta, phi
     zeros = theta.new_zeros(*theta.shape[:-1], n_memory)
@@ -209,10 +203,9 @@ def spread(idx, theta, phi, n_memory):
 
 
 def memory_scan(xbar, idx, theta, phi, h0, n_memory, eps, chunk_size):
-    """The FM scan of weights' output from h0 (None: zeros) -> (y, hT). Sparse
-    (idx (B, T, K)): fm_kernel.fm_sparse_scan, k rows a token, from SPARSE_ROWS
-    rows up; else the dense scan, its theta and phi spread over the m rows
-    (zeros outside idx). Triton on CUDA, else PyTorch."""
+    """The FM scan of weights' output from h0 (None: zeros) -> (y, hT). Sparse (idx (B, T, K)):
+    fm_kernel.fm_sparse_scan, k rows a token, from SPARSE_ROWS rows up; else the dense scan, its
+    theta and phi spread over the m rows (zeros outside idx). Triton on CUDA, else PyTorch."""
     triton_ok = triton_scan(xbar)
     if idx is not None and n_memory >= SPARSE_ROWS['triton' if triton_ok else 'torch']:
         if triton_ok:
@@ -239,8 +232,7 @@ def triton_step(h):
 
 
 class FactorizationMemory(nn.Module):
-    """FM: m memory rows of width d_memory; each token writes and reads its
-    top-k rows."""
+    """FM: m memory rows of width d_memory; each token writes and reads its top-k rows."""
 
     def __init__(self, config):
         super().__init__()
@@ -259,8 +251,8 @@ class FactorizationMemory(nn.Module):
         self.fused_router = False  # step routes in fm_kernel.fm_route_step (init_state decides)
 
     def router_scores(self, x):
-        """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu
-        (..., M + 2), in float32 at least."""
+        """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2),
+        in float32 at least."""
         with torch.autocast(x.device.type, enabled=False):
             dtype = compute_dtype(x.dtype)
             x = x.to(dtype)
@@ -270,8 +262,7 @@ class FactorizationMemory(nn.Module):
             return fm_kernel.router_linear(x, weight, bias)  # F.linear, fused in a compiled step
 
     def route(self, x):
-        """x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K),
-        eta, mu (..., 1)."""
+        """x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
         scores = self.router_scores(x)
         logits, eta_logit, mu_logit = scores.split([self.n_memory, 1, 1], dim=-1)
         alpha = torch.softmax(logits / self.tau, dim=-1)  # softmax(W_alpha x / tau)  (..., M)
@@ -285,13 +276,12 @@ class FactorizationMemory(nn.Module):
         return idx, alpha, torch.sigmoid(eta_logit), torch.sigmoid(mu_logit)
 
     def weights(self, idx, alpha, eta, mu):
-        """route's output -> theta = eta alpha, phi = mu alpha (..., K): the
-        weights of the rows idx (of all M rows when idx is None)."""
+        """route's output -> theta = eta alpha, phi = mu alpha (..., K): the weights of the rows
+        idx (of all M rows when idx is None)."""
         return eta * alpha, mu * alpha
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real
-        token."""
+        """-> y (B, T, d_model), state {'h', 'conv'} after each row's last real token."""
         idx, *routed = self.route(x)
         theta, phi = self.weights(idx, *routed)  # (B, T, K)
         if lengths is not None:  # padding writes nothing (theta = 0)
@@ -312,10 +302,9 @@ class FactorizationMemory(nn.Module):
         return self.out_proj(y), new_state
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: the state updated in place -> y (B, d_model).
-        fused_router: from router_scores in one kernel
-        (fm_kernel.fm_route_step); else route and weights as written, then
-        fm_step."""
+        """One token: the state updated in place -> y (B, d_model). fused_router: from
+        router_scores in one kernel (fm_kernel.fm_route_step); else route and weights as
+        written, then fm_step."""
         h, xbar, z = state['h'], self.in_proj(x), None  # xbar (B, d_memory)
         if self.gated:
             xbar, z = xbar.chunk(2, dim=-1)
@@ -339,9 +328,8 @@ class FactorizationMemory(nn.Module):
         return self.out_proj(y)
 
     def fused_step(self, x, h, xbar, z, conv):
-        """step's route, weights and update of h from router_scores in one
-        kernel (fm_kernel.fm_route_step; its reference off Triton) -> y
-        (B, d_memory)."""
+        """step's route, weights and update of h from router_scores in one kernel
+        (fm_kernel.fm_route_step; its reference off Triton) -> y (B, d_memory)."""
         route_step = fm_kernel.fm_route_step_naive
         if triton_step(h):
             route_step = fm_kernel.fm_route_step
@@ -349,8 +337,7 @@ class FactorizationMemory(nn.Module):
         return route_step(h, xbar, scores, self.top_k, self.tau, self.eps, z, conv)
 
     def step_state_bytes(self, context):
-        """Bytes of state a decoding step reads and writes a sequence: k rows,
-        the window."""
+        """Bytes of state a decoding step reads and writes a sequence: k rows, the window."""
         dtype = self.in_proj.weight.dtype
         rows = self.top_k * self.d_memory * compute_dtype(dtype).itemsize
         window = 0
@@ -359,9 +346,8 @@ class FactorizationMemory(nn.Module):
         return 2 * (rows + window)
 
     def init_state(self, batch_size, max_len, device):
-        """Empty buffers; and whether step routes fused
-        (fm_kernel.route_step_takes_over), or fm_kernel.DecodingError where a
-        router reads other tokens and the step is not its own."""
+        """Empty buffers; and whether step routes fused (fm_kernel.route_step_takes_over), or
+        fm_kernel.DecodingError where a router reads other tokens and the step is not its own."""
         if torch.device(device).type != 'meta':  # a meta state only counts bytes
             own_step = type(self).step is not FactorizationMemory.step
             self.fused_router = fm_kernel.route_step_takes_over(self, tokens_alone=not own_step)
@@ -378,8 +364,8 @@ class FactorizationMemory(nn.Module):
 # ----------------------------------------------------------------------------- attention
 
 def rotate(x, positions, rope_theta):
-    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles
-    (bfloat16's are off by radians)."""
+    """RoPE (halves) on x (B, H, T, hd) at positions (B or 1, T); float32 angles (bfloat16's are
+    off by radians)."""
     hd = x.shape[-1]
     dims = torch.arange(0, hd, 2, dtype=torch.float32, device=x.device)
     inv_freq = rope_theta ** (-dims / hd)  # (hd/2,)
@@ -391,8 +377,7 @@ def rotate(x, positions, rope_theta):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; decoding fills a static KV
-    cache."""
+    """Causal grouped-query attention with RoPE; decoding fills a static KV cache."""
 
     def __init__(self, config):
         super().__init__()
@@ -404,8 +389,7 @@ class Attention(nn.Module):
         self.rope_theta = config.rope_theta
 
     def project(self, x, positions):
-        """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v
-        (B, Hkv, T, hd)."""
+        """x (B, T, d_model) at positions (B, T) -> q (B, H, T, hd), k, v (B, Hkv, T, hd)."""
         B, T, _ = x.shape
         heads = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
@@ -417,8 +401,7 @@ class Attention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
     def forward(self, x, state=None, lengths=None):  # x (B, T, d_model)
-        """-> y (B, T, d_model), state {'k', 'v' (B, Hkv, T, hd), 'pos' (B,):
-        tokens cached}."""
+        """-> y (B, T, d_model), state {'k', 'v' (B, Hkv, T, hd), 'pos' (B,): tokens cached}."""
         if state is not None:
             raise ValueError('attention continues from its KV cache one token at a time (step)')
         B, T, _ = x.shape
@@ -430,8 +413,7 @@ class Attention(nn.Module):
         return self.merge_heads(y), {'k': k, 'v': v, 'pos': pos}
 
     def step(self, x, state):  # x (B, d_model)
-        """One token: its key and value into each row's cache, attention over
-        the filled part."""
+        """One token: its key and value into each row's cache, attention over the filled part."""
         pos = state['pos']  # (B,)
         q, k, v = self.project(x[:, None], pos[:, None])  # q (B, H, 1, hd), k, v (B, Hkv, 1, hd)
         rows = torch.arange(len(pos), device=pos.device)
@@ -448,8 +430,7 @@ class Attention(nn.Module):
         return self.merge_heads(y.view(B, self.n_head, 1, hd))[:, 0]
 
     def step_state_bytes(self, context):
-        """Bytes of state a decoding step reads a sequence after context tokens:
-        its cache."""
+        """Bytes of state a decoding step reads a sequence after context tokens: its cache."""
         return 2 * context * self.n_kv_head * self.head_dim * self.qkv_proj.weight.element_size()
 
     def init_state(self, batch_size, max_len, device):
@@ -462,9 +443,10 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- Mamba-2
 
 def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
-    """Mamba-2's SSD in chunks from h0 (None: zeros): h_t = exp(dt_t A) h_{t-1}
-    + dt_t x_t B_t^T, y_t = h_t C_t. x (b, T, H, P), dt (b, T, H) after
-    softplus, A (H,) < 0, B, C (b, T, N), h0 (b, H, P, N) -> y (like x), hT."""
+    """Mamba-2's SSD in chunks from h0 (None: zeros):
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
+    x (b, T, H, P), dt (b, T, H) after softplus, A (H,) < 0, B, C (b, T, N),
+    h0 (b, H, P, N) -> y (like x), hT."""
     out_dtype, dtype = x.dtype, compute_dtype(x.dtype)
     b, T, H, P = x.shape
     L = min(chunk_size, T)
@@ -497,8 +479,8 @@ def ssd_scan(x, dt, A, B, C, chunk_size, h0=None):
 
 
 class Mamba2(nn.Module):
-    """Mamba-2: in_proj -> z, x, B, C, dt; conv + SiLU on (x, B, C); SSD scan, D
-    skip; norm(y * silu(z)); out_proj."""
+    """Mamba-2: in_proj -> z, x, B, C, dt; conv + SiLU on (x, B, C); SSD scan, D skip;
+    norm(y * silu(z)); out_proj."""
 
     def __init__(self, config):
         super().__init__()
@@ -520,8 +502,7 @@ class Mamba2(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, config.d_model, bias=False)
 
     def forward(self, u, state=None, lengths=None):  # u (b, T, d_model)
-        """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last
-        real token."""
+        """-> y (b, T, d_model), state {'conv', 'ssm'} after each row's last real token."""
         b, T, _ = u.shape
         state = state or {}
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
@@ -544,8 +525,8 @@ class Mamba2(nn.Module):
         return self.out_proj(y), {'conv': conv_state, 'ssm': ssm_state}
 
     def step(self, u, state):  # u (b, d_model)
-        """One token: ssm (b, H, P, N) <- exp(dt A) ssm + dt x B^T in place, y =
-        ssm C + D x -> (b, d_model)."""
+        """One token: ssm (b, H, P, N) <- exp(dt A) ssm + dt x B^T in place,
+        y = ssm C + D x -> (b, d_model)."""
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC = fm_kernel.conv_step_naive(xBC, state['conv'], self.conv.weight[:, 0], self.conv.bias)
         x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
@@ -570,8 +551,7 @@ class Mamba2(nn.Module):
         return self.out_proj(y)
 
     def step_state_bytes(self, context):
-        """Bytes of state a decoding step reads and writes a sequence: all of
-        it."""
+        """Bytes of state a decoding step reads and writes a sequence: all of it."""
         return 2 * sum(t.numel() * t.element_size() for t in self.init_state(1, 1, 'meta').values())
 
     def init_state(self, batch_size, max_len, device):
@@ -632,8 +612,7 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    """Embedding, n_layer Blocks, a final RMSNorm, the LM head
-    (tied to the embedding)."""
+    """Embedding, n_layer Blocks, a final RMSNorm, the LM head (tied to the embedding)."""
 
     def __init__(self, config):
         super().__init__()
@@ -664,9 +643,8 @@ class Model(nn.Module):
         return logits.to(compute_dtype(logits.dtype))
 
     def hidden(self, idx, state=None, lengths=None):
-        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model),
-        the states after each row's last real token (lengths (B,) of
-        right-padded rows; None: T)."""
+        """idx (B, T) from state (None: fresh) -> hidden states (B, T, d_model), the states after
+        each row's last real token (lengths (B,) of right-padded rows; None: T)."""
         x, states = self.embed(idx), []
         for block, layer_state in zip(self.blocks, state or [None] * len(self.blocks)):
             x, layer_state = block(x, layer_state, lengths)
@@ -674,8 +652,7 @@ class Model(nn.Module):
         return x, states
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets, the
-        mean loss."""
+        """idx (B, T) -> logits (B, T, V) in the head's dtype; with targets, the mean loss."""
         logits = self.head(self.hidden(idx)[0])
         if targets is None:
             return logits, None
@@ -683,15 +660,13 @@ class Model(nn.Module):
         return logits, F.cross_entropy(flat, targets.flatten(), ignore_index=-1)
 
     def init_state(self, batch_size, max_len, device=None):
-        """Empty decoding states for max_len tokens a row: a dict a layer, its
-        mixer's."""
+        """Empty decoding states for max_len tokens a row: a dict a layer, its mixer's."""
         if device is None:
             device = self.embed.weight.device
         return [block.mixer.init_state(batch_size, max_len, device) for block in self.blocks]
 
     def decoding_refusal(self):
-        """None where the model decodes, else the line of init_state's
-        fm_kernel.DecodingError."""
+        """None where the model decodes, else the line of init_state's fm_kernel.DecodingError."""
         try:
             self.init_state(1, 1)
         except fm_kernel.DecodingError as e:
@@ -699,8 +674,7 @@ class Model(nn.Module):
         return None
 
     def step(self, tokens, state):
-        """Decode one token: tokens (B,) -> logits (B, V), the state updated in
-        place."""
+        """Decode one token: tokens (B,) -> logits (B, V), the state updated in place."""
         x = self.embed(tokens)  # (B, d_model)
         for block, layer_state in zip(self.blocks, state):
             x = block.step(x, layer_state)
@@ -717,8 +691,7 @@ class Model(nn.Module):
         return n
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs a token at seq_len: 6 (N_nonembedding + d_model V),
-        n_layer mixers'."""
+        """Training FLOPs a token at seq_len: 6 (N_nonembedding + d_model V), n_layer mixers'."""
         c = self.config
         if c.family == 'attn':  # QK^T, AV; no causal discount, as nanoGPT
             mixer = 12 * seq_len * c.d_model
@@ -732,8 +705,7 @@ class Model(nn.Module):
         return float(6 * (self.num_params() + c.d_model * c.vocab_size) + c.n_layer * mixer)
 
     def estimate_mfu(self, tokens_per_sec, device_name=None):
-        """Model FLOPs utilisation of a GPU (None: the model's; 0 if not in
-        PEAK_BF16_FLOPS)."""
+        """Model FLOPs utilisation of a GPU (None: the model's; 0 if not in PEAK_BF16_FLOPS)."""
         if device_name is None and self.embed.weight.is_cuda:
             device_name = torch.cuda.get_device_name(self.embed.weight.device)
         peak = math.inf
@@ -744,8 +716,7 @@ class Model(nn.Module):
         return self.flops_per_token(self.config.block_size) * tokens_per_sec / peak
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW, weight decay on matrices and embeddings only; fused on
-        CUDA."""
+        """AdamW, weight decay on matrices and embeddings only; fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
                   {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
@@ -753,8 +724,7 @@ class Model(nn.Module):
 
 
 def write_state(static, states, rows=slice(None)):
-    """Copy a parallel pass's states into rows of static decoding buffers, at
-    each start."""
+    """Copy a parallel pass's states into rows of static decoding buffers, at each start."""
     for static_layer, layer in zip(static, states):
         for name, tensor in layer.items():
             static_layer[name][rows][tuple(slice(0, n) for n in tensor.shape)] = tensor
