@@ -27,7 +27,6 @@ import types
 import torch
 import torch.nn.functional as F
 
-import decode_linear
 import fm_kernel
 
 SWEEP = [1024, 4096, 16384, 65536]  # generate --sweep's prompt lengths when it names none
@@ -308,7 +307,7 @@ def time_chain(products, x, weights):
 
 def bench_gemv():
     """Products of one and 64 rows at fm_1b's shapes, bf16: cuBLAS (F.linear), inductor's coordinate-descent
-    tuned product (a reduction for one row) and, for one row, decode_linear.decode_product (the decoding step's down
+    tuned product (a reduction for one row) and, for one row, fm_kernel.decode_product (the decoding step's down
     product), as
     GB/s of weight and activations read and written, and as % of the copy bandwidth measured in the same run."""
     bandwidth = measure_ceilings()[0]
@@ -324,7 +323,7 @@ def bench_gemv():
             row = {"product": name, "rows": batch}
             torch._dynamo.reset()  # a compile per shape (dynamo's recompile limit)
             compiled = torch.compile(F.linear, dynamic=False, options={"coordinate_descent_tuning": True})
-            triton = {"Triton": decode_linear.decode_product} if batch == 1 else {}
+            triton = {"Triton": fm_kernel.decode_product} if batch == 1 else {}
             ways = {"cuBLAS": F.linear, "inductor": compiled, **triton}
             for way, linear in ways.items():
                 us = time_chain(lambda x, ws: [linear(x, w) for w in ws], x, weights)
@@ -335,7 +334,7 @@ def bench_gemv():
         del weights
     print(f"\nproducts at fm_1b's decoding shapes, bf16, each weight read from memory (CUDA graph of a chain over "
           f"256 MB of weights); copy bandwidth {bandwidth / 1e12:.2f} TB/s measured now. inductor: coordinate-"
-          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: decode_linear.decode_product, "
+          f"descent tuning, a reduction for one row, cuBLAS's product for more; Triton: fm_kernel.decode_product, "
           f"one row")
     print_table(rows)
 

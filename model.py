@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fm_kernel
-from decode_linear import decode_linear
+from fm_kernel import decode_linear
 
 try:  # mamba-ssm's Mamba-2 scan and step for CUDA tensors, where installed
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
@@ -259,11 +259,7 @@ class FactorizationMemory(nn.Module):
             weight = torch.cat([self.router.weight, self.rates.weight])
             weight = weight.to(dtype)  # (M + 2, d_model)
             bias = F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))  # (M + 2,): 0 on W_alpha x
-            if x.dim() == 2 and torch.compiler.is_compiling():
-                # A compiled decoding step: the same product as one reduction, which inductor fuses
-                # with the casts (docs/kernel_log.md, change 61)
-                return (x[:, None, :] * weight).sum(-1) + bias
-            return F.linear(x, weight, bias)
+            return fm_kernel.router_linear(x, weight, bias)  # F.linear, fused in a compiled step
 
     def route(self, x):
         """x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
@@ -315,13 +311,8 @@ class FactorizationMemory(nn.Module):
         conv = None
         if self.conv is not None:
             conv = (state['conv'], self.conv.weight[:, 0], self.conv.bias)
-        if self.fused_router:
-            route_step = fm_kernel.fm_route_step_naive
-            if triton_step(h):
-                route_step = fm_kernel.fm_route_step
-            scores = self.router_scores(x)  # (B, M + 2)
-            y = route_step(h, xbar, scores, self.top_k, self.tau, self.eps, z, conv)
-            return self.out_proj(y)
+        if self.fused_router:  # route, weights and step in one kernel
+            return self.out_proj(self.fused_step(x, h, xbar, z, conv))
         if conv is not None:
             xbar = fm_kernel.conv_step_naive(xbar, *conv)
         idx, *routed = self.route(x)
@@ -335,6 +326,15 @@ class FactorizationMemory(nn.Module):
         if z is not None:
             y = y * F.silu(z)
         return self.out_proj(y)
+
+    def fused_step(self, x, h, xbar, z, conv):
+        """step's route, weights and update of h from router_scores in one kernel
+        (fm_kernel.fm_route_step; its reference off Triton) -> y (B, d_memory)."""
+        route_step = fm_kernel.fm_route_step_naive
+        if triton_step(h):
+            route_step = fm_kernel.fm_route_step
+        scores = self.router_scores(x)  # (B, M + 2)
+        return route_step(h, xbar, scores, self.top_k, self.tau, self.eps, z, conv)
 
     def step_state_bytes(self, context):
         """Bytes of state a decoding step reads and writes a sequence: k rows, the window."""

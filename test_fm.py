@@ -27,7 +27,6 @@ from conftest import (CUDA, DECODING, DEVICE, REPO, apart, assert_decodes_as_it_
                       using_scan)
 import pytest
 
-import decode_linear
 import fm_kernel
 from fm_kernel import fm_scan, fm_scan_naive, fm_scan_torch, fm_step, fm_step_naive
 import model as model_module
@@ -459,21 +458,21 @@ def test_triton_decode_product_matches_naive(N, K, poisoned_outputs):
     tiles), and in bfloat16 against the float64 product of the same numbers; opcheck on the custom op."""
     torch.manual_seed(N + K)
     x, weight = (torch.randn(*shape, device=DEVICE, dtype=torch.float64) for shape in ((1, K), (N, K)))
-    assert rel_err(decode_linear.decode_product(x, weight), decode_linear.decode_product_naive(x, weight)) < 1e-12
+    assert rel_err(fm_kernel.decode_product(x, weight), fm_kernel.decode_product_naive(x, weight)) < 1e-12
     x16, weight16 = x.bfloat16(), weight.bfloat16()
-    y16 = decode_linear.decode_product(x16, weight16)
-    want = decode_linear.decode_product_naive(x16.double(), weight16.double())
+    y16 = fm_kernel.decode_product(x16, weight16)
+    want = fm_kernel.decode_product_naive(x16.double(), weight16.double())
     assert y16.dtype == torch.bfloat16 and rel_err(y16, want) < 1e-2
-    torch.library.opcheck(decode_linear._decode_product, (x16, weight16))
+    torch.library.opcheck(fm_kernel._decode_product, (x16, weight16))
 
 
 @needs_triton
 def test_decode_product_refuses_what_it_cannot_do():
     for x, weight in ((torch.zeros(1, 8), torch.zeros(4, 9)), (torch.zeros(2, 8), torch.zeros(4, 8))):
         with pytest.raises(ValueError, match="one row"):
-            decode_linear.decode_product(x.to(DEVICE), weight.to(DEVICE))
+            fm_kernel.decode_product(x.to(DEVICE), weight.to(DEVICE))
     with pytest.raises(ValueError, match="one dtype"):
-        decode_linear.decode_product(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE).double())
+        fm_kernel.decode_product(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE).double())
 
 
 @needs_triton
@@ -1360,7 +1359,7 @@ def test_step_matches_forward_through_the_triton_kernels(top_k, tau, router, blo
             step = getattr(fm_kernel, name)
             patch.setattr(fm_kernel, name, lambda *args, step=step, **kw: steps.append(step) or step(*args, **kw))
         patch.setattr(model_module, 'decode_linear', lambda x, weight: F.linear(x, weight) if x.dim() != 2 else
-                      torch.cat([decode_linear.decode_product(row[None], weight) for row in x]))  # every step's rows
+                      torch.cat([fm_kernel.decode_product(row[None], weight) for row in x]))  # every step's rows
         logits, _ = model(idx)
         state = model.init_state(2, 37, DEVICE)
         with patch.context() as compiling:  # the router's scores as a compiled step reduces them

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 PATH = ['model.py', 'train.py', 'run.py', 'sample.py', 'generate.py', 'checkpoint.py',
-        'configurator.py', 'prepare_data.py', 'fm_kernel.py', 'decode_linear.py']
+        'configurator.py', 'prepare_data.py', 'fm_kernel.py']
 LONG = 60  # lines: a function longer is one to split
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-import decode_linear
+import fm_kernel
 import generate
 import model as model_module
 import eval as evaluation
@@ -115,17 +115,17 @@ def test_compiled_step_at_batch_1_has_no_library_product_gpu():
 
 @pytest.mark.skipif(not CUDA, reason="the batch-1 Triton product runs on CUDA in half precision")
 def test_bf16_step_at_batch_1_takes_the_triton_product_gpu():
-    """A bfloat16 model's decoding step at batch 1 sends each MLP's down product to decode_linear.decode_product, with
+    """A bfloat16 model's decoding step at batch 1 sends each MLP's down product to fm_kernel.decode_product, with
     the logits of the same steps through F.linear (rounding apart)."""
     torch.manual_seed(8)
     model = Model(tiny_config(init_std=0.3, mixer='fm', top_k=3)).cuda().to(torch.bfloat16).eval()
     idx = torch.randint(0, 64, (1, 9), device='cuda')
     runs, calls = [], []
-    for dispatch in (decode_linear.decode_linear, F.linear):
+    for dispatch in (fm_kernel.decode_linear, F.linear):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(model_module, 'decode_linear', dispatch)
-            patch.setattr(decode_linear, 'decode_product',
-                          lambda x, w, product=decode_linear.decode_product: calls.append(1) or product(x, w))
+            patch.setattr(fm_kernel, 'decode_product',
+                          lambda x, w, product=fm_kernel.decode_product: calls.append(1) or product(x, w))
             state = model.init_state(1, 9)
             runs.append(torch.stack([model.step(idx[:, t], state) for t in range(9)], 1))
     assert len(calls) == 9 * model.config.n_layer
