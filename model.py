@@ -78,13 +78,15 @@ class ModelConfig:
     d_conv: int = 4  # taps of the causal depthwise convolution
 
     def __post_init__(self):
-        self.validate()  # then the None fields resolved (a checkpoint records the values)
+        # checked, then the None fields resolved (a checkpoint records the values)
+        self.validate()
         if self.family == 'fm':
             self.top_k = self.top_k or self.n_memory
             self.d_memory = self.d_memory or self.d_model
         if self.family == 'attn':
             self.n_kv_head = self.n_kv_head or self.n_head
-        if self.d_ff is None:  # FM's block takes its weights (W_z, the convolution's) from the MLP
+        # FM's block takes its weights (W_z, the convolution's) from the MLP
+        if self.d_ff is None:
             block = 0
             if self.family == 'fm':
                 taps = self.fm_conv + 1 if self.fm_conv > 0 else 0
@@ -180,7 +182,8 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         hidden = F.silu(gate) * up
-        if type(self.down_proj) is not nn.Linear:  # one's own (a LoRA, a quantised product)
+        # one's own (a LoRA, a quantised product)
+        if type(self.down_proj) is not nn.Linear:
             return self.down_proj(hidden)
         # F.linear, but in Triton for one row in half precision on CUDA (batch-1 decoding)
         return decode_linear(hidden, self.down_proj.weight)
@@ -248,7 +251,8 @@ class FactorizationMemory(nn.Module):
             dim = self.d_memory
             self.conv = nn.Conv1d(dim, dim, config.fm_conv, groups=dim)
         self.out_proj = nn.Linear(self.d_memory, d, bias=False)  # W_o
-        self.fused_router = False  # step routes in fm_kernel.fm_route_step (init_state decides)
+        # step routes in fm_kernel.fm_route_step (init_state decides)
+        self.fused_router = False
 
     def router_scores(self, x):
         """x (..., d_model) -> W_alpha x, w_eta.x + b_eta, w_mu.x + b_mu (..., M + 2),
@@ -259,7 +263,8 @@ class FactorizationMemory(nn.Module):
             weight = torch.cat([self.router.weight, self.rates.weight])
             weight = weight.to(dtype)  # (M + 2, d_model)
             bias = F.pad(self.rates.bias.to(dtype), (self.n_memory, 0))  # (M + 2,): 0 on W_alpha x
-            return fm_kernel.router_linear(x, weight, bias)  # F.linear, fused in a compiled step
+            # F.linear, fused in a compiled step
+            return fm_kernel.router_linear(x, weight, bias)
 
     def route(self, x):
         """x (..., d_model) -> rows idx (..., K) (None: dense), alpha (..., K), eta, mu (..., 1)."""
@@ -625,7 +630,8 @@ class Model(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.apply(self._init_weights)  # children before parents, as nn.Module.apply
-        for name, p in self.named_parameters():  # residual output projections, GPT-2 style
+        # residual output projections, GPT-2 style
+        for name, p in self.named_parameters():
             if name.endswith(('out_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
 

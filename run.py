@@ -31,9 +31,11 @@ AT_LEAST = dict(batch_size=1, block_size=1, gradient_accumulation_steps=1, max_i
                 warmup_iters=0, eval_interval=1, eval_iters=1, log_interval=1, lr_decay_iters=0,
                 min_lr=0, vocab_multiple=1)
 MAX_ACCUMULATION = 2 ** 14  # micro-batches a step: beyond, a larger --batch_size
-RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')  # eval.py writes routing
+# the files of a run (eval.py writes the routing ones)
+RUN_FILES = ('ckpt.pt', 'best.pt', 'routing.json', 'routing.png')
 NEVER = 2 ** 62  # the step of a loss or gradient norm not finite, while there is none
-BLOW_UP = 0.5  # nats above the untrained model's val loss: a blow-up (early noise moves ~0.1)
+# nats above the untrained model's val loss: a blow-up (early noise moves ~0.1)
+BLOW_UP = 0.5
 
 
 class TrainError(RuntimeError):
@@ -249,10 +251,13 @@ class Run:
 
     def __init__(self, out_dir):
         self.folder, self.created = Path(out_dir), not os.path.exists(out_dir)
-        self.rank, self.world_size, self.group = 0, 1, None  # torchrun's: train.py sets them
+        # torchrun's values, which train.py sets
+        self.rank, self.world_size, self.group = 0, 1, None
         self.master, self.lock, self.handlers = True, None, {}
-        self.saved, self.earlier, self.stop = {}, [], 0  # {name: step}, files replaced, signal
-        self.stepped = False  # whether this process has trained a step (train.py's loop)
+        # {name: step}, files replaced, signal
+        self.saved, self.earlier, self.stop = {}, [], 0
+        # whether this process has trained a step (train.py's loop)
+        self.stepped = False
 
     def claim(self, resume, overwrite):
         """out_dir locked by this run alone, an earlier save's renames finished; its files
@@ -264,7 +269,8 @@ class Run:
         # the new files are whole: finish the swap
         if (self.folder / 'replacing').exists():
             swap_in(self.folder, (self.folder / 'replacing').read_text().split())
-        for name in ('ckpt.pt', 'best.pt', 'replacing'):  # of a run killed before its journal
+        # the temporary files of a run killed before its journal
+        for name in ('ckpt.pt', 'best.pt', 'replacing'):
             (self.folder / f'{name}.tmp').unlink(missing_ok=True)
         earlier = [name for name in RUN_FILES if (self.folder / name).exists()]
         checkpoints = [name for name in earlier if name.endswith('.pt')]
@@ -331,7 +337,8 @@ class Run:
             signal.signal(signum, self.handlers[signum])
             if self.master:
                 print(f'\n{name}: stopping after this step (Ctrl-C again to quit now)', flush=True)
-        if threading.current_thread() is threading.main_thread():  # the one that takes signals
+        # only the main thread takes signals
+        if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self.handlers[sig] = signal.signal(sig, request_stop)
 
@@ -351,7 +358,8 @@ class Run:
                 shared[0] = step()
             except (TrainError, CheckpointError) as e:
                 shared[1] = e
-            except (OSError, ValueError, RuntimeError) as e:  # e.g. a full disk preparing data
+            # e.g. a full disk preparing data
+            except (OSError, ValueError, RuntimeError) as e:
                 shared[1] = TrainError(str(e))
             except Exception as e:
                 shared[1] = TrainError(repr(e))
@@ -444,9 +452,11 @@ class Run:
         progress = {key: ckpt.get(key) for key in ('iter_num', 'best_val_loss', 'untrained_loss')}
         progress['eval_cut'] = ckpt.get('eval_cut', False)
         self.saved = {'ckpt.pt': step}  # its last good checkpoint till a save
-        if ckpt['data_state'].get('val_set') != data.val_set:  # losses that do not compare
+        # other validation data: the losses do not compare
+        if ckpt['data_state'].get('val_set') != data.val_set:
             progress['best_val_loss'] = math.inf
-            progress['untrained_loss'] = math.log(data.tok.vocab_size)  # a uniform model's
+            # the loss of a uniform model
+            progress['untrained_loss'] = math.log(data.tok.vocab_size)
             notes.append("the validation set is not the checkpoint's (other data, block_size, "
                          'eval_iters or batch_size): the best loss starts over')
         learner.optimizer.load_state_dict(ckpt['optimizer'])

@@ -63,7 +63,8 @@ def load(argv):
     model = model.eval().to(cfg['device'], dtype)
     prompt = read_prompt(cfg['start'])
     ids = tok.encode(prompt)
-    if not ids:  # an empty prompt: end-of-text, or a newline where the tokenizer has none
+    # an empty prompt: end-of-text, or a newline where the tokenizer has none
+    if not ids:
         ids = [tok.eot] if tok.eot is not None else tok.encode('\n')
     block = model.config.block_size
     if model.config.family == 'attn' and len(ids) > block:
