@@ -142,7 +142,7 @@ def load_state(cfg, model, optimizer, generator):
     path = cfg['checkpoint']
     if not path or not os.path.exists(path):
         return None
-    state = torch.load(path, map_location=cfg['device'], weights_only=False)
+    state = torch.load(path, map_location=cfg['device'], weights_only=True)
     if state['settings'] != settings_of(cfg, model):
         raise ConfigError(f'--checkpoint={path} holds a run of other settings: pass this run its '
                           f'own --checkpoint, or delete that file to start over')
